@@ -1,0 +1,5 @@
+.PHONY: test lint
+test:
+	bash scripts/test.sh
+lint:
+	.venv/bin/ruff check .
