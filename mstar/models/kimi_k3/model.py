@@ -1,0 +1,173 @@
+"""The Kimi K3 decoder as a dense, readable PyTorch reference (one sequence at a time).
+
+    P := embed(tokens)
+    for each layer l:
+        a_in = AttnRes(blocks, P)            (P alone before the first block closes)
+        close a block at l % B == 0           (blocks += [P]; P := 0)
+        P += Mixer_l(RMSNorm(a_in))           KDA or gated NoPE MLA
+        P += FFN_l(RMSNorm(AttnRes(blocks, P)))   dense MLP (layer 0) or latent MoE
+    logits = lm_head(RMSNorm(AttnRes(blocks, P)))
+
+Kimi-Linear (`variant == "kimi_linear"`) is the same stack with plain residual adds.
+State between calls (KDA recurrent state and conv window, MLA cached latent rows) is explicit, so
+running a prefix and then its continuation gives the same logits as one pass. On request the
+forward also returns the DSpark taps: the raw prefix-sum stream after each named layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attn_res import ResidualStream, attn_res_mix
+from .config import KimiK3Config
+from .kda import KDAState, KimiDeltaAttention
+from .mla import GatedMLA, MLACache
+from .mlp import GatedMLP
+from .moe import LatentMoE
+from .norm import RMSNorm
+
+LayerState = KDAState | MLACache | None
+
+
+@dataclass
+class ModelState:
+    """Per-layer sequence state of one request, plus how many tokens it has seen."""
+
+    layers: list[LayerState]
+    num_tokens: int = 0
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # [T, vocab]
+    state: ModelState
+    taps: torch.Tensor | None = None  # [T, len(tap_layers) * hidden]
+    hidden: torch.Tensor | None = field(default=None, repr=False)  # final-normed [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: KimiK3Config, layer_idx: int):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        d, eps = config.hidden_size, config.rms_norm_eps
+        self.is_kda = config.is_kda_layer(layer_idx)
+        self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
+        self.input_layernorm = RMSNorm(d, eps)
+        self.post_attention_layernorm = RMSNorm(d, eps)
+        if config.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(config)
+        else:
+            self.mlp = GatedMLP(config, d, config.intermediate_size)
+        if config.attn_res_block_size is not None:
+            # Checkpoint names: self_attention_res_{proj,norm}, mlp_res_{proj,norm}.
+            self.self_attention_res_proj = nn.Linear(d, 1, bias=False)
+            self.self_attention_res_norm = RMSNorm(d, eps)
+            self.mlp_res_proj = nn.Linear(d, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(d, eps)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+    def mix(self, x: torch.Tensor, state: LayerState, absorbed: bool) -> tuple[torch.Tensor, LayerState]:
+        if self.is_kda:
+            return self.self_attn(x, state)
+        return self.self_attn(x, state, absorbed=absorbed)
+
+    def forward_attn_res(self, stream: ResidualStream, state: LayerState, absorbed: bool) -> LayerState:
+        eps = self.config.rms_norm_eps
+        l = self.layer_idx
+        a_in = stream.partial
+        if stream.blocks:
+            a_in = _mix(stream.sources(), self.self_attention_res_proj, self.self_attention_res_norm, eps)
+        stream.maybe_close_block(l)
+        a, state = self.mix(self.input_layernorm(a_in), state, absorbed)
+        stream.add(a)
+        m_in = _mix(stream.sources(), self.mlp_res_proj, self.mlp_res_norm, eps)
+        stream.add(self.ffn(self.post_attention_layernorm(m_in)))
+        return state
+
+    def forward_plain(self, h: torch.Tensor, state: LayerState, absorbed: bool) -> tuple[torch.Tensor, LayerState]:
+        a, state = self.mix(self.input_layernorm(h), state, absorbed)
+        h = h + a
+        return h + self.ffn(self.post_attention_layernorm(h)), state
+
+
+def _mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, eps: float) -> torch.Tensor:
+    return attn_res_mix(sources, proj.weight, norm.weight, eps)
+
+
+class KimiK3Model(nn.Module):
+    """`model.*`: embeddings, decoder layers, output AttnRes and final norm."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if config.attn_res_block_size is not None:
+            self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
+            self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, state: ModelState, absorbed: bool,
+                tap_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        cfg = self.config
+        h = self.embed_tokens(input_ids)
+        taps: list[torch.Tensor] = []
+        if cfg.attn_res_block_size is None:
+            for i, layer in enumerate(self.layers):
+                h, state.layers[i] = layer.forward_plain(h, state.layers[i], absorbed)
+                if i in tap_layers:
+                    taps.append(h)
+            return self.norm(h), taps
+        stream = ResidualStream(h, cfg.attn_res_block_size)
+        for i, layer in enumerate(self.layers):
+            state.layers[i] = layer.forward_attn_res(stream, state.layers[i], absorbed)
+            if i in tap_layers:
+                taps.append(stream.raw_sum())
+        out = _mix(stream.sources(), self.output_attn_res_proj, self.output_attn_res_norm, cfg.rms_norm_eps)
+        return self.norm(out), taps
+
+
+class KimiK3ForCausalLM(nn.Module):
+    """The text decoder with its untied `lm_head`: the oracle every served path is tested against."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.config = config
+        self.model = KimiK3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def new_state(self) -> ModelState:
+        return ModelState(layers=[None] * self.config.num_hidden_layers)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        state: ModelState | None = None,
+        *,
+        absorbed: bool = False,
+        tap_layers: Sequence[int] = (),
+    ) -> ModelOutput:
+        """Run `input_ids` ([T]) after whatever `state` has seen. `absorbed` picks the MLA form."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [T] (one sequence), got shape {tuple(input_ids.shape)}")
+        last = self.config.num_hidden_layers - 1
+        bad = [i for i in tap_layers if not 0 <= i < last]
+        if bad:
+            raise ValueError(f"tap_layers {bad} out of range: taps come after layers 0..{last - 1}, never the last")
+        state = state if state is not None else self.new_state()
+        hidden, taps = self.model(input_ids, state, absorbed, tuple(tap_layers))
+        state.num_tokens += input_ids.numel()
+        return ModelOutput(
+            logits=self.lm_head(hidden),
+            state=state,
+            taps=torch.cat(taps, dim=-1) if taps else None,
+            hidden=hidden,
+        )

@@ -1,0 +1,108 @@
+"""K3's latent mixture of experts (and Kimi-Linear's plain one).
+
+Router (`noaux_tc`, fp32): scores s = sigmoid(x W_r^T); experts are *selected* on s + bias
+(`e_score_correction_bias`, optionally group-limited), but *weighted* by s alone, renormalised over
+the top-k and scaled by `routed_scaling_factor`.
+
+Latent path (K3): the routed experts work in a narrower latent space,
+    z = down(x);  r = sum_k w_k * expert_k(z)  (fp32 combine);  r = RMSNorm(r);  r = up(r)
+and the fused shared experts run on the full hidden state: y = r + shared(x).
+Without a latent width (Kimi-Linear) z = x and there is no norm or up-projection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .config import KimiK3Config
+from .mlp import Expert, GatedMLP
+from .norm import RMSNorm, at_least_fp32
+
+
+@dataclass(frozen=True)
+class Routing:
+    experts: torch.Tensor  # [T, k] expert ids
+    weights: torch.Tensor  # [T, k] combine weights (at least fp32)
+
+
+def select_experts(
+    scores: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, top_groups: int
+) -> torch.Tensor:
+    """Top-k expert ids per row by `scores + bias`, limited to the best groups when grouping is on."""
+    choice = scores + bias
+    if num_groups > 1 and top_groups < num_groups:
+        t, e = choice.shape
+        grouped = choice.view(t, num_groups, e // num_groups)
+        # A group's merit is the sum of its two best biased scores (DeepSeek-V3 noaux_tc).
+        group_merit = grouped.topk(min(2, e // num_groups), dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_merit, dtype=torch.bool)
+        keep.scatter_(1, group_merit.topk(top_groups, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(t, e)
+    return choice.topk(top_k, dim=-1, sorted=False).indices
+
+
+class Router(nn.Module):
+    """`block_sparse_moe.gate`: weight [E, D] and the fp32 selection bias [E]."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
+        nn.init.normal_(self.weight, std=config.hidden_size**-0.5)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        cfg = self.config
+        logits = at_least_fp32(x) @ at_least_fp32(self.weight).T
+        scores = torch.sigmoid(logits)
+        ids = select_experts(scores, at_least_fp32(self.e_score_correction_bias), cfg.num_experts_per_token,
+                             cfg.num_expert_group, cfg.topk_group)
+        weights = scores.gather(1, ids)
+        if cfg.moe_renormalize and cfg.num_experts_per_token > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return Routing(ids, weights * cfg.routed_scaling_factor)
+
+
+class LatentMoE(nn.Module):
+    """`block_sparse_moe` of one layer."""
+
+    def __init__(self, config: KimiK3Config):
+        super().__init__()
+        self.config = config
+        d, latent = config.hidden_size, config.moe_input_size
+        self.gate = Router(config)
+        if config.routed_expert_hidden_size is not None:
+            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+            if config.latent_moe_use_norm:
+                self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
+        self.experts = nn.ModuleList(
+            Expert(config, latent, config.moe_intermediate_size) for _ in range(config.num_experts)
+        )
+        if config.num_shared_experts:
+            self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
+
+    def routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit."""
+        out = torch.zeros(z.shape, dtype=routing.weights.dtype, device=z.device)
+        for e in routing.experts.unique().tolist():
+            rows, slot = (routing.experts == e).nonzero(as_tuple=True)
+            y = at_least_fp32(self.experts[e](z[rows]))
+            out.index_add_(0, rows, y * routing.weights[rows, slot].unsqueeze(-1))
+        return out.to(z.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        routing = self.gate(x)
+        latent = self.config.routed_expert_hidden_size is not None
+        z = self.routed_expert_down_proj(x) if latent else x
+        r = self.routed(z, routing)
+        if latent:
+            if self.config.latent_moe_use_norm:
+                r = self.routed_expert_norm(r)
+            r = self.routed_expert_up_proj(r)
+        if self.config.num_shared_experts:
+            r = r + self.shared_experts(x)
+        return r
