@@ -162,7 +162,11 @@ def _write_safetensors_file(path: Path, tensors: Mapping[str, torch.Tensor], met
     for name in order:
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
-        entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        entries[name] = {
+            "dtype": _DTYPE_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header = {"__metadata__": metadata, **dict(sorted(entries.items()))}
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
@@ -367,7 +371,7 @@ def check_tensor_names_and_shapes(
     if extra:
         parts.append(f"{len(extra)} unexpected: " + _capped(extra))
     if misshaped:
-        items = [f"{n} (expected {list(expected_shapes[n])}, found {list(found_shapes[n])})" for n in misshaped]
+        items = [f"{n} (expected {expected_shapes[n]}, found {found_shapes[n]})" for n in misshaped]
         parts.append(f"{len(misshaped)} mis-shaped: " + _capped(items))
     raise CheckpointError(
         f"{what}: tensors do not match the expected layout ({len(found_shapes)} found, "

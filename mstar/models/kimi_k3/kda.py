@@ -36,10 +36,12 @@ L2_NORM_EPS = 1e-6
 # Chunk length of the chunkwise form (fla's `chunk_kda` and HF use 64).
 CHUNK_SIZE = 64
 
-# Up to this many tokens the layer runs the token-by-token recurrence, above it the chunked form.
-# Both are exact to rounding; on CPU the recurrence is cheaper for a handful of tokens (decode,
-# speculative verification), the chunked form for prefill.
-RECURRENT_MAX_TOKENS = 4
+# Up to this many tokens the layer runs the token-by-token recurrence, above it the chunked form. Both give
+# the same numbers to rounding (tests/test_kda.py), so this is only about speed: per token and head both do
+# O(K*V + L*K) work on CPU, and the recurrence's Python loop only costs more once T is in the tens, while
+# a partial chunk for 1..16 tokens wastes its pairwise-decay set-up. Decode (T = 1, like HF's fused_recurrent
+# path) and short speculative-verification windows take the recurrence; prefill takes chunks.
+RECURRENT_MAX_TOKENS = 16
 
 
 # --- the per-sequence state --------------------------------------------------------------------------
@@ -166,17 +168,20 @@ def kda_recurrent(
     return o.to(out_dtype), S
 
 
-def _pairwise_decay(G: Tensor) -> Tensor:
-    """exp(G_i - G_j) for j <= i, 0 for j > i. G: [H, L, K] cumulative log-decay -> [H, L, L, K] (i, j, channel).
+def _pairwise_decay(g: Tensor) -> Tensor:
+    """exp(G_i - G_j) for j <= i and 0 for j > i, where G is the cumulative sum of g: [H, L, K] -> [H, L, L, K].
 
-    Formed from the difference, never as exp(G_i) * exp(-G_j): over a 64-token chunk G reaches -320 with K3's
-    gate (unbounded with Kimi-Linear's), and exp(320) overflows fp32. Masking j > i with -inf before the exp
-    keeps those entries exactly 0 instead of inf (whose product with a zero mask would be nan).
+    G_i - G_j is summed as the segment g_{j+1} + ... + g_i, not subtracted from the running sum: over a chunk
+    G grows to -320 (K3's gate, unbounded in Kimi-Linear's), and G_i - G_j for nearby tokens would then carry
+    an absolute error of |G| * eps, i.e. ~2e-5 relative in fp32. Nor is it exp(G_i) * exp(-G_j): exp(320)
+    overflows fp32. Entries j > i become -inf before the exp, so they are exactly 0 (never inf * 0 = nan).
     """
-    L = G.shape[1]
-    causal = torch.ones(L, L, dtype=torch.bool, device=G.device).tril()
-    diff = G[:, :, None, :] - G[:, None, :, :]
-    return diff.masked_fill(~causal[None, :, :, None], float("-inf")).exp()
+    H, L, K = g.shape
+    later = torch.ones(L, L, dtype=torch.bool, device=g.device).tril(-1)[None, :, :, None]  # [m, j]: m > j
+    # segment[i, j] = sum over m <= i of [m > j] g_m = g_{j+1} + ... + g_i
+    segment = g[:, :, None, :].expand(H, L, L, K).masked_fill(~later, 0).cumsum(dim=1)
+    causal = torch.ones(L, L, dtype=torch.bool, device=g.device).tril()[None, :, :, None]
+    return segment.masked_fill(~causal, float("-inf")).exp()
 
 
 def _kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
@@ -193,18 +198,20 @@ def _kda_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tens
     """
     L = k.shape[1]
     G = g.cumsum(dim=1)
-    decay = _pairwise_decay(G)  # [H, L, L, K]
+    decay = _pairwise_decay(g)  # [H, L, L, K], decay[:, i, j] = e^{G_i - G_j}
+    # kk[i, j] = k_i^T Diag(e^{G_i - G_j}) k_j and qk[i, j] = q_i^T Diag(e^{G_i - G_j}) k_j (0 for j > i),
+    # both from one decayed-key tensor (a batched matmul: much faster than a 3-operand einsum).
+    decayed_k = decay * k[:, None, :, :]
+    kk, qk = (decayed_k @ torch.stack([k, q], dim=-1)).unbind(-1)
     strictly_lower = torch.ones(L, L, dtype=torch.bool, device=k.device).tril(-1)
-    A = beta[:, :, None] * torch.einsum("hik,hijk,hjk->hij", k, decay, k) * strictly_lower
+    A = beta[:, :, None] * kk * strictly_lower
     eye = torch.eye(L, dtype=k.dtype, device=k.device).expand_as(A)
     ut = torch.linalg.solve_triangular(eye + A, torch.diag_embed(beta), upper=False, unitriangular=True)
     w, u = ut @ (k * G.exp()), ut @ v
     d = u - w @ S  # [H, L, V]
 
-    qk = torch.einsum("hik,hijk,hjk->hij", q, decay, k)  # already 0 above the diagonal
     o = (q * G.exp()) @ S + qk @ d
-    G_last = G[:, -1]  # [H, K]
-    S = G_last.exp()[..., None] * S + (k * (G_last[:, None, :] - G).exp()).transpose(1, 2) @ d
+    S = G[:, -1].exp()[..., None] * S + (decay[:, -1] * k).transpose(1, 2) @ d  # decay[:, -1, j] = e^{G_L - G_j}
     return o, S
 
 
@@ -228,8 +235,8 @@ def kda_chunked(
     T, H, K = k.shape
     V = v.shape[-1]
     # head-major for the per-chunk matrix algebra
-    q, k, v, g = (x.to(dtype).transpose(0, 1) for x in (scale * q, k, v, g))
-    beta = beta.to(dtype).transpose(0, 1)
+    q, k, v, g, beta = (x.to(dtype).transpose(0, 1) for x in (q, k, v, g, beta))
+    q = scale * q
     S = _start_state(initial_state, H, K, V, dtype, v.device)
     outs = []
     for start in range(0, T, chunk_size):

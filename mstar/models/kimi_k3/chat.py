@@ -1,0 +1,612 @@
+"""Kimi K3 chat format ("XTML"): render OpenAI-style messages to token ids, parse generated turns.
+
+K3 ships no Jinja template; its `encoding_k3.py` builds prompts as a list of segments, and this
+module follows the same format. Markup is built from four special tokens:
+
+    <|open|>TAG ATTRS<|sep|>   opens an element       <|close|>TAG<|sep|>   closes it
+    <|end_of_msg|>             ends a message (and is the generation stop token)
+
+Attributes are written ` key="value"` with `&` -> `&amp;` and `"` -> `&quot;` in the value.
+The special tokens are encoded as special ids; *all* text (tag names, attributes, message text) is
+encoded as ordinary text, so nothing a user or tool writes can become a control token. Each segment
+is BPE-encoded separately, and an attribute is four text segments (` key`, `="`, `value`, `"`).
+
+Prompt order:
+ 1. tool declarations (if `tools`): a system message with `type="tool-declare"` whose body is
+    `# Tools\\nHere are the available tools, described in JSONSchema.\\n\\n```json\\n{JSON}\\n```` with
+    the tool list key-sorted at every level and dumped compactly (`,` `:`, non-ASCII kept).
+ 2. thinking effort (thinking on and `thinking_effort` set; HF's `apply_chat_template` sets "max"):
+    a system message with `type="thinking-effort"`.
+ 3. the messages:
+    - user/system: `<|open|>message role="user"[ name="N"]<|sep|>TEXT<|close|>message<|sep|><|end_of_msg|>`
+      (a system message carrying `tools` becomes a `## New Tools Available` tool-declare message);
+    - assistant: `<|open|>message role="assistant"<|sep|>` then, with thinking on,
+      `<|open|>think<|sep|>REASONING<|close|>think<|sep|>` (present even when empty; absent entirely with
+      thinking off), then `<|open|>response<|sep|>CONTENT<|close|>response<|sep|>`, then for tool calls
+      `<|open|>tools<|sep|>` + per call `<|open|>call tool="NAME" index="i"<|sep|>` (i from 1) +
+      per argument `<|open|>argument key="K" type="T"<|sep|>VALUE<|close|>argument<|sep|>` +
+      `<|close|>call<|sep|>`, then `<|close|>tools<|sep|>`, then `<|close|>message<|sep|><|end_of_msg|>`.
+      T is string/number/boolean/null/object/array; a string VALUE is raw, others are `json.dumps`.
+      Arguments that are not valid JSON are kept verbatim in `<|open|>json type="object"<|sep|>…<|close|>json<|sep|>`.
+    - tool result: `<|open|>message role="tool" tool="NAME" index="i"<|sep|>RESULT` + the same closing,
+      i counting tool messages since the last assistant message (from 1). Results are first put in
+      the order of the assistant's `tool_calls` when every `tool_call_id` matches one.
+ 4. `tool_choice` "required"/"none" and `response_format` notes (system messages with a `type`).
+ 5. generation prompt: `<|open|>message role="assistant"<|sep|>` + `<|open|>think<|sep|>` (thinking on,
+    the default) or `<|open|>response<|sep|>` (thinking off). No `[BOS]` anywhere.
+
+Example (thinking off, one user message "Hi"):
+
+    <|open|>message role="user"<|sep|>Hi<|close|>message<|sep|><|end_of_msg|>
+    <|open|>message role="assistant"<|sep|><|open|>response<|sep|>
+
+and a generated reply to parse (thinking on, so the prompt already opened `think`):
+
+    I should look it up.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>
+    <|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>
+    <|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|>
+    <|close|>tools<|sep|><|close|>message<|sep|>
+
+(line breaks added here for reading only).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from mstar.models.kimi_k3.tokenizer import CLOSE, END_OF_MSG, EOS, OPEN, SEP, KimiTokenizer, Segment
+
+# Upstream accepts exactly these, although the note it renders also names `medium`; a request the
+# reference encoder refuses is refused here too.
+THINKING_EFFORTS = ("low", "high", "max")
+
+_TOOLS_HEADER = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
+_DYNAMIC_TOOLS_HEADER = (
+    "## New Tools Available\n"
+    "The system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\n"
+    "Here are the specs for the extended tools.\n\n"
+)
+_THINKING_EFFORT_NOTE = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+    "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+    "Now the system is invoked with `thinking_effort={effort}`."
+)
+_TOOL_CHOICE_NOTES = {
+    "required": "The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.",
+    "none": "The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.",
+}
+_RAW_JSON_NOTE = (
+    "The system is invoked with `response_format={kind}`.\n"
+    "Your response must be raw JSON data without markdown code blocks (```json) or any additional formatting."
+)
+_SCHEMA_NOTE = "\nThe JSON data must match the following schema:\n```json\n{schema}\n```"
+
+
+# ---- segment building ----------------------------------------------------------------------
+
+
+def _control(name: str) -> list[Segment]:
+    return [Segment(name, control=True)]
+
+
+def _text(value: Any) -> list[Segment]:
+    text = str(value)
+    return [Segment(text)] if text else []
+
+
+def _escape_attr(value: Any) -> str:
+    return str(value).replace("&", "&amp;").replace('"', "&quot;")
+
+
+def _open_tag(tag: str, attrs: Sequence[tuple[str, Any]] = ()) -> list[Segment]:
+    segments = _control(OPEN) + _text(tag)
+    for key, value in attrs:
+        segments += _text(f" {key}") + _text('="') + _text(_escape_attr(value)) + _text('"')
+    return segments + _control(SEP)
+
+
+def _close_tag(tag: str) -> list[Segment]:
+    return _control(CLOSE) + _text(tag) + _control(SEP)
+
+
+def _message(attrs: Sequence[tuple[str, Any]], body: list[Segment]) -> list[Segment]:
+    return _open_tag("message", attrs) + body + _close_tag("message") + _control(END_OF_MSG)
+
+
+def _system_note(kind: str, body: str) -> list[Segment]:
+    return _message([("role", "system"), ("type", kind)], _text(body.strip()))
+
+
+def _sorted_deep(value: Any) -> Any:
+    """Key-sort every mapping so the same tools always render to the same bytes (prefix caching)."""
+    if isinstance(value, dict):
+        return {key: _sorted_deep(value[key]) for key in sorted(value)}
+    if isinstance(value, list):
+        return [_sorted_deep(item) for item in value]
+    return value
+
+
+def _compact_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def _content_segments(content: Any, role: str) -> list[Segment]:
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return _text(content)
+    segments: list[Segment] = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ValueError(
+                f"{role} message content part of type {part.get('type')!r} is not supported; "
+                "this K3 chat renderer is text-only (use parts of type 'text')"
+            )
+        segments += _text(part["text"])
+    return segments
+
+
+def _argument_type(value: Any) -> str:
+    if isinstance(value, bool):  # before int: bool is an int in Python
+        return "boolean"
+    if value is None:
+        return "null"
+    if isinstance(value, int | float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, dict):
+        return "object"
+    return "array"
+
+
+def _normalize_arguments(arguments: Any, name: str) -> tuple[dict[str, Any], str | None]:
+    """(argument mapping, raw JSON text when the arguments string is not valid JSON)."""
+    if arguments is None:
+        return {}, None
+    if isinstance(arguments, dict):
+        return arguments, None
+    if not isinstance(arguments, str):
+        raise TypeError(
+            f"tool call {name!r}: arguments must be a dict or a JSON object string, got {type(arguments).__name__}"
+        )
+    if not arguments.strip():
+        return {}, None
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}, arguments
+    if not isinstance(parsed, dict):
+        raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {arguments[:80]!r}")
+    return parsed, None
+
+
+def _tool_call_segments(call: dict[str, Any], index: int) -> list[Segment]:
+    function = call.get("function", call)
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool_calls[{index - 1}] has no function name")
+    arguments, raw_json = _normalize_arguments(function.get("arguments"), name)
+    segments = _open_tag("call", [("tool", name), ("index", index)])
+    if raw_json is not None:
+        segments += _open_tag("json", [("type", "object")]) + _text(raw_json) + _close_tag("json")
+    for key, value in arguments.items():
+        rendered = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        segments += _open_tag("argument", [("key", key), ("type", _argument_type(value))])
+        segments += _text(rendered) + _close_tag("argument")
+    return segments + _close_tag("call")
+
+
+def _assistant_body(message: dict[str, Any], thinking: bool) -> list[Segment]:
+    segments: list[Segment] = []
+    if thinking:
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        segments += _open_tag("think")
+        if reasoning is not None and str(reasoning).strip():
+            segments += _text(reasoning)
+        segments += _close_tag("think")
+    segments += _open_tag("response") + _content_segments(message.get("content"), "assistant")
+    segments += _close_tag("response")
+    tool_calls = message.get("tool_calls") or []
+    if tool_calls:
+        segments += _open_tag("tools")
+        for index, call in enumerate(tool_calls, start=1):
+            segments += _tool_call_segments(call, index)
+        segments += _close_tag("tools")
+    return segments
+
+
+def _tool_declaration(tools: Any, dynamic: bool = False) -> list[Segment]:
+    header = _DYNAMIC_TOOLS_HEADER if dynamic else _TOOLS_HEADER
+    body = f"{header}```json\n{_compact_json(_sorted_deep(tools))}\n```"
+    return _message([("role", "system"), ("type", "tool-declare")], _text(body))
+
+
+def _call_positions(tool_calls: Any) -> dict[str, tuple[int, str | None]]:
+    """Assistant `tool_calls[].id` -> (1-based position, function name); first occurrence wins."""
+    positions: dict[str, tuple[int, str | None]] = {}
+    for position, call in enumerate(tool_calls or [], start=1):
+        if isinstance(call, dict) and call.get("id") is not None:
+            function = call.get("function", call)
+            positions.setdefault(str(call["id"]), (position, function.get("name")))
+    return positions
+
+
+def order_tool_results(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Put each run of tool messages in the order of the preceding assistant's `tool_calls`.
+
+    XTML binds a result to a call by position, while OpenAI clients bind by `tool_call_id` and may
+    send results in any order. A run is reordered (and each message's `tool` set to its call's name)
+    only if every `tool_call_id` in it matches; otherwise it is left as sent. Inputs are not mutated.
+    """
+    ordered: list[dict[str, Any]] = []
+    positions: dict[str, tuple[int, str | None]] = {}
+    i = 0
+    while i < len(messages):
+        message = messages[i]
+        if message.get("role") != "tool":
+            if message.get("role") == "assistant":
+                positions = _call_positions(message.get("tool_calls"))
+            ordered.append(message)
+            i += 1
+            continue
+        run_end = i
+        while run_end < len(messages) and messages[run_end].get("role") == "tool":
+            run_end += 1
+        run = messages[i:run_end]
+        matches = [positions.get(str(m.get("tool_call_id", m.get("id")))) for m in run]
+        if all(match is not None for match in matches):
+            keyed = sorted(zip(matches, range(len(run)), run, strict=True), key=lambda item: (item[0][0], item[1]))
+            for (_, name), _, tool_message in keyed:
+                resolved = dict(tool_message)
+                if name is not None:
+                    resolved["tool"] = name
+                    if "name" in resolved:
+                        resolved["name"] = name
+                ordered.append(resolved)
+        else:
+            ordered.extend(run)
+        i = run_end
+    return ordered
+
+
+def generation_prompt(thinking: bool = True) -> list[Segment]:
+    """The open assistant message the model continues: think channel first, or straight to response."""
+    return _open_tag("message", [("role", "assistant")]) + _open_tag("think" if thinking else "response")
+
+
+def build_chat_segments(
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    thinking: bool = True,
+    thinking_effort: str | None = "max",
+    tool_choice: Any = None,
+    response_format: dict[str, Any] | None = None,
+    add_generation_prompt: bool = True,
+) -> list[Segment]:
+    """Render a conversation to segments (see the module docstring for the format).
+
+    `thinking_effort` defaults to "max" as in HF's `apply_chat_template`; None omits the note.
+    """
+    if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
+        raise ValueError(f"thinking_effort={thinking_effort!r} is not supported; use one of {THINKING_EFFORTS}")
+    segments: list[Segment] = []
+    if tools:
+        segments += _tool_declaration(tools)
+    if thinking and thinking_effort is not None:
+        segments += _system_note("thinking-effort", _THINKING_EFFORT_NOTE.format(effort=thinking_effort))
+
+    last_tool_calls: list[Any] | None = None
+    tool_index = 0
+    for position, message in enumerate(order_tool_results(list(messages))):
+        role = message.get("role")
+        name_attr = [("name", message["name"])] if message.get("name") else []
+        if role == "system" and message.get("tools"):
+            segments += _tool_declaration(message["tools"], dynamic=True)
+        elif role in ("user", "system"):
+            segments += _message([("role", role), *name_attr], _content_segments(message.get("content"), role))
+        elif role == "assistant":
+            last_tool_calls = message.get("tool_calls")
+            tool_index = 0
+            segments += _message([("role", "assistant"), *name_attr], _assistant_body(message, thinking))
+        elif role == "tool":
+            tool_index += 1
+            tool_name = message.get("tool", message.get("name"))
+            if tool_name is None and last_tool_calls and tool_index <= len(last_tool_calls):
+                call = last_tool_calls[tool_index - 1]
+                tool_name = call.get("function", call).get("name")
+            if tool_name is None:
+                raise ValueError(
+                    f"messages[{position}] (role 'tool') has no tool name: give 'name' or "
+                    "'tool_call_id', or follow an assistant message with matching tool_calls"
+                )
+            attrs = [("role", "tool"), ("tool", tool_name), ("index", tool_index)]
+            segments += _message(attrs, _content_segments(message.get("content"), "tool"))
+        else:
+            raise ValueError(f"messages[{position}] has role {role!r}; K3 accepts system, user, assistant, tool")
+
+    if tool_choice in _TOOL_CHOICE_NOTES:
+        segments += _system_note("tool-choice", _TOOL_CHOICE_NOTES[tool_choice])
+    format_type = response_format.get("type") if isinstance(response_format, dict) else None
+    if format_type in ("json_object", "json_schema"):
+        note = _RAW_JSON_NOTE.format(kind=format_type)
+        if format_type == "json_schema":
+            note += _SCHEMA_NOTE.format(schema=_compact_json(_sorted_deep(_response_schema(response_format))))
+        segments += _system_note("response-format", note)
+    if add_generation_prompt:
+        segments += generation_prompt(thinking)
+    return segments
+
+
+def _response_schema(response_format: dict[str, Any]) -> Any:
+    json_schema = response_format.get("json_schema")
+    if isinstance(json_schema, dict):
+        return json_schema.get("schema", json_schema.get("json_schema", json_schema))
+    return json_schema
+
+
+def encode_chat(tokenizer: KimiTokenizer, messages: list[dict[str, Any]], tools=None, **options) -> list[int]:
+    """Token ids of a rendered conversation (options as in `build_chat_segments`)."""
+    return tokenizer.encode_segments(build_chat_segments(messages, tools, **options))
+
+
+def render_chat_text(messages: list[dict[str, Any]], tools=None, **options) -> str:
+    """The prompt as one string, for logs and debugging only: re-encoding it would let text that
+    spells a control token become one, and would merge BPE across segment edges."""
+    return "".join(segment.text for segment in build_chat_segments(messages, tools, **options))
+
+
+# ---- parsing generated output --------------------------------------------------------------
+
+
+class ParsedAssistant(NamedTuple):
+    reasoning_content: str | None
+    content: str | None
+    tool_calls: list[dict[str, Any]]
+
+
+class _Event(NamedTuple):
+    kind: str  # "open", "close", "text", "end"
+    value: str  # tag text for open/close, text for text
+    raw: str  # the source spelling, to give malformed structure back as text
+
+
+_MARKER_SPLIT = re.compile("(" + "|".join(re.escape(m) for m in (OPEN, CLOSE, SEP, END_OF_MSG)) + ")")
+_TAG = re.compile(r'([A-Za-z_][\w-]*)((?: [A-Za-z_][\w-]*="[^"]*")*)')
+_ATTR = re.compile(r' ([A-Za-z_][\w-]*)="([^"]*)"')
+_ENTITY = re.compile(r"&(amp|quot);")
+_STOP_NAMES = (END_OF_MSG, EOS)
+
+
+def _split_tag(tag_text: str) -> tuple[str, dict[str, str]] | None:
+    match = _TAG.fullmatch(tag_text)
+    if match is None:
+        return None
+    attrs: dict[str, str] = {}
+    for key, value in _ATTR.findall(match.group(2)):
+        attrs[key] = _ENTITY.sub(lambda m: "&" if m.group(1) == "amp" else '"', value)
+    return match.group(1), attrs
+
+
+def _as_segments(output: str | Sequence[Segment] | Sequence[int], tokenizer: KimiTokenizer | None) -> list[Segment]:
+    if isinstance(output, str):
+        # Plain text: the four marker spellings are taken as structure (a text-only limitation).
+        return [Segment(p, control=p in (OPEN, CLOSE, SEP, END_OF_MSG)) for p in _MARKER_SPLIT.split(output) if p]
+    items = list(output)
+    if items and not isinstance(items[0], Segment):
+        if tokenizer is None:
+            raise ValueError("parse_assistant_output got token ids; pass tokenizer= to decode them")
+        return tokenizer.decode_segments([int(i) for i in items])
+    return items
+
+
+def _lex(segments: list[Segment]) -> list[_Event]:
+    merged: list[Segment] = []
+    for segment in segments:  # join adjacent text so a tag split over several BPE tokens is one piece
+        if not segment.control and merged and not merged[-1].control:
+            merged[-1] = Segment(merged[-1].text + segment.text)
+        else:
+            merged.append(segment)
+    events: list[_Event] = []
+    i = 0
+    while i < len(merged):
+        segment = merged[i]
+        if segment.control and segment.text in (OPEN, CLOSE):
+            kind = "open" if segment.text == OPEN else "close"
+            nxt = merged[i + 1] if i + 1 < len(merged) else None
+            after = merged[i + 2] if i + 2 < len(merged) else None
+            if nxt is not None and not nxt.control and after is not None and after.control and after.text == SEP:
+                events.append(_Event(kind, nxt.text, segment.text + nxt.text + SEP))
+                i += 3
+                continue
+            events.append(_Event("text", segment.text, segment.text))
+        elif segment.control and segment.text in _STOP_NAMES:
+            events.append(_Event("end", "", segment.text))
+        else:
+            events.append(_Event("text", segment.text, segment.text))
+        i += 1
+    return events
+
+
+def _tag_name(event: _Event) -> str | None:
+    parsed = _split_tag(event.value)
+    return parsed[0] if parsed else None
+
+
+def _read_channel(events: list[_Event], i: int, tag: str) -> tuple[str, int]:
+    """Text up to the `<|close|>tag<|sep|>` (consumed) or the end; other markup is kept as text."""
+    parts: list[str] = []
+    while i < len(events):
+        event = events[i]
+        if event.kind == "end":
+            break
+        if event.kind == "close" and _tag_name(event) == tag:
+            return "".join(parts), i + 1
+        parts.append(event.raw)
+        i += 1
+    return "".join(parts), i
+
+
+class _Malformed(Exception):
+    pass
+
+
+def _typed_value(raw: str, kind: str) -> Any:
+    if kind == "string":
+        return raw
+    checks = {
+        "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }
+    if kind not in checks:
+        raise _Malformed(f"unknown argument type {kind!r}")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise _Malformed(f"argument of type {kind} is not JSON: {err}") from err
+    if not checks[kind](value):
+        raise _Malformed(f"argument declared {kind} holds {raw[:40]!r}")
+    return value
+
+
+def _skip_blank(events: list[_Event], i: int) -> int:
+    while i < len(events) and events[i].kind == "text" and not events[i].value.strip():
+        i += 1
+    return i
+
+
+def _expect_open(events: list[_Event], i: int) -> tuple[str, dict[str, str]]:
+    if i >= len(events) or events[i].kind != "open":
+        raise _Malformed("expected an element")
+    parsed = _split_tag(events[i].value)
+    if parsed is None:
+        raise _Malformed(f"bad tag {events[i].value!r}")
+    return parsed
+
+
+def _read_text_until_close(events: list[_Event], i: int, tag: str) -> tuple[str, int]:
+    parts: list[str] = []
+    while i < len(events) and events[i].kind == "text":
+        parts.append(events[i].value)
+        i += 1
+    if i >= len(events) or events[i].kind != "close" or _tag_name(events[i]) != tag:
+        raise _Malformed(f"unterminated {tag}")
+    return "".join(parts), i + 1
+
+
+def _parse_call(events: list[_Event], i: int, make_id) -> tuple[dict[str, Any], int]:
+    tag, attrs = _expect_open(events, i)
+    if tag != "call" or not attrs.get("tool"):
+        raise _Malformed("expected <|open|>call tool=...")
+    name = attrs["tool"]
+    arguments: dict[str, Any] = {}
+    raw_json: str | None = None
+    i += 1
+    while True:
+        i = _skip_blank(events, i)
+        if i < len(events) and events[i].kind == "close" and _tag_name(events[i]) == "call":
+            i += 1
+            break
+        tag, attrs = _expect_open(events, i)
+        if tag == "argument" and "key" in attrs and "type" in attrs and attrs["key"] not in arguments:
+            raw, i = _read_text_until_close(events, i + 1, "argument")
+            arguments[attrs["key"]] = _typed_value(raw, attrs["type"])
+        elif tag == "json" and raw_json is None:
+            raw_json, i = _read_text_until_close(events, i + 1, "json")
+        else:
+            raise _Malformed(f"unexpected {tag!r} in call")
+    if raw_json is not None and arguments:
+        raise _Malformed("call has both a json block and arguments")
+    arguments_text = raw_json if raw_json is not None else json.dumps(arguments, ensure_ascii=False)
+    call = {"id": make_id(), "type": "function", "function": {"name": name, "arguments": arguments_text}}
+    return call, i
+
+
+def _parse_tools(events: list[_Event], i: int, make_id) -> tuple[list[dict[str, Any]] | None, int]:
+    """Parse a tools section starting after its open marker. On malformed input return None and
+    the index just past the section's close marker (or the end), so the caller can keep it as text."""
+    calls: list[dict[str, Any]] = []
+    start = i
+    try:
+        while True:
+            i = _skip_blank(events, i)
+            if i >= len(events):
+                raise _Malformed("unterminated tools section")
+            if events[i].kind == "close" and _tag_name(events[i]) == "tools":
+                return calls, i + 1
+            call, i = _parse_call(events, i, make_id)
+            calls.append(call)
+    except _Malformed:
+        for j in range(start, len(events)):
+            if events[j].kind == "close" and _tag_name(events[j]) == "tools":
+                return None, j + 1
+        for j in range(start, len(events)):  # unterminated: the section runs to the message's end
+            if events[j].kind == "end" or (events[j].kind == "close" and _tag_name(events[j]) == "message"):
+                return None, j
+        return None, len(events)
+
+
+def parse_assistant_output(
+    output: str | Sequence[Segment] | Sequence[int],
+    *,
+    thinking: bool = True,
+    tokenizer: KimiTokenizer | None = None,
+    call_id_prefix: str | None = None,
+) -> ParsedAssistant:
+    """Split a generated assistant turn into (reasoning_content, content, tool_calls).
+
+    `output` is what the model produced after the generation prompt: token ids (with `tokenizer`),
+    segments from `KimiTokenizer.decode_segments`, or text. Ids/segments are exact: only real special
+    tokens count as markup. With text, the marker spellings are taken as markup.
+    `thinking` says which channel the prompt opened (think or response). Tool calls come back in
+    OpenAI form with `arguments` as a JSON string. A tools section that does not parse is kept as
+    text at the end of `content`, never dropped. A turn cut off inside a channel yields what it has.
+    `call_id_prefix` makes ids `prefix0, prefix1, ...`; by default they are random `call_...`.
+    """
+    events = _lex(_as_segments(output, tokenizer))
+    counter = iter(range(1 << 30))
+
+    def make_id() -> str:
+        if call_id_prefix is not None:
+            return f"{call_id_prefix}{next(counter)}"
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+    reasoning_parts: list[str] = []
+    content_parts: list[str] = []
+    tool_calls: list[dict[str, Any]] = []
+    first, i = _read_channel(events, 0, "think" if thinking else "response")
+    (reasoning_parts if thinking else content_parts).append(first)
+
+    while i < len(events):
+        event = events[i]
+        if event.kind == "end":
+            break
+        tag = _tag_name(event) if event.kind in ("open", "close") else None
+        if event.kind == "open" and tag in ("think", "response"):
+            text, i = _read_channel(events, i + 1, tag)
+            (reasoning_parts if tag == "think" else content_parts).append(text)
+        elif event.kind == "open" and tag == "tools":
+            calls, end = _parse_tools(events, i + 1, make_id)
+            if calls is None:
+                content_parts.append("".join(e.raw for e in events[i:end]))
+            else:
+                tool_calls.extend(calls)
+            i = end
+        elif (event.kind == "close" and tag == "message") or (event.kind == "text" and not event.value.strip()):
+            i += 1
+        else:  # stray text or markup outside any channel: keep it as content
+            content_parts.append(event.raw)
+            i += 1
+
+    reasoning = "".join(reasoning_parts)
+    content = "".join(content_parts)
+    return ParsedAssistant(reasoning or None, content or None, tool_calls)
