@@ -124,8 +124,10 @@ def dequantize_mxfp4(
 ) -> torch.Tensor:
     """Dense weight [out, in] from weight_packed uint8 [out, in/2] and weight_scale uint8 [out, in/32].
 
-    Exact for float32 and bfloat16 (and float64) as long as no scale byte exceeds 252; larger bytes
-    overflow the 8-bit exponent range of float32/bfloat16 to inf, as they do in compressed-tensors.
+    Always exact in float64. In float32 and bfloat16 it is exact for scale bytes up to 252; larger
+    bytes overflow their 8-bit exponent range to inf, as they do in compressed-tensors. (Byte 255 is
+    read as 2^128, like compressed-tensors does, not as the OCP E8M0 NaN; real checkpoints sit
+    far below either.)
     """
     _check_packed_pair(weight_packed, weight_scale)
     # Products of a 2-significant-bit value and a power of two are exact in float32 down to
