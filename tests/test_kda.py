@@ -460,7 +460,7 @@ def test_new_state_is_the_zero_history():
     assert layer.empty_state().recurrent.shape == state.recurrent.shape
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 6e-2)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-1)])
 def test_low_precision_layer_tracks_fp64(dtype, tol):
     """As the checkpoint stores them, A_log, dt_bias and the conv kernels stay fp32 in a bf16 model."""
     layer64 = make_layer("k3")

@@ -1,0 +1,44 @@
+"""What the HTTP server may ask of the engine: the whole interface between the two.
+
+The engine core runs in its own thread; `generate` is an async iterator of `RequestOutput`
+deltas, in position order. Leaving the iterator early (client gone, task cancelled) aborts the
+request and frees everything it held.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from mstar.engine.outputs import RequestOutput
+from mstar.engine.params import SamplingParams
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+    kda_slots_used: int
+    kda_slots_total: int
+
+
+class EngineClient(Protocol):
+    tokenizer: KimiTokenizer
+    model_name: str
+    max_seq_len: int
+
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Validate (ParamError on bad input: prompt empty or longer than max_seq_len, ids outside
+        the vocabulary, max_tokens past max_seq_len), enqueue, then yield deltas until finished."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    @property
+    def healthy(self) -> bool: ...
