@@ -7,12 +7,13 @@ import os
 import pytest
 import torch
 
+from mstar.tools.make_tiny import write_tiny
+
 # The tiny models are far too small to gain from intra-op threads, and on a 2-core machine OpenMP's
 # spinning threads slow every op by ~100x as soon as another process competes for a core.
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by subprocesses the tests start
 torch.set_num_threads(1)
 
-from mstar.tools.make_tiny import write_tiny
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,7 @@ def test_stack_wiring_against_pseudocode(tiny_model_fp64):
         if l % block == 0:
             blocks.append(p)
             p = torch.zeros_like(p)
-        a, _ = layer.mix(rms(a_in, layer.input_layernorm.weight), None, absorbed=False)
+        a, _ = layer.self_attn(rms(a_in, layer.input_layernorm.weight), None)
         p = p + a
         m_in = attn_res_mix(blocks + [p], layer.mlp_res_proj.weight, layer.mlp_res_norm.weight, eps)
         p = p + layer.ffn(rms(m_in, layer.post_attention_layernorm.weight))

@@ -16,7 +16,7 @@ forward also returns the DSpark taps: the raw prefix-sum stream after each named
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +31,7 @@ from .moe import LatentMoE
 from .norm import RMSNorm
 
 LayerState = KDAState | MLACache | None
+Mixer = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, normed input [T, D]) -> mixer output
 
 
 @dataclass
@@ -73,28 +74,19 @@ class DecoderLayer(nn.Module):
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
         return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
 
-    def mix(self, x: torch.Tensor, state: LayerState, absorbed: bool) -> tuple[torch.Tensor, LayerState]:
-        if self.is_kda:
-            return self.self_attn(x, state)
-        return self.self_attn(x, state, absorbed=absorbed)
-
-    def forward_attn_res(self, stream: ResidualStream, state: LayerState, absorbed: bool) -> LayerState:
+    def forward_attn_res(self, stream: ResidualStream, mix: Mixer) -> None:
         eps = self.config.rms_norm_eps
-        l = self.layer_idx
         a_in = stream.partial
         if stream.blocks:
             a_in = _mix(stream.sources(), self.self_attention_res_proj, self.self_attention_res_norm, eps)
-        stream.maybe_close_block(l)
-        a, state = self.mix(self.input_layernorm(a_in), state, absorbed)
-        stream.add(a)
+        stream.maybe_close_block(self.layer_idx)
+        stream.add(mix(self.layer_idx, self.input_layernorm(a_in)))
         m_in = _mix(stream.sources(), self.mlp_res_proj, self.mlp_res_norm, eps)
         stream.add(self.ffn(self.post_attention_layernorm(m_in)))
-        return state
 
-    def forward_plain(self, h: torch.Tensor, state: LayerState, absorbed: bool) -> tuple[torch.Tensor, LayerState]:
-        a, state = self.mix(self.input_layernorm(h), state, absorbed)
-        h = h + a
-        return h + self.ffn(self.post_attention_layernorm(h)), state
+    def forward_plain(self, h: torch.Tensor, mix: Mixer) -> torch.Tensor:
+        h = h + mix(self.layer_idx, self.input_layernorm(h))
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 def _mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, eps: float) -> torch.Tensor:
@@ -114,24 +106,40 @@ class KimiK3Model(nn.Module):
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, state: ModelState, absorbed: bool,
-                tap_layers: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(self, input_ids: torch.Tensor, mix: Mixer,
+                tap_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states [T, D] and the requested taps; `mix` runs each token mixer."""
         cfg = self.config
         h = self.embed_tokens(input_ids)
         taps: list[torch.Tensor] = []
         if cfg.attn_res_block_size is None:
             for i, layer in enumerate(self.layers):
-                h, state.layers[i] = layer.forward_plain(h, state.layers[i], absorbed)
+                h = layer.forward_plain(h, mix)
                 if i in tap_layers:
                     taps.append(h)
             return self.norm(h), taps
         stream = ResidualStream(h, cfg.attn_res_block_size)
         for i, layer in enumerate(self.layers):
-            state.layers[i] = layer.forward_attn_res(stream, state.layers[i], absorbed)
+            layer.forward_attn_res(stream, mix)
             if i in tap_layers:
                 taps.append(stream.raw_sum())
         out = _mix(stream.sources(), self.output_attn_res_proj, self.output_attn_res_norm, cfg.rms_norm_eps)
         return self.norm(out), taps
+
+
+def dense_mixer(model: KimiK3Model, state: ModelState, absorbed: bool) -> Mixer:
+    """Token mixers over one sequence's explicit state (the reference path); updates `state`."""
+
+    def mix(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        attn = model.layers[layer_idx].self_attn
+        previous = state.layers[layer_idx]
+        if isinstance(attn, KimiDeltaAttention):
+            y, state.layers[layer_idx] = attn(x, previous)
+        else:
+            y, state.layers[layer_idx] = attn(x, previous, absorbed=absorbed)
+        return y
+
+    return mix
 
 
 class KimiK3ForCausalLM(nn.Module):
@@ -163,7 +171,7 @@ class KimiK3ForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"tap_layers {bad} out of range: taps come after layers 0..{last - 1}, never the last")
         state = state if state is not None else self.new_state()
-        hidden, taps = self.model(input_ids, state, absorbed, tuple(tap_layers))
+        hidden, taps = self.model(input_ids, dense_mixer(self.model, state, absorbed), tuple(tap_layers))
         state.num_tokens += input_ids.numel()
         return ModelOutput(
             logits=self.lm_head(hidden),
