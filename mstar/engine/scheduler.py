@@ -1,0 +1,155 @@
+"""Continuous batching: which requests run in the next step, and with how many tokens each.
+
+Each step the scheduler declares decode rows for running requests (one token each, up to
+`max_num_seqs`) and prefill chunks (up to `max_prefill_seqs` prompts and the step's token budget;
+prompts are chunked when `chunked_prefill` is on). With `mixed_prefill_decode` both share a step;
+otherwise a step is either prefill or decode, prefill first.
+
+Admission is all-or-nothing per request and resource (KV pages, a KDA slot). When a decode row
+cannot get its page, the most recently arrived running request is preempted: its pages and slot
+are released and it waits at the front of the queue to be recomputed (prompt + outputs so far).
+Waiting requests are admitted strictly first come, first served.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from mstar.engine.request import Request, Status
+from mstar.engine.step import SeqStep, StepDecl
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64  # running requests and decode rows per step
+    max_prefill_seqs: int = 8  # prompts (chunks) per step
+    max_num_batched_tokens: int = 2048  # token budget per step
+    chunked_prefill: bool = True
+    mixed_prefill_decode: bool = True
+
+
+class Resource(Protocol):
+    def can_admit(self, decl: StepDecl) -> bool: ...
+    def admit(self, decl: StepDecl) -> None: ...
+    def commit(self, decl: StepDecl) -> None: ...
+    def release(self, request_id: str) -> None: ...
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, resources: list[Resource]):
+        self.config = config
+        self.resources = resources
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in arrival order
+        self.num_preemptions = 0
+
+    # --- queue ------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def release(self, request: Request) -> None:
+        """Give back everything `request` holds and drop it from the queues."""
+        for r in self.resources:
+            r.release(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+
+    # --- one step ---------------------------------------------------------------------------
+    def schedule(self) -> StepDecl | None:
+        """Declare the next step and claim its resources; None when there is nothing to run."""
+        while True:
+            seqs = self._schedule_once()
+            if seqs:
+                return StepDecl(tuple(seqs))
+            if not self.running:
+                return None
+            # Running requests exist but none could be scheduled: free room by preemption.
+            self._preempt(self.running[-1])
+
+    def commit(self, decl: StepDecl) -> None:
+        for r in self.resources:
+            r.commit(decl)
+
+    def _schedule_once(self) -> list[SeqStep]:
+        cfg = self.config
+        decoding = [r for r in self.running if r.is_decoding]
+        prefill_first = not cfg.mixed_prefill_decode and self._prefill_possible()
+        seqs: list[SeqStep] = [] if prefill_first else self._schedule_decode(decoding[: cfg.max_num_seqs])
+        if cfg.mixed_prefill_decode or not seqs:
+            seqs += self._schedule_prefill(cfg.max_num_batched_tokens - sum(s.num_tokens for s in seqs))
+        return seqs
+
+    def _schedule_decode(self, batch: list[Request]) -> list[SeqStep]:
+        while batch:
+            seqs = [self._seq(r, 1) for r in batch]
+            if self._admit(seqs):
+                return seqs
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim in batch:
+                batch.remove(victim)
+        return []
+
+    def _schedule_prefill(self, budget: int) -> list[SeqStep]:
+        cfg = self.config
+        seqs: list[SeqStep] = []
+        continuing = [r for r in self.running if not r.is_decoding]
+        for request, is_new in [(r, False) for r in continuing] + [(r, True) for r in self.waiting]:
+            if len(seqs) >= cfg.max_prefill_seqs or budget <= 0:
+                break
+            if is_new and len(self.running) >= cfg.max_num_seqs:
+                break
+            n = request.pending_tokens()
+            if n > budget:
+                if cfg.chunked_prefill:
+                    n = budget
+                elif seqs:
+                    break  # an unchunked prompt waits for a step of its own
+            seq = self._seq(request, n)
+            if not self._admit([seq]):
+                if is_new:
+                    break  # FCFS: later arrivals do not overtake a request that does not fit
+                continue
+            if is_new:
+                self.waiting.remove(request)
+                self.running.append(request)
+                self.running.sort(key=lambda r: r.arrival)
+                request.status = Status.RUNNING
+            seqs.append(seq)
+            budget -= n
+        return seqs
+
+    def _prefill_possible(self) -> bool:
+        return any(not r.is_decoding for r in self.running) or bool(self.waiting)
+
+    # --- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _seq(request: Request, n: int) -> SeqStep:
+        start = request.num_computed
+        tokens = tuple(request.token_at(i) for i in range(start, start + n))
+        return SeqStep(request.request_id, start, tokens, sample=start + n == request.num_tokens)
+
+    def _admit(self, seqs: list[SeqStep]) -> bool:
+        decl = StepDecl(tuple(seqs))
+        if not all(r.can_admit(decl) for r in self.resources):
+            return False
+        for r in self.resources:
+            r.admit(decl)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        for r in self.resources:
+            r.release(request.request_id)
+        self.running.remove(request)
+        request.num_computed = 0
+        request.status = Status.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

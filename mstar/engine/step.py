@@ -1,0 +1,41 @@
+"""One engine step as the scheduler declares it: which requests run and which tokens each feeds.
+
+declare -> admit -> plan -> forward -> commit: the scheduler builds a `StepDecl`; every resource
+admits it atomically or refuses (nothing is half-claimed); resources plan the step's addressing
+(page tables, slot ids); the model runs; commit records only what ran.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One request's rows in a step: `token_ids` continue after `num_computed` cached tokens."""
+
+    request_id: str
+    num_computed: int
+    token_ids: tuple[int, ...]
+    sample: bool  # the last row's logits pick the next token (end of prompt, or decode)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.num_computed + self.num_tokens
+
+
+@dataclass(frozen=True)
+class StepDecl:
+    seqs: tuple[SeqStep, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(1 for s in self.seqs if s.num_computed > 0 and s.num_tokens == 1)

@@ -1,0 +1,87 @@
+"""The Kimi K3 forward over a batch of ragged requests, with their state in the engine's pools.
+
+It runs the reference stack (`KimiK3Model.forward`) with batched token mixers: MLA layers read and
+write the paged latent cache and attend in absorbed form; KDA layers take their recurrent state and
+conv window from the `RecurrentStatePool` and write them back. Everything else in a layer (norms,
+AttnRes, MoE, MLP) is token-wise and runs on all rows of the step at once.
+
+The mixers here are the torch (CPU) implementations, one sequence at a time through the reference
+layers; `MixerOps` is the seam where GPU kernels plug in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.resources.recurrent_pool import RecurrentStatePool
+
+from .kda import KDAState, KimiDeltaAttention
+from .mla import GatedMLA, MLACache
+from .model import KimiK3ForCausalLM
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """The planned addressing of one step: rows of all requests concatenated in declaration order."""
+
+    input_ids: torch.Tensor  # [N]
+    seq_starts: tuple[int, ...]  # B+1 row offsets (cu_seqlens)
+    num_computed: tuple[int, ...]  # [B] tokens already cached before this step
+    kv: LatentKVPlan
+    kda_slots: torch.Tensor  # [B]
+    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+
+
+class TorchMixerOps:
+    """The CPU path: each sequence runs through the reference layer with its pooled state."""
+
+    def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
+            pool: RecurrentStatePool) -> torch.Tensor:
+        y = torch.empty_like(x)
+        for b, slot in enumerate(plan.kda_slots.tolist()):
+            rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
+            state = KDAState(recurrent=pool.state[layer, slot], conv=pool.conv[layer, slot])
+            y[rows], new = attn(x[rows], state)
+            pool.state[layer, slot] = new.recurrent
+            pool.conv[layer, slot] = new.conv
+        return y
+
+    def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
+        y = torch.empty_like(x)
+        rank = attn.kv_lora_rank
+        for b, cached in enumerate(plan.num_computed):
+            rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
+            cache = MLACache.from_rows(kv.rows(layer, plan.kv.page_table[b], cached).to(x.dtype), rank)
+            y[rows], new = attn(x[rows], cache, absorbed=True)
+            kv.write(layer, plan.kv.slot_mapping[rows], new.rows()[cached:])
+        return y
+
+
+class ServingModel:
+    def __init__(self, model: KimiK3ForCausalLM, kv: PagedLatentKV, pool: RecurrentStatePool,
+                 ops: TorchMixerOps | None = None):
+        self.model = model
+        self.config = model.config
+        self.kv = kv
+        self.pool = pool
+        self.ops = ops or TorchMixerOps()
+        kinds = self.config.layer_kinds
+        # Each layer's index into its pool: KDA layers into the state pool, MLA layers into the cache.
+        self.pool_index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
+
+    @torch.no_grad()
+    def forward(self, plan: BatchPlan) -> torch.Tensor:
+        """Logits [S, vocab] of the sampled rows; caches and states advance by the step's tokens."""
+
+        def mix(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+            attn = self.model.model.layers[layer_idx].self_attn
+            index = self.pool_index[layer_idx]
+            if isinstance(attn, KimiDeltaAttention):
+                return self.ops.kda(attn, index, x, plan, self.pool)
+            return self.ops.mla(attn, index, x, plan, self.kv)
+
+        hidden, _ = self.model.model(plan.input_ids, mix)
+        return self.model.lm_head(hidden[plan.sample_rows])

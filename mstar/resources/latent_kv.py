@@ -1,0 +1,78 @@
+"""The paged latent KV cache of the MLA layers: one 576-wide row per token per layer.
+
+Storage is [num_mla_layers, num_pages, page_size, kv_lora_rank + rope]: all MLA layers share each
+request's page list, since they cache the same positions. A row holds [c_kv (normed) | k_pe].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engine.step import StepDecl
+from mstar.resources.page_allocator import PageAllocator
+
+
+@dataclass(frozen=True)
+class LatentKVPlan:
+    page_table: torch.Tensor  # [B, max_pages] page ids, 0-padded
+    slot_mapping: torch.Tensor  # [N] flat row (page * page_size + offset) each new token writes
+    context_lens: torch.Tensor  # [B] tokens cached after this step
+
+
+class PagedLatentKV:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, width: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.page_size = page_size
+        self.width = width
+        self.cache = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
+        self.pages: dict[str, list[int]] = {}
+        self.lengths: dict[str, int] = {}  # tokens committed per request
+
+    # --- admission ----------------------------------------------------------------------------
+    def _extra_pages(self, request_id: str, end: int) -> int:
+        return max(0, self.allocator.pages_for(end) - len(self.pages.get(request_id, ())))
+
+    def pages_needed(self, decl: StepDecl) -> int:
+        return sum(self._extra_pages(s.request_id, s.end) for s in decl.seqs)
+
+    def can_admit(self, decl: StepDecl) -> bool:
+        return self.pages_needed(decl) <= self.allocator.num_free
+
+    def admit(self, decl: StepDecl) -> None:
+        for s in decl.seqs:
+            extra = self._extra_pages(s.request_id, s.end)
+            self.pages.setdefault(s.request_id, []).extend(self.allocator.allocate(extra))
+
+    # --- plan / commit / release --------------------------------------------------------------
+    def plan(self, decl: StepDecl) -> LatentKVPlan:
+        device = self.cache.device
+        max_pages = max(len(self.pages[s.request_id]) for s in decl.seqs)
+        table = torch.zeros(len(decl.seqs), max_pages, dtype=torch.long)
+        slots = []
+        for b, s in enumerate(decl.seqs):
+            pages = self.pages[s.request_id]
+            table[b, : len(pages)] = torch.tensor(pages)
+            for pos in range(s.num_computed, s.end):
+                slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+        lens = torch.tensor([s.end for s in decl.seqs], dtype=torch.long)
+        return LatentKVPlan(table.to(device), torch.tensor(slots, dtype=torch.long, device=device), lens.to(device))
+
+    def commit(self, decl: StepDecl) -> None:
+        for s in decl.seqs:
+            self.lengths[s.request_id] = s.end
+
+    def release(self, request_id: str) -> None:
+        self.allocator.free(self.pages.pop(request_id, []))
+        self.lengths.pop(request_id, None)
+
+    # --- data access (the torch path; kernels address `cache` directly) -----------------------
+    def rows(self, layer: int, page_ids: torch.Tensor, length: int) -> torch.Tensor:
+        """The first `length` cached rows of one request, gathered from its pages: [length, width]."""
+        n_pages = -(-length // self.page_size)
+        return self.cache[layer, page_ids[:n_pages]].reshape(-1, self.width)[:length]
+
+    def write(self, layer: int, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
+        self.cache[layer].view(-1, self.width)[slot_mapping] = rows.to(self.cache.dtype)

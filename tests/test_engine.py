@@ -1,0 +1,158 @@
+"""The served path (scheduler, paged latent KV, KDA state pool, batched forward) against the reference."""
+
+import random
+
+import pytest
+
+from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.scheduler import SchedulerConfig
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+NUM_REQUESTS = 16
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_dir):
+    return KimiTokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def workload(tiny_model):
+    """16 prompts of 1 to ~300 tokens with their output lengths and reference greedy continuations."""
+    rng = random.Random()
+    vocab = tiny_model.config.vocab_size
+    lengths = [1, 2, 5, 15, 16, 17, 31, 33, 64, 100, 127, 150, 200, 257, 300, rng.randint(3, 290)]
+    jobs = []
+    for n in lengths:
+        prompt = [rng.randrange(vocab - 256) for _ in range(n)]
+        max_tokens = rng.randint(1, 24)
+        jobs.append((prompt, max_tokens, greedy_generate(tiny_model, prompt, max_tokens)))
+    return jobs
+
+
+def run_engine(engine: EngineCore, jobs, arrivals_per_step=2):
+    """Add requests a few per step (staggered), step until done; return each request's tokens."""
+    got: dict[str, list[int]] = {}
+    finished: dict[str, str] = {}
+    pending = list(enumerate(jobs))
+    steps = 0
+    while pending or engine.has_work():
+        for _ in range(arrivals_per_step):
+            if pending:
+                i, (prompt, max_tokens, _) = pending.pop(0)
+                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                   ignore_eos=True))
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished[out.request_id] = out.finish_reason
+        steps += 1
+        assert steps < 5000, "engine made no progress"
+    assert all(reason == "length" for reason in finished.values())
+    return [got[f"r{i}"] for i in range(len(jobs))]
+
+
+def make_engine(model, tokenizer, *, pages=512, slots=17, page_size=16, **sched):
+    cfg = EngineConfig(max_seq_len=512, page_size=page_size, max_num_pages=pages, max_kda_slots=slots,
+                       scheduler=SchedulerConfig(**sched))
+    return EngineCore(model, tokenizer, cfg)
+
+
+def assert_pools_empty(engine):
+    assert engine.kv.allocator.num_used == 0 and not engine.kv.pages
+    assert engine.pool.num_used == 0 and engine.pool.num_free == engine.pool.capacity
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_served_greedy_equals_reference(tiny_model, tokenizer, workload, chunked, mixed):
+    engine = make_engine(tiny_model, tokenizer, max_num_seqs=16, max_num_batched_tokens=512 if not chunked else 96,
+                         chunked_prefill=chunked, mixed_prefill_decode=mixed)
+    outputs = run_engine(engine, workload)
+    for (prompt, _, expect), got in zip(workload, outputs, strict=True):
+        assert got == expect, f"prompt of {len(prompt)} tokens"
+    assert_pools_empty(engine)
+
+
+def test_preemption_under_tiny_pools_gives_the_same_tokens(tiny_model, tokenizer, workload):
+    # 64 pages of 8 tokens (512 tokens, one max_seq_len) and 4 slots: far less than 16 requests need at once.
+    engine = make_engine(tiny_model, tokenizer, pages=65, slots=5, page_size=8, max_num_seqs=4,
+                         max_num_batched_tokens=64)
+    outputs = run_engine(engine, workload, arrivals_per_step=4)
+    assert engine.scheduler.num_preemptions > 0
+    for (prompt, _, expect), got in zip(workload, outputs, strict=True):
+        assert got == expect, f"prompt of {len(prompt)} tokens"
+    assert_pools_empty(engine)
+
+
+def test_stop_ids_stop_strings_and_abort(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    prompt = tokenizer.encode("def main():\n    print(")
+    free_run = greedy_generate(tiny_model, prompt, 12)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free_run[4],),
+                                                   ignore_eos=True))
+    engine.add_request("b", prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    outs = {}
+    for _ in range(3):
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    engine.abort_request("b")
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    a = outs["a"]
+    assert a[-1].finished and a[-1].finish_reason == "stop" and a[-1].stop_reason == free_run[4]
+    assert [t for o in a for t in o.new_token_ids] == free_run[: free_run.index(free_run[4]) + 1]
+    b = outs["b"]
+    assert b[-1].finished and b[-1].finish_reason == "abort"
+    assert_pools_empty(engine)
+
+    text = tokenizer.decode(free_run)
+    stop = text[3:6] if len(text) >= 6 else None
+    if stop:
+        engine.add_request("c", prompt, SamplingParams(max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True))
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        assert "".join(o.text for o in outs) == text[: text.index(stop)]
+        assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
+
+
+def test_seeded_sampling_is_reproducible_across_batches(tiny_model, tokenizer):
+    prompt = tokenizer.encode("import os\n")
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=1234, ignore_eos=True)
+
+    def run(neighbours):
+        engine = make_engine(tiny_model, tokenizer)
+        for i in range(neighbours):
+            engine.add_request(f"n{i}", tokenizer.encode(f"x = {i}\n"),
+                               SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))
+        engine.add_request("s", prompt, params)
+        toks = []
+        while engine.has_work():
+            toks += [t for o in engine.step() if o.request_id == "s" for t in o.new_token_ids]
+        return toks
+
+    assert run(0) == run(3)
+
+
+def test_bad_requests_are_refused(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    with pytest.raises(ParamError, match="empty"):
+        engine.add_request("x", [], SamplingParams())
+    with pytest.raises(ParamError, match="outside the vocabulary"):
+        engine.add_request("x", [10**6], SamplingParams())
+    with pytest.raises(ParamError, match="maximum sequence length"):
+        engine.add_request("x", [1] * 500, SamplingParams(max_tokens=20))
+    engine.add_request("x", [1, 2], SamplingParams())
+    with pytest.raises(ParamError, match="already in use"):
+        engine.add_request("x", [1, 2], SamplingParams())
+
+
+def test_pool_too_small_for_max_seq_len_is_a_config_error(tiny_model, tokenizer):
+    with pytest.raises(ValueError, match="max_num_pages"):
+        make_engine(tiny_model, tokenizer, pages=8)
+
