@@ -117,6 +117,9 @@ class EngineCore:
             logits = self.serving.forward(self._plan(decl))
             self.scheduler.commit(decl)
             self._record(decl, logits)
+        return self.drain_outputs()
+
+    def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 

@@ -1,0 +1,105 @@
+"""`mstar-serve --config FILE`: load a checkpoint, start the engine thread, serve the OpenAI API.
+
+    mstar-serve --config configs/kimi_k3_tiny.yaml --port 8000 [key.sub=value ...]
+
+The tiny configs point at `checkpoints/kimi_k3_tiny`, which is written (deterministically) on first
+use if it is missing. SIGTERM or Ctrl-C drains: open requests finish, new ones are refused, then
+the engine thread stops and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+import torch
+
+from mstar.config import ServeConfig, ServeConfigError, check_paths, load_serve_config, resolve_device
+from mstar.engine.async_engine import AsyncEngine
+from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.scheduler import SchedulerConfig
+
+log = logging.getLogger("mstar.serve")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}
+TINY_NAMES = ("kimi_k3_tiny",)
+TENSOR_COMM_PROTOCOLS = ("SHM", "TCP", "NCCL", "GLOO")
+
+
+def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
+    """Write the deterministic tiny checkpoints if a tiny config points at a folder that is missing."""
+    if cfg.checkpoint.exists() or cfg.checkpoint.name not in TINY_NAMES:
+        return
+    from mstar.tools.make_tiny import write_tiny
+
+    log.info("writing the tiny checkpoints into %s (first use)", cfg.checkpoint.parent)
+    write_tiny(cfg.checkpoint.parent)
+
+
+def engine_config(cfg: ServeConfig) -> EngineConfig:
+    s = cfg.scheduler
+    return EngineConfig(
+        max_seq_len=cfg.max_seq_len,
+        page_size=cfg.resources.mla_kv.page_size,
+        max_num_pages=cfg.resources.mla_kv.max_num_pages,
+        max_kda_slots=cfg.resources.kda_state.max_slots,
+        scheduler=SchedulerConfig(
+            max_num_seqs=s.max_num_seqs,
+            max_prefill_seqs=s.max_prefill_seqs,
+            max_num_batched_tokens=s.max_num_batched_tokens,
+            chunked_prefill=s.chunked_prefill,
+            mixed_prefill_decode=cfg.model_kwargs.mixed_prefill_decode,
+        ),
+    )
+
+
+def build_engine(cfg: ServeConfig, *, progress: bool | None = None) -> AsyncEngine:
+    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+    from mstar.models.kimi_k3.weights import load_model
+
+    if cfg.tp_size != 1:
+        raise ServeConfigError(f"tp_size={cfg.tp_size}: tensor parallelism is not available yet; use tp_size: 1")
+    if cfg.model_kwargs.speculative_tokens:
+        raise ServeConfigError("model_kwargs.speculative_tokens > 0: DSpark serving is not available yet; "
+                               "set it to 0 (and model_kwargs.speculative_schedule={})")
+    ensure_tiny_checkpoint(cfg)
+    check_paths(cfg)
+    device = resolve_device(cfg)
+    log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
+    model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
+    tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
+    core = EngineCore(model, tokenizer, engine_config(cfg))
+    return AsyncEngine(core, cfg.served_model_name).start()
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="mstar-serve", description="Serve Kimi K3 behind an OpenAI-compatible API.")
+    p.add_argument("--config", required=True, type=Path, help="serve config YAML (see configs/)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--tensor-comm-protocol", default="SHM", type=str.upper, choices=TENSOR_COMM_PROTOCOLS,
+                   help="how tensor-parallel ranks exchange tensors (SHM = one node)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. scheduler.max_num_seqs=8")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    try:
+        cfg = load_serve_config(args.config, args.overrides)
+        engine = build_engine(cfg, progress=True)
+    except (ServeConfigError, ValueError, FileNotFoundError) as e:
+        print(f"mstar-serve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+    import uvicorn
+
+    from mstar.server.app import build_app
+
+    app = build_app(engine, served_model_name=cfg.served_model_name)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
