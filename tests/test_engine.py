@@ -3,6 +3,7 @@
 import random
 
 import pytest
+import torch
 
 from mstar.engine.core import EngineConfig, EngineCore
 from mstar.engine.params import ParamError, SamplingParams
@@ -77,14 +78,28 @@ def test_served_greedy_equals_reference(tiny_model, tokenizer, workload, chunked
     assert_pools_empty(engine)
 
 
-def test_preemption_under_tiny_pools_gives_the_same_tokens(tiny_model, tokenizer, workload):
+def test_tiny_pools_give_the_same_tokens(tiny_model, tokenizer, workload):
     # 64 pages of 8 tokens (512 tokens, one max_seq_len) and 4 slots: far less than 16 requests need at once.
     engine = make_engine(tiny_model, tokenizer, pages=65, slots=5, page_size=8, max_num_seqs=4,
                          max_num_batched_tokens=64)
     outputs = run_engine(engine, workload, arrivals_per_step=4)
-    assert engine.scheduler.num_preemptions > 0
     for (prompt, _, expect), got in zip(workload, outputs, strict=True):
         assert got == expect, f"prompt of {len(prompt)} tokens"
+    assert_pools_empty(engine)
+
+
+def test_preemption_recomputes_to_the_same_tokens(tiny_model, tokenizer):
+    """Prefill chunks of later prompts fill the 64-page pool; decodes past a page boundary must preempt."""
+    vocab = tiny_model.config.vocab_size - 256
+    jobs = []
+    for n in (180, 170, 160, 150):
+        prompt = torch.randint(0, vocab, (n,)).tolist()
+        jobs.append((prompt, 60, greedy_generate(tiny_model, prompt, 60)))
+    engine = make_engine(tiny_model, tokenizer, pages=65, slots=5, page_size=8, max_num_seqs=4,
+                         max_num_batched_tokens=64)
+    outputs = run_engine(engine, jobs, arrivals_per_step=4)
+    assert engine.scheduler.num_preemptions > 0
+    assert outputs == [expect for _, _, expect in jobs]
     assert_pools_empty(engine)
 
 

@@ -147,26 +147,10 @@ class EngineCore:
         batch = SamplingBatch.build([r.params for r in sampled], [r.generator for r in sampled], self.device)
         result = self.sampler.sample(logits, batch)
         tokens = result.token_ids.tolist()
-        logprobs = self._logprobs(result, sampled)
+        requested = [r.params.logprobs for r in sampled]
+        logprobs = result.token_logprobs(requested) if any(k is not None for k in requested) else None
         for i, request in enumerate(sampled):
             self._append(request, tokens[i], logprobs[i] if logprobs else None)
-
-    @staticmethod
-    def _logprobs(result, sampled: list[Request]) -> list[TokenLogprob | None] | None:
-        if not any(r.params.logprobs is not None for r in sampled):
-            return None
-        chosen = result.logprobs.tolist()
-        top_ids = result.top_ids.tolist() if result.top_ids is not None else None
-        top_lps = result.top_logprobs.tolist() if result.top_logprobs is not None else None
-        out: list[TokenLogprob | None] = []
-        for i, r in enumerate(sampled):
-            k = r.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            top = tuple(zip(top_ids[i][:k], top_lps[i][:k], strict=True)) if k and top_ids else ()
-            out.append(TokenLogprob(token_id=int(result.token_ids[i]), logprob=chosen[i], top=top))
-        return out
 
     def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         request.output_ids.append(token)

@@ -1,0 +1,83 @@
+"""The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from mstar.engine.client import EngineClient
+from mstar.server import responses
+from mstar.server.chat import create_chat_completion
+from mstar.server.completions import create_completion
+from mstar.server.context import ServerContext
+from mstar.server.errors import APIError, error_response, guarded, install_error_handlers
+from mstar.server.metrics import CONTENT_TYPE, ServerMetrics
+from mstar.server.streaming import json_response
+
+logger = logging.getLogger("mstar.server")
+
+
+def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
+    """An app serving `engine` under the model name `served_model_name`. `metrics` defaults to a
+    fresh `ServerMetrics` with its own registry."""
+    ctx = ServerContext(
+        engine=engine,
+        served_model_name=served_model_name,
+        metrics=metrics if metrics is not None else ServerMetrics(),
+        created=int(time.time()),
+    )
+    app = FastAPI(title="mstar", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    def unavailable() -> APIError | None:
+        if engine.healthy:
+            return None
+        return APIError("The engine is not healthy; try again later", status=503, code="engine_unhealthy")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        if (err := unavailable()) is not None:
+            return error_response(err)
+        return await guarded(lambda: create_completion(request, ctx), "/v1/completions", ctx.metrics.invalid_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        if (err := unavailable()) is not None:
+            return error_response(err)
+        return await guarded(
+            lambda: create_chat_completion(request, ctx), "/v1/chat/completions", ctx.metrics.invalid_request
+        )
+
+    def model_card() -> responses.ModelCard:
+        return responses.ModelCard(id=served_model_name, created=ctx.created, max_model_len=engine.max_seq_len)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response(responses.ModelList(data=[model_card()]))
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model != served_model_name:
+            err = APIError(f"The model '{model}' does not exist", status=404, param="model", code="model_not_found")
+            return error_response(err)
+        return json_response(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.healthy:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unhealthy"}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        try:
+            ctx.metrics.update_engine_stats(engine.stats())
+        except Exception:  # a scrape must still show the server's own metrics
+            logger.exception("engine.stats() failed; engine gauges keep their last values")
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,169 @@
+"""POST /v1/completions.
+
+`prompt` is a string, a list of token ids, a list of strings or a list of token-id lists. Several
+prompts are supported: prompt p's n choices get indices p*n .. p*n+n-1 (OpenAI's order), each its
+own engine request. `echo` and `suffix` are refused (400), as is `best_of` other than n.
+`max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
+With `stream`, each engine delta of each choice becomes one chunk (choices interleave, each in
+order); with `stream_options.include_usage`, a last chunk with no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mstar.engine.outputs import RequestOutput
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.server import responses
+from mstar.server.context import ServerContext
+from mstar.server.disconnect import until_disconnected
+from mstar.server.errors import APIError
+from mstar.server.generation import ChoiceSpec, GenerationRun
+from mstar.server.logprobs import CompletionLogprobsBuilder
+from mstar.server.protocol import CompletionRequest, parse_request
+from mstar.server.sampling import (
+    base_params,
+    check_model,
+    check_prompt_ids,
+    check_stop_token_ids,
+    check_supported,
+    choices_for_prompt,
+    new_request_id,
+    resolve_max_tokens,
+)
+from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
+
+DEFAULT_MAX_TOKENS = 16
+MAX_CHOICES = 256  # prompts x n in one request
+
+
+def _prompts(prompt: str | list, tokenizer: KimiTokenizer) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [tokenizer.encode(prompt)]
+    if not prompt:
+        raise APIError("The prompt is empty; 'prompt' must hold at least one token", param="prompt")
+    if isinstance(prompt[0], int):
+        return [list(prompt)]
+    if isinstance(prompt[0], str):
+        return [tokenizer.encode(text) for text in prompt]
+    return [list(ids) for ids in prompt]
+
+
+def _check_supported(req: CompletionRequest) -> None:
+    check_supported(req)
+    if req.echo:
+        raise APIError("echo is not supported; omit it or pass false", param="echo", code="unsupported")
+    if req.suffix:
+        raise APIError("suffix is not supported; omit it", param="suffix", code="unsupported")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported; omit it or set it equal to n", param="best_of", code="unsupported")
+
+
+class _ChoiceOutput:
+    """One choice's output: per-delta chunks for streaming, merged for a whole response."""
+
+    def __init__(self, spec: ChoiceSpec, tokenizer: KimiTokenizer, req: CompletionRequest):
+        self.spec = spec
+        self._logprobs = CompletionLogprobsBuilder(tokenizer) if req.logprobs is not None else None
+        self._token_ids = req.return_token_ids
+        self._sent_first = False
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs = responses.CompletionLogprobs() if self._logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    def add(self, out: RequestOutput) -> responses.CompletionChoice | None:
+        """Record a delta; return it as a streaming chunk's choice, or None if it carries nothing to send."""
+        self.text.append(out.text)
+        self.token_ids.extend(out.new_token_ids)
+        logprobs = self._logprobs.build(out.logprobs or ()) if self._logprobs else None
+        if logprobs is not None:
+            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+                getattr(self.logprobs, name).extend(getattr(logprobs, name))
+        if out.finished:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        first = not self._sent_first
+        if not (out.text or out.finished or first or (out.new_token_ids and (logprobs or self._token_ids))):
+            return None
+        self._sent_first = True
+        return responses.CompletionChoice(
+            index=self.spec.index,
+            text=out.text,
+            logprobs=logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            prompt_token_ids=self.spec.prompt_ids if self._token_ids and first else None,
+            token_ids=list(out.new_token_ids) if self._token_ids else None,
+        )
+
+    def whole(self) -> responses.CompletionChoice:
+        return responses.CompletionChoice(
+            index=self.spec.index,
+            text="".join(self.text),
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            prompt_token_ids=self.spec.prompt_ids if self._token_ids else None,
+            token_ids=self.token_ids if self._token_ids else None,
+        )
+
+
+async def create_completion(request: Request, ctx: ServerContext) -> Response:
+    arrival = time.perf_counter()
+    created = int(time.time())
+    req = parse_request(await request.body(), CompletionRequest)
+    check_model(req.model, ctx.served_model_name)
+    _check_supported(req)
+    engine = ctx.engine
+    prompts = _prompts(req.prompt, engine.tokenizer)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise APIError(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request", param="n")
+    for p, ids in enumerate(prompts):
+        check_prompt_ids(ids, engine, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
+    check_stop_token_ids(req.stop_token_ids, engine)
+    params = base_params(req, logprobs=req.logprobs)
+    request_id = new_request_id("cmpl")
+    specs: list[ChoiceSpec] = []
+    for p, ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len, DEFAULT_MAX_TOKENS, "max_tokens")
+        specs += choices_for_prompt(request_id, p * req.n, ids, params, req.n, max_tokens)
+
+    run = GenerationRun(engine, specs, ctx.metrics, arrival)
+    outputs = [_ChoiceOutput(spec, engine.tokenizer, req) for spec in specs]
+    prompt_tokens = sum(len(ids) for ids in prompts)
+
+    def completion(choices: list[responses.CompletionChoice], usage: responses.Usage | None) -> responses.Completion:
+        return responses.Completion(id=request_id, created=created, model=ctx.served_model_name, choices=choices,
+                                    usage=usage)
+
+    def usage() -> responses.Usage:
+        return responses.Usage.of(prompt_tokens, sum(len(o.token_ids) for o in outputs))
+
+    if req.stream:
+        await until_disconnected(request, run.start())
+        return SSEResponse(sse_body(_chunks(run, outputs, completion, usage, req.include_usage), run.close))
+
+    async def generate() -> responses.Completion:
+        await run.start()
+        async for index, out in run.outputs():
+            outputs[index].add(out)
+        return completion([o.whole() for o in outputs], usage())
+
+    result = await until_disconnected(request, generate())
+    return json_response(result)
+
+
+async def _chunks(run: GenerationRun, outputs: list[_ChoiceOutput], completion, usage, include_usage: bool
+                  ) -> AsyncIterator[bytes]:
+    exclude = None if include_usage else {"usage"}
+    async for index, out in run.outputs():
+        choice = outputs[index].add(out)
+        if choice is not None:
+            yield sse_event(completion([choice], None), exclude=exclude)
+    if include_usage:
+        yield sse_event(completion([], usage()))

@@ -1,0 +1,16 @@
+"""What every endpoint of one app shares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mstar.engine.client import EngineClient
+from mstar.server.metrics import ServerMetrics
+
+
+@dataclass(frozen=True)
+class ServerContext:
+    engine: EngineClient
+    served_model_name: str
+    metrics: ServerMetrics
+    created: int  # unix time the app was built: the model card's `created`

@@ -1,0 +1,176 @@
+"""OpenAI-style errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
+
+Bad input (malformed JSON, wrong types, out-of-range values, unknown model, prompts that do not fit)
+is a 400 that names the parameter. Only an unexpected exception is a 500, with a generic message;
+its traceback goes to the log, not to the client.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from mstar.engine.params import ParamError
+from mstar.server.disconnect import ClientDisconnected
+
+logger = logging.getLogger("mstar.server")
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    503: "service_unavailable_error",
+}
+INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request; see the server log."
+
+
+class APIError(Exception):
+    """An error to send to the client as-is: status, message, and the parameter at fault."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+    ):
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.code = code
+        self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+def internal_error() -> APIError:
+    return APIError(INTERNAL_ERROR_MESSAGE, status=500, type="internal_server_error")
+
+
+_LEADING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def from_param_error(err: ParamError, renames: dict[str, str] | None = None) -> APIError:
+    """A `ParamError` (from `SamplingParams` or `engine.generate`) as a 400. Its message starts
+    with the parameter's name; `renames` maps engine names to request names (e.g. chat's
+    `logprobs` count is the request's `top_logprobs`)."""
+    message = str(err)
+    match = _LEADING_NAME.match(message)
+    param = match.group(0) if match else None
+    if param is not None and renames and param in renames:
+        param = renames[param]
+        message = renames[match.group(0)] + message[match.end() :]
+    return APIError(message, param=param, code="invalid_value")
+
+
+# ---- pydantic validation errors -------------------------------------------------------------
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "bytes"}
+_UNION_HINTS = {
+    "prompt": "prompt takes a string, a list of strings, a list of token ids, or a list of token-id lists",
+    "stop": "stop takes a string or a list of strings",
+    "content": "content takes a string, null, or a list of {'type': 'text', 'text': ...} parts",
+    "tool_choice": "tool_choice takes 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+}
+
+
+def _field_path(loc: tuple) -> tuple[str, str | None]:
+    """('messages', 0, 'content', 'list[TextPart]', 0, 'text') -> ('messages[0].content[0].text', 'content'):
+    the path with pydantic's union-member tags dropped, and the last field name on it."""
+    path = ""
+    last_field = None
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in _TYPE_TAGS and not part[:1].isupper():
+            path += f".{part}" if path else part
+            last_field = part
+    return path, last_field
+
+
+def from_validation_error(err: ValidationError) -> APIError:
+    """The most specific error of a failed request validation, as a 400 naming the parameter."""
+    errors = err.errors(include_url=False)
+    if not errors:
+        return APIError("invalid request body")
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first["msg"])
+        return APIError(f"The request body is not valid JSON: {detail}", code="invalid_json")
+    if first["type"] == "model_type" and not first["loc"]:
+        return APIError("The request body must be a JSON object", code="invalid_json")
+    # Among union alternatives, the one that got furthest says best what was wrong.
+    best = max(errors, key=lambda e: len(e["loc"]))
+    path, last_field = _field_path(best["loc"])
+    if best["type"] == "missing":
+        message = f"'{path}' is required"
+    else:
+        message = f"'{path}': {best['msg']}"
+        given = best.get("input")
+        if not isinstance(given, dict | list):
+            message += f" (got {given!r})"
+    if len(errors) > 1 and last_field in _UNION_HINTS:
+        message += f"; {_UNION_HINTS[last_field]}"
+    return APIError(message, param=path or None, code="invalid_type" if "type" in best["type"] else "invalid_value")
+
+
+# ---- wiring -------------------------------------------------------------------------------
+
+
+async def guarded(
+    handler: Callable[[], Awaitable[Response]], what: str, on_invalid: Callable[[], None] | None = None
+) -> Response:
+    """Run an endpoint body: `APIError`/`ParamError` become their 4xx (`on_invalid` is called for a
+    400), a vanished client an empty 499, anything else a logged 500."""
+    try:
+        return await handler()
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; nginx's code for "client closed request"
+    except (APIError, ParamError) as err:
+        api_error = err if isinstance(err, APIError) else from_param_error(err)
+        if api_error.status == 400 and on_invalid is not None:
+            on_invalid()
+        return error_response(api_error)
+    except Exception:
+        logger.exception("unexpected error in %s", what)
+        return error_response(internal_error())
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Framework-level errors (unknown route, wrong method, stray exceptions) in the same shape."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(str(exc.detail), status=exc.status_code)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(APIError(f"invalid request: {exc.errors()[:1]}"))
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(ParamError)
+    async def _param_error(request: Request, exc: ParamError) -> JSONResponse:
+        return error_response(from_param_error(exc))

@@ -1,0 +1,172 @@
+"""Request bodies of the OpenAI-compatible endpoints (pydantic, strict JSON types).
+
+Types are strict (`"16"` is not an int, `1` is not a bool) so that a wrong type is a 400 rather than
+a silent coercion. Unknown fields are ignored, as OpenAI clients send fields this server has no use
+for (`user`, `parallel_tool_calls`, `metadata`, ...). Range checks of sampling values live in
+`SamplingParams`, so the engine and the server agree on them; here only what the server itself
+needs (n, logprob counts) is bounded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mstar.server.errors import from_validation_error
+
+MAX_N = 128  # choices per prompt, as in OpenAI's API
+MAX_TOP_LOGPROBS = 20
+INT64_MAX = 2**63 - 1
+
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model: type[Body]) -> Body:
+    """Validate a raw JSON body; malformed JSON and invalid fields raise a 400 `APIError`."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        raise from_validation_error(err) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share: the model, sampling, stopping, streaming and vLLM extensions."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX - MAX_N)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    include_stop_str_in_output: bool = False
+    user: str | None = None  # accepted and ignored
+    # Not supported; accepted only at their neutral values so that clients sending defaults work.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class FunctionCallArgs(_Body):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class AssistantToolCall(_Body):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallArgs
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tools: list[dict[str, Any]] | None = None  # K3: a system message that adds tools mid-conversation
+
+    def for_template(self) -> dict[str, Any]:
+        """The dict `encode_chat` takes. `developer` is OpenAI's newer name for the system role."""
+        message = self.model_dump(exclude_none=True)
+        if message["role"] == "developer":
+            message["role"] = "system"
+        return message
+
+
+class FunctionDecl(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")  # extra keys are shown to the model as sent
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDecl(_Body):
+    type: Literal["function"]
+    function: FunctionDecl
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatTemplateKwargs(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt switch must not pass silently
+
+    thinking: bool = True  # K3 thinks by default
+    thinking_effort: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    type: Literal["text", "json_object", "json_schema"]
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    tools: list[ToolDecl] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+    response_format: ResponseFormat | None = None
+
+    @property
+    def thinking(self) -> bool:
+        return True if self.chat_template_kwargs is None else self.chat_template_kwargs.thinking
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` is OpenAI's current name; `max_tokens` the deprecated one."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,120 @@
+"""From request fields to engine requests: checks of the prompt and the model name, max_tokens,
+and one `SamplingParams` per choice.
+
+Seeds: with `seed` s and n choices, choice i samples with seed s + i, so each choice is reproducible
+on its own (choice i of a seeded n-request equals a single request with seed s + i), and the n
+choices still differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+
+from mstar.engine.client import EngineClient
+from mstar.engine.params import ParamError, SamplingParams
+from mstar.server.errors import APIError, from_param_error
+from mstar.server.generation import ChoiceSpec
+from mstar.server.protocol import SamplingFields
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(requested: str | None, served_model_name: str) -> None:
+    if requested is not None and requested != served_model_name:
+        raise APIError(
+            f"The model '{requested}' does not exist; this server serves '{served_model_name}' (or omit 'model')",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def check_supported(req: SamplingFields) -> None:
+    """Parameters this server does not implement are refused unless they are at their neutral value."""
+    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    for name, value in neutral.items():
+        given = getattr(req, name)
+        if given is not None and given != value:
+            raise APIError(f"{name} is not supported; omit it or pass {value}", param=name, code="unsupported")
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported; omit it", param="logit_bias", code="unsupported")
+
+
+def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
+    """Refuse what cannot run: an empty prompt, ids outside the vocabulary, no room to generate."""
+    if not ids:
+        raise APIError(f"The prompt is empty; '{param}' must hold at least one token", param=param)
+    vocab = engine.tokenizer.vocab_size
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise APIError(f"'{param}' holds token id {bad}, outside the vocabulary 0..{vocab - 1}", param=param)
+    if len(ids) >= engine.max_seq_len:
+        raise APIError(
+            f"The prompt is {len(ids)} tokens; this model's maximum context is {engine.max_seq_len} tokens, "
+            "which must also hold at least one generated token. Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def check_stop_token_ids(ids: list[int] | None, engine: EngineClient) -> None:
+    vocab = engine.tokenizer.vocab_size
+    bad = next((i for i in ids or () if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise APIError(f"stop_token_ids holds {bad}, outside the vocabulary 0..{vocab - 1}", param="stop_token_ids")
+
+
+def resolve_max_tokens(
+    requested: int | None, prompt_len: int, max_seq_len: int, default: int | None, param: str
+) -> int:
+    """An explicit value must fit next to the prompt; an omitted one is `default` (or all the
+    room left), cut to the room left."""
+    room = max_seq_len - prompt_len
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested < 1:
+        raise APIError(f"{param} must be >= 1, got {requested}", param=param, code="invalid_value")
+    if requested > room:
+        raise APIError(
+            f"{param}={requested} does not fit: the prompt is {prompt_len} tokens and the maximum context is "
+            f"{max_seq_len}, so at most {room} tokens can be generated",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def base_params(req: SamplingFields, logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
+    """The request's sampling parameters (max_tokens and seed are set per choice later)."""
+    optional = {
+        name: getattr(req, name)
+        for name in ("temperature", "top_p", "top_k", "min_p")
+        if getattr(req, name) is not None
+    }
+    try:
+        return SamplingParams(
+            **optional,
+            seed=req.seed,
+            stop=req.stop_strings(),
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ParamError as err:
+        raise from_param_error(err, renames) from None
+
+
+def choices_for_prompt(
+    request_id: str, first_index: int, prompt_ids: list[int], params: SamplingParams, n: int, max_tokens: int
+) -> list[ChoiceSpec]:
+    """n choices of one prompt: engine ids `{request_id}-{index}`, seeds seed + i."""
+    specs = []
+    for i in range(n):
+        seed = None if params.seed is None else params.seed + i
+        index = first_index + i
+        choice_params = dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
+        specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params))
+    return specs
