@@ -51,11 +51,23 @@ def _units(tok) -> list[list[int]]:
     return units
 
 
-def _random_turn(rng: random.Random, units: list[list[int]]) -> list[int]:
-    ids: list[int] = []
-    for _ in range(rng.randint(0, 14)):
-        ids += rng.choice(units)
-    return ids
+def _random_turn(rng: random.Random, units: list[list[int]], tok) -> list[int]:
+    """Half the time random units; half the time a well-formed turn with random units spliced in and
+    a random cut (so unterminated sections and stray markup occur near real structure)."""
+    if rng.random() < 0.5:
+        ids: list[int] = []
+        for _ in range(rng.randint(0, 14)):
+            ids += rng.choice(units)
+        return ids
+    def markup(marker: str, tag: str) -> list[int]:
+        return [tok.token_id(marker)] + tok.encode(tag) + [tok.token_id(SEP)]
+    tools = tok.encode_segments(rng.choice([VALID_TOOLS, MALFORMED_TOOLS]))
+    parts = [tok.encode("I think"), markup(CLOSE, "think"), markup(OPEN, "response"), tok.encode("Hi é"),
+             markup(CLOSE, "response"), tools, markup(CLOSE, "message"), [tok.token_id(END_OF_MSG)]]
+    for _ in range(rng.randint(0, 2)):
+        parts.insert(rng.randint(0, len(parts)), rng.choice(units))
+    ids = [i for part in parts for i in part]
+    return ids[: rng.randint(0, len(ids))] if rng.random() < 0.5 else ids
 
 
 def _stream(tok, ids: list[int], rng: random.Random, thinking: bool, cut_chars: int | None = None):
@@ -102,7 +114,7 @@ def _without_ids(calls):
 def test_stream_parser_equals_whole_parse(tok, rng, thinking):
     units = _units(tok)
     for _ in range(400):
-        ids = _random_turn(rng, units)
+        ids = _random_turn(rng, units, tok)
         fields, _ = _stream(tok, ids, rng, thinking)
         whole = parse_assistant_output(ids, tokenizer=tok, thinking=thinking)
         assert (fields["reasoning"] or None) == whole.reasoning_content, tok.decode(ids)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine: GPU tests, the served gate and the micro-benchmarks, then a
+# summary table. Run there from the repo root (the device tool carries .whl/ with the wheels the
+# machine lacks: ../shared/tools/gpu-wheels fla-core==0.6.0 compressed-tensors ...):
+#   bash scripts/gpu_suite.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/mstar-gpu}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-site .whl/*.whl \
+        && export PYTHONPATH=/tmp/gpu-site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+
+declare -a rows
+run() {  # run NAME CMD...: record pass/fail and wall time
+    local name=$1; shift
+    local t0=$(date +%s.%N)
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    local dt=$(python3 -c "print(f'{$(date +%s.%N) - $t0:.1f}')")
+    rows+=("$(printf '%-28s %-6s %8ss' "$name" "$([ $rc = 0 ] && echo PASS || echo FAIL)" "$dt")")
+    tail -n 5 "$OUT/$name.log"
+}
+
+run gpu-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
+
+echo
+echo "== summary =="
+printf '%-28s %-6s %9s\n' check result wall
+for r in "${rows[@]}"; do echo "$r"; done
