@@ -14,7 +14,7 @@ What it generates depends on the prompt:
 - any other prompt gets words, then `<|end_of_msg|>`;
 - after the script, with ignore_eos, words forever (until max_tokens);
 - `[[slow]]` anywhere in the prompt: 10 ms per token; `[[engine-error]]`: the request fails
-  (finish_reason "error") after two tokens; `[[crash]]`: `generate` raises a RuntimeError (a bug).
+  (finish_reason "error") at its fifth token; `[[crash]]`: `generate` raises a RuntimeError (a bug).
 
 `active` holds the ids of requests being generated: leaving the iterator early (or `abort`) ends the
 request and records it in `aborted`, as the real `EngineClient.generate` does.
@@ -221,7 +221,7 @@ class FakeEngine:
                     finish = "length"
                 if finish is None and request_id in self._abort_requested:
                     finish = "abort"
-                if finish is None and fail and count == 2:
+                if finish is None and fail and count == 5:
                     finish, error = "error", "simulated engine failure"
                 if finish is not None and not isinstance(reason, str):
                     text += detok.finish()
