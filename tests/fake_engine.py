@@ -139,10 +139,8 @@ class FakeEngine:
 
     def script(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[int]:
         """The ids this engine generates for the prompt (endless: words follow the script)."""
-        if params.greedy:
-            seed = 0
-        else:
-            seed = params.seed if params.seed is not None else random.getrandbits(48)
+        seed = params.seed if params.seed is not None else random.getrandbits(48)
+        seed = 0 if params.greedy else seed
         digest = hashlib.sha256(repr((seed, prompt_ids)).encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "little"))
         prompt_text = self.tokenizer.decode(prompt_ids)

@@ -1,0 +1,185 @@
+"""`mstar-bench-serve`: a closed-loop serving sweep over HTTP, like any OpenAI client would drive it.
+
+For each concurrency C it keeps C streaming requests in flight until 8*C (by default) have finished,
+each with a random prompt of `--input-len` token ids and `--output-len` generated tokens
+(`ignore_eos`), and reports output tok/s, TTFT (mean, p50) and inter-token latency (mean, p99).
+Writes a markdown table (and a PNG plot when matplotlib is installed) under `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class RequestTiming:
+    ttft: float
+    itls: list[float]
+    output_tokens: int
+    latency: float
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    requests: int
+    duration: float
+    output_tokens: int
+    ttft_mean: float
+    ttft_p50: float
+    itl_mean: float
+    itl_p99: float
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.duration
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+                      extra: dict) -> RequestTiming:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
+            "ignore_eos": True, "return_token_ids": True, **extra}
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices", []):
+                n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+                if n:
+                    tokens += n
+                    arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    if not arrivals:
+        raise RuntimeError("the stream carried no tokens")
+    itls = [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    return RequestTiming(ttft=arrivals[0] - start, itls=itls, output_tokens=tokens, latency=end - start)
+
+
+async def run_level(url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int,
+                    vocab: int, extra: dict) -> LevelResult:
+    rng = random.Random(concurrency)
+    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
+    results: list[RequestTiming] = []
+    queue = list(prompts)
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        async def worker():
+            while queue:
+                prompt = queue.pop()
+                results.append(await one_request(client, url, model, prompt, output_len, extra))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        duration = time.perf_counter() - start
+    ttfts = [r.ttft for r in results]
+    itls = [x for r in results for x in r.itls]
+    return LevelResult(concurrency, len(results), duration, sum(r.output_tokens for r in results),
+                       statistics.fmean(ttfts), percentile(ttfts, 50),
+                       statistics.fmean(itls) if itls else float("nan"), percentile(itls, 99))
+
+
+def markdown(results: list[LevelResult], header: str) -> str:
+    lines = [header, "", "| C | requests | output tok/s | TTFT mean ms | TTFT p50 ms | ITL mean ms | ITL p99 ms |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.concurrency} | {r.requests} | {r.output_tok_s:.1f} | {r.ttft_mean * 1e3:.1f} | "
+                     f"{r.ttft_p50 * 1e3:.1f} | {r.itl_mean * 1e3:.2f} | {r.itl_p99 * 1e3:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[LevelResult], path: Path, title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    c = [r.concurrency for r in results]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    axes[0].plot(c, [r.output_tok_s for r in results], "o-")
+    axes[0].set_ylabel("output tok/s")
+    axes[1].plot(c, [r.ttft_mean * 1e3 for r in results], "o-", label="mean")
+    axes[1].plot(c, [r.ttft_p50 * 1e3 for r in results], "s--", label="p50")
+    axes[1].set_ylabel("TTFT ms")
+    axes[1].legend()
+    axes[2].plot(c, [r.itl_mean * 1e3 for r in results], "o-", label="mean")
+    axes[2].plot(c, [r.itl_p99 * 1e3 for r in results], "s--", label="p99")
+    axes[2].set_ylabel("ITL ms")
+    axes[2].legend()
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="mstar-bench-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64", help="comma-separated levels")
+    p.add_argument("--requests-per-level", type=int, default=8, help="requests = this x C")
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=512)
+    p.add_argument("--out", type=Path, default=Path("benchmarks"))
+    p.add_argument("--name", default="sweep", help="file stem for the table and plot")
+    p.add_argument("--label", default="", help="what was served (config, machine), for the table header")
+    args = p.parse_args(argv)
+    models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]
+    model = models[0]["id"]
+    vocab = 1000  # prompt ids are drawn from the low ids, which every K3 tokenizer has as BPE ranks
+    results = []
+    for c in [int(x) for x in args.concurrency.split(",")]:
+        r = asyncio.run(run_level(args.url, model, c, args.requests_per_level * c, args.input_len, args.output_len,
+                                  vocab, {}))
+        print(f"C={c}: {r.output_tok_s:.1f} output tok/s, TTFT mean {r.ttft_mean * 1e3:.0f} ms, "
+              f"ITL mean {r.itl_mean * 1e3:.1f} ms", file=sys.stderr, flush=True)
+        results.append(r)
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = (f"## {args.name}: {args.label or model} — {args.input_len} in / {args.output_len} out, "
+              f"{args.requests_per_level}·C requests per level (commit {git_commit()})\n\n"
+              f"Command: `mstar-bench-serve {' '.join(argv if argv is not None else sys.argv[1:])}`")
+    table = markdown(results, header)
+    (args.out / f"{args.name}.md").write_text(table)
+    if plot(results, args.out / f"{args.name}.png", f"{args.label or model}"):
+        print(f"wrote {args.out / (args.name + '.png')}", file=sys.stderr)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

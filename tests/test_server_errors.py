@@ -1,0 +1,169 @@
+"""Every kind of bad input is a 400 with an OpenAI error body that names the parameter; never a 500
+or a hang, and no engine request is left behind."""
+
+from __future__ import annotations
+
+import pytest
+from fake_engine import FakeEngine, shared_tokenizer
+from fastapi.testclient import TestClient
+
+from mstar.server import build_app
+
+MODEL = "kimi-k3-test"
+MAX_SEQ_LEN = 256
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return FakeEngine(shared_tokenizer(tmp_path_factory), max_seq_len=MAX_SEQ_LEN)
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(build_app(engine, served_model_name=MODEL)) as client:
+        yield client
+
+
+def long_text() -> str:
+    return "word " * (MAX_SEQ_LEN * 2)
+
+
+# (endpoint, body, expected param, a phrase of the message)
+BAD_REQUESTS = [
+    (COMPLETIONS, b"{not json", None, "not valid JSON"),
+    (COMPLETIONS, b"", None, "not valid JSON"),
+    (COMPLETIONS, b"[1, 2]", None, "must be a JSON object"),
+    (COMPLETIONS, {}, "prompt", "required"),
+    (COMPLETIONS, {"prompt": {"a": 1}}, "prompt", "prompt takes"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt", "prompt takes"),
+    (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": []}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": [[]]}, "prompt", "empty"),
+    (COMPLETIONS, {"prompt": ["ok", ""]}, "prompt[1]", "empty"),
+    (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": [-1]}, "prompt", "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": long_text()}, "prompt", "maximum context"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_SEQ_LEN}, "max_tokens", "does not fit"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": "10"}, "max_tokens", "valid integer"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "integer"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
+    (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
+    (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
+    (COMPLETIONS, {"prompt": "hi", "top_k": -2}, "top_k", ">= 0"),
+    (COMPLETIONS, {"prompt": "hi", "top_k": 100000}, "top_k", "vocabulary size"),  # the engine's own check
+    (COMPLETIONS, {"prompt": "hi", "min_p": 2}, "min_p", "[0, 1]"),
+    (COMPLETIONS, {"prompt": "hi", "n": 0}, "n", "greater than or equal to 1"),
+    (COMPLETIONS, {"prompt": "hi", "n": 1000}, "n", "less than or equal to 128"),
+    (COMPLETIONS, {"prompt": ["a"] * 100, "n": 3}, "n", "choices per request"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "20"),
+    (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs", "integer"),
+    (COMPLETIONS, {"prompt": "hi", "stop": ""}, "stop", "non-empty"),
+    (COMPLETIONS, {"prompt": "hi", "stop": [1]}, "stop", "stop takes"),
+    (COMPLETIONS, {"prompt": "hi", "stop": ["s"] * 17}, "stop", "at most 16"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids", "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "hi", "seed": "x"}, "seed", "integer"),
+    (COMPLETIONS, {"prompt": "hi", "seed": 2**64}, "seed", "less than or equal"),
+    (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream", "boolean"),
+    (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "bool"),
+    (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, "model", "does not exist"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    (CHAT, {}, "messages", "required"),
+    (CHAT, {"messages": []}, "messages", "at least one"),
+    (CHAT, {"messages": "hi"}, "messages", "valid list"),
+    (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "'user'"),
+    (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "content takes"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages", "text-only"),
+    (CHAT, {"messages": [{"role": "tool", "content": "result"}]}, "messages", "no tool name"),
+    (CHAT, {"messages": [{"role": "user", "content": long_text()}]}, "messages", "maximum context"),
+    (CHAT, {"messages": HI, "model": "other"}, "model", "does not exist"),
+    (CHAT, {"messages": HI, "max_tokens": 0}, "max_tokens", ">= 1"),
+    (CHAT, {"messages": HI, "max_completion_tokens": MAX_SEQ_LEN}, "max_completion_tokens", "does not fit"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
+    (CHAT, {"messages": HI, "logprobs": 3}, "logprobs", "boolean"),
+    (CHAT, {"messages": HI, "temperature": -0.5}, "temperature", ">= 0"),
+    (CHAT, {"messages": HI, "n": 0}, "n", "greater than or equal to 1"),
+    (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking", "bool"),
+    (CHAT, {"messages": HI, "chat_template_kwargs": {"thinkng": False}}, "chat_template_kwargs.thinkng", "Extra"),
+    (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking_effort": "extreme"}},
+     "chat_template_kwargs.thinking_effort", "not supported"),
+    (CHAT, {"messages": HI, "tools": [{"type": "retrieval"}]}, "tools[0].type", "'function'"),
+    (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name",
+     "at least 1"),
+    (CHAT, {"messages": HI, "tool_choice": "always"}, "tool_choice", "tool_choice takes"),
+    (CHAT, {"messages": HI, "tool_choice": "required"}, "tool_choice", "needs at least one tool"),
+    (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not declared"),
+    (CHAT, {"messages": HI, "stop_token_ids": [-3]}, "stop_token_ids", "outside the vocabulary"),
+    (CHAT, {"messages": HI, "frequency_penalty": 1.0}, "frequency_penalty", "not supported"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "phrase"), BAD_REQUESTS)
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_bad_request_is_400(client, engine, endpoint, body, param, phrase, stream):
+    if isinstance(body, dict):
+        if stream and "stream" not in body:
+            body = {**body, "stream": True}
+        response = client.post(endpoint, json=body)
+    else:
+        if stream:
+            pytest.skip("raw bodies have no stream flag")
+        response = client.post(endpoint, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert phrase in error["message"], error["message"]
+    assert not engine.active
+
+
+def test_neutral_unsupported_values_are_accepted(client):
+    body = {"prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "best_of": 1, "echo": False, "user": "u", "some_future_field": [1, 2]}
+    assert client.post(COMPLETIONS, json=body).status_code == 200
+
+
+def test_unknown_route_and_method(client):
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+    response = client.get(COMPLETIONS)
+    assert response.status_code == 405 and "message" in response.json()["error"]
+
+
+def test_invalid_requests_are_counted(client):
+    before = _invalid_count(client)
+    client.post(COMPLETIONS, json={"prompt": "hi", "top_p": 7})
+    client.post(COMPLETIONS, json={"prompt": "hi", "top_k": 100000})  # refused by the engine
+    assert _invalid_count(client) == before + 2
+
+
+def _invalid_count(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith('mstar_request_failure_total{reason="invalid_request"}'):
+            return float(line.split()[-1])
+    raise AssertionError("no invalid_request counter")
+
+
+def test_unhealthy_engine_is_503(client, engine):
+    engine.is_healthy = False
+    try:
+        response = client.post(COMPLETIONS, json={"prompt": "hi"})
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_unhealthy"
+        assert client.post(CHAT, json={"messages": HI}).status_code == 503
+        assert client.get("/health").status_code == 503
+    finally:
+        engine.is_healthy = True
+    assert client.get("/health").status_code == 200
