@@ -13,7 +13,8 @@ What it generates depends on the prompt:
   markup as plain text, `[[stray]]` text between the channels;
 - any other prompt gets words, then `<|end_of_msg|>`;
 - after the script, with ignore_eos, words forever (until max_tokens);
-- `[[slow]]` anywhere in the prompt: 10 ms per token; `[[engine-error]]`: the request fails
+- `[[slow]]` anywhere in the prompt: 10 ms per token; `[[late]]`: 5 s before the first token (a long
+  queue); `[[engine-error]]`: the request fails
   (finish_reason "error") at its fifth token; `[[crash]]`: `generate` raises a RuntimeError (a bug).
 
 `active` holds the ids of requests being generated: leaving the iterator early (or `abort`) ends the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from mstar.tools.train_bpe import train_tiny_tokenizer
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "naïve", "café", "日本語", "😀", "data", "value",
          "return", "import", "light", "seven", "forty", "über", "token"]
 SLOW_DELAY = 0.01
+LATE_DELAY = 5.0
 
 _TOKENIZERS: dict[str, KimiTokenizer] = {}
 
@@ -190,6 +193,7 @@ class FakeEngine:
         self.active.add(request_id)
         prompt_text = self.tokenizer.decode(prompt_ids)
         delay = SLOW_DELAY if "[[slow]]" in prompt_text else 0.0
+        first_delay = LATE_DELAY if "[[late]]" in prompt_text else delay
         fail = "[[engine-error]]" in prompt_text
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.stop_ids))
         hold = max((len(s) for s in params.stop), default=1) - 1
@@ -201,7 +205,7 @@ class FakeEngine:
         done = False
         try:
             for count, token in enumerate(self.script(prompt_ids, params), start=1):
-                await asyncio.sleep(delay)
+                await asyncio.sleep(first_delay if count == 1 else delay)
                 ids.append(token)
                 if params.logprobs is not None:
                     logprobs.append(self._logprob(token, count, params.logprobs))
@@ -242,3 +246,18 @@ class FakeEngine:
             self.active.discard(request_id)
             self._abort_requested.discard(request_id)
             (self.finished if done else self.aborted).append(request_id)
+
+
+# ---- shared by the server tests ----------------------------------------------------------------
+
+
+def sse(text: str) -> list:
+    """The events of an SSE body: parsed JSON objects, and the final "[DONE]"."""
+    events = []
+    for block in text.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events

@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_engine import EXPECTED_TOOL_CALLS, FakeEngine, shared_tokenizer
+from fake_engine import EXPECTED_TOOL_CALLS, FakeEngine, shared_tokenizer, sse
 from fastapi.testclient import TestClient
-from test_server_completions import sse
 
 from mstar.models.kimi_k3.chat import encode_chat, parse_assistant_output
 from mstar.server import build_app

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from fake_engine import FakeEngine, shared_tokenizer
+from fake_engine import FakeEngine, shared_tokenizer, sse
 from fastapi.testclient import TestClient
 
 from mstar.server import build_app
@@ -27,18 +25,6 @@ def engine(tok):
 def client(engine):
     with TestClient(build_app(engine, served_model_name=MODEL)) as client:
         yield client
-
-
-def sse(text: str) -> list:
-    """The events of an SSE body: parsed JSON objects, and the final "[DONE]"."""
-    events = []
-    for block in text.split("\n\n"):
-        if not block.strip():
-            continue
-        assert block.startswith("data: "), block
-        payload = block[len("data: ") :]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def complete(client, **body) -> dict:

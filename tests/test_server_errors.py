@@ -38,7 +38,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, b"[1, 2]", None, "must be a JSON object"),
     (COMPLETIONS, {}, "prompt", "required"),
     (COMPLETIONS, {"prompt": {"a": 1}}, "prompt", "prompt takes"),
-    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt", "prompt takes"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt[1]", "prompt takes"),
     (COMPLETIONS, {"prompt": ""}, "prompt", "empty"),
     (COMPLETIONS, {"prompt": []}, "prompt", "empty"),
     (COMPLETIONS, {"prompt": [[]]}, "prompt", "empty"),
@@ -52,6 +52,8 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "integer"),
     (COMPLETIONS, {"prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
     (COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, "temperature", "valid number"),
+    (COMPLETIONS, b'{"prompt": "hi", "temperature": Infinity}', "temperature", "finite number"),
+    (COMPLETIONS, b'{"prompt": "hi", "top_p": NaN}', "top_p", "finite number"),
     (COMPLETIONS, {"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     (COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, "top_p", "(0, 1]"),
     (COMPLETIONS, {"prompt": "hi", "top_k": -2}, "top_k", ">= 0"),
@@ -63,7 +65,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "logprobs": 21}, "logprobs", "20"),
     (COMPLETIONS, {"prompt": "hi", "logprobs": True}, "logprobs", "integer"),
     (COMPLETIONS, {"prompt": "hi", "stop": ""}, "stop", "non-empty"),
-    (COMPLETIONS, {"prompt": "hi", "stop": [1]}, "stop", "stop takes"),
+    (COMPLETIONS, {"prompt": "hi", "stop": [1]}, "stop[0]", "stop takes"),
     (COMPLETIONS, {"prompt": "hi", "stop": ["s"] * 17}, "stop", "at most 16"),
     (COMPLETIONS, {"prompt": "hi", "stop_token_ids": [10**7]}, "stop_token_ids", "outside the vocabulary"),
     (COMPLETIONS, {"prompt": "hi", "seed": "x"}, "seed", "integer"),
@@ -78,7 +80,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
     (CHAT, {}, "messages", "required"),
     (CHAT, {"messages": []}, "messages", "at least one"),
-    (CHAT, {"messages": "hi"}, "messages", "valid list"),
+    (CHAT, {"messages": "hi"}, "messages", "valid array"),
     (CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role", "'user'"),
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "content takes"),
@@ -93,9 +95,11 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, "top_logprobs", "20"),
     (CHAT, {"messages": HI, "logprobs": 3}, "logprobs", "boolean"),
     (CHAT, {"messages": HI, "temperature": -0.5}, "temperature", ">= 0"),
+    (CHAT, {"messages": HI, "top_k": 100000}, "top_k", "vocabulary size"),  # the engine's own check
     (CHAT, {"messages": HI, "n": 0}, "n", "greater than or equal to 1"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking", "bool"),
-    (CHAT, {"messages": HI, "chat_template_kwargs": {"thinkng": False}}, "chat_template_kwargs.thinkng", "Extra"),
+    (CHAT, {"messages": HI, "chat_template_kwargs": {"thinkng": False}}, "chat_template_kwargs.thinkng",
+     "not an accepted"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking_effort": "extreme"}},
      "chat_template_kwargs.thinking_effort", "not supported"),
     (CHAT, {"messages": HI, "tools": [{"type": "retrieval"}]}, "tools[0].type", "'function'"),
@@ -110,16 +114,18 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("endpoint", "body", "param", "phrase"), BAD_REQUESTS)
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+# Each JSON body also as a streaming request: the 400 must come before any event is sent.
+CASES = [(*case, stream) for case in BAD_REQUESTS for stream in (False, True)
+         if isinstance(case[1], dict) or not stream]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param", "phrase", "stream"), CASES)
 def test_bad_request_is_400(client, engine, endpoint, body, param, phrase, stream):
     if isinstance(body, dict):
         if stream and "stream" not in body:
             body = {**body, "stream": True}
         response = client.post(endpoint, json=body)
     else:
-        if stream:
-            pytest.skip("raw bodies have no stream flag")
         response = client.post(endpoint, content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]

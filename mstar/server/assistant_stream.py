@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from mstar.models.kimi_k3.chat import parse_assistant_output
 from mstar.models.kimi_k3.tokenizer import CLOSE, END_OF_MSG, EOS, OPEN, SEP, Segment
+from mstar.server.output_segments import merge_text
 
 # The tag grammar of `chat.py` (`_TAG`): a name, then ` key="value"` attributes.
 _TAG = re.compile(r'([A-Za-z_][\w-]*)((?: [A-Za-z_][\w-]*="[^"]*")*)')
@@ -168,7 +169,7 @@ class AssistantStreamParser:
     def _flush_tools(self, out: list[Piece]) -> None:
         """Parse the buffered section as the rest of a turn whose response channel just closed."""
         prefix = [Segment(CLOSE, control=True), Segment("response"), Segment(SEP, control=True)]
-        parsed = parse_assistant_output(prefix + self._tools, thinking=False)
+        parsed = parse_assistant_output(prefix + merge_text(self._tools), thinking=False)
         self._tools = None
         if parsed.reasoning_content:
             out.append(Piece("reasoning", parsed.reasoning_content))

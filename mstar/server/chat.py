@@ -27,16 +27,17 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mstar.engine.outputs import RequestOutput
+from mstar.engine.params import ParamError
 from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat, parse_assistant_output
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
 from mstar.server import responses
 from mstar.server.assistant_stream import AssistantStreamParser, Piece
 from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
-from mstar.server.errors import APIError
+from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs
-from mstar.server.output_segments import AlignedSegmenter
+from mstar.server.output_segments import AlignedSegmenter, merge_text
 from mstar.server.protocol import ChatCompletionRequest, NamedToolChoice, parse_request
 from mstar.server.sampling import (
     base_params,
@@ -87,6 +88,10 @@ def _prompt_ids(req: ChatCompletionRequest, tokenizer: KimiTokenizer) -> list[in
         return encode_chat(tokenizer, messages, tools, **options)
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The messages cannot be rendered for K3: {err}", param="messages") from None
+
+
+# Engine parameter names -> this endpoint's request fields, for the `param` of a 400.
+_ENGINE_NAMES = {"logprobs": "top_logprobs", "prompt": "messages"}
 
 
 def _cut_by_stop_string(out: RequestOutput) -> bool:
@@ -178,7 +183,7 @@ class _ChoiceOutput:
         self._segments += self._released(out)
 
     def whole(self) -> responses.ChatChoice:
-        parsed = parse_assistant_output(self._segments, thinking=self._thinking)
+        parsed = parse_assistant_output(merge_text(self._segments), thinking=self._thinking)
         tool_calls = [_tool_call(call) for call in parsed.tool_calls]
         content = parsed.content if parsed.content is not None or tool_calls else ""
         message = responses.AssistantMessage(
@@ -196,6 +201,13 @@ class _ChoiceOutput:
 
 
 async def create_chat_completion(request: Request, ctx: ServerContext) -> Response:
+    try:
+        return await _create(request, ctx)
+    except ParamError as err:  # from the engine's own validation: name this endpoint's field
+        raise from_param_error(err, _ENGINE_NAMES) from None
+
+
+async def _create(request: Request, ctx: ServerContext) -> Response:
     arrival = time.perf_counter()
     created = int(time.time())
     req = parse_request(await request.body(), ChatCompletionRequest)
@@ -208,7 +220,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = base_params(req, logprobs, renames={"logprobs": "top_logprobs"})
+    params = base_params(req, logprobs, renames=_ENGINE_NAMES)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param)
     request_id = new_request_id("chatcmpl")

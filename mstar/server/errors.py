@@ -121,8 +121,11 @@ def from_validation_error(err: ValidationError) -> APIError:
     # Among union alternatives, the one that got furthest says best what was wrong.
     best = max(errors, key=lambda e: len(e["loc"]))
     path, last_field = _field_path(best["loc"])
+    code = "invalid_type" if "type" in best["type"] else "invalid_value"
     if best["type"] == "missing":
-        message = f"'{path}' is required"
+        message, code = f"'{path}' is required", "missing_required_parameter"
+    elif best["type"] == "extra_forbidden":
+        message, code = f"'{path}' is not an accepted key", "unknown_parameter"
     else:
         message = f"'{path}': {best['msg']}"
         given = best.get("input")
@@ -130,7 +133,7 @@ def from_validation_error(err: ValidationError) -> APIError:
             message += f" (got {given!r})"
     if len(errors) > 1 and last_field in _UNION_HINTS:
         message += f"; {_UNION_HINTS[last_field]}"
-    return APIError(message, param=path or None, code="invalid_type" if "type" in best["type"] else "invalid_value")
+    return APIError(message, param=path or None, code=code)
 
 
 # ---- wiring -------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ def parse_request(raw: bytes, model: type[Body]) -> Body:
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -117,7 +117,7 @@ class ChatMessage(_Body):
 
 
 class FunctionDecl(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")  # extra keys are shown to the model as sent
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # extra keys reach the model
 
     name: str = Field(min_length=1)
     description: str | None = None

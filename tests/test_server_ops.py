@@ -1,0 +1,120 @@
+"""GET /health, /v1/models, /metrics."""
+
+from __future__ import annotations
+
+import pytest
+from fake_engine import FakeEngine, shared_tokenizer
+from fastapi.testclient import TestClient
+from prometheus_client import CollectorRegistry
+
+from mstar.engine.client import EngineStats
+from mstar.server import ServerMetrics, build_app
+
+MODEL = "kimi-k3-ops"
+METRIC_NAMES = [
+    "mstar_requests_running",
+    "mstar_requests_waiting",
+    "mstar_kv_pages_used",
+    "mstar_kv_pages_total",
+    "mstar_kv_pages_usage_ratio",
+    "mstar_kda_slots_used",
+    "mstar_kda_slots_total",
+    "mstar_kda_slots_usage_ratio",
+    "mstar_prompt_tokens_total",
+    "mstar_generation_tokens_total",
+    "mstar_request_success_total",
+    "mstar_request_failure_total",
+    "mstar_time_to_first_token_seconds_bucket",
+    "mstar_inter_token_latency_seconds_bucket",
+    "mstar_e2e_request_latency_seconds_bucket",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    return FakeEngine(shared_tokenizer(tmp_path_factory))
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    with TestClient(build_app(engine, served_model_name=MODEL)) as client:
+        yield client
+
+
+def metrics(client) -> dict[str, float]:
+    response = client.get("/metrics")
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_health(client, engine):
+    assert client.get("/health").status_code == 200
+    engine.is_healthy = False
+    try:
+        assert client.get("/health").status_code == 503
+    finally:
+        engine.is_healthy = True
+
+
+def test_models(client, engine):
+    body = client.get("/v1/models").json()
+    assert body["object"] == "list"
+    [card] = body["data"]
+    assert card["id"] == MODEL and card["object"] == "model" and card["owned_by"] == "mstar"
+    assert card["max_model_len"] == engine.max_seq_len and isinstance(card["created"], int)
+    assert client.get(f"/v1/models/{MODEL}").json()["id"] == MODEL
+    missing = client.get("/v1/models/other")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_metrics_names_and_engine_gauges(client):
+    values = metrics(client)
+    names = {name.split("{")[0] for name in values}
+    assert set(METRIC_NAMES) <= names
+    assert values["mstar_kv_pages_total"] == 64 and values["mstar_kda_slots_total"] == 16
+    assert values['mstar_request_success_total{finish_reason="stop"}'] >= 0
+
+
+def test_metrics_count_requests_and_latencies(client):
+    before = metrics(client)
+    prompt_tokens = client.post("/v1/completions", json={"prompt": "count me", "max_tokens": 5, "n": 2}).json()[
+        "usage"]["prompt_tokens"]
+    client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500,
+                                              "seed": 1})
+    after = metrics(client)
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("mstar_time_to_first_token_seconds_count") == 3
+    assert grew("mstar_e2e_request_latency_seconds_count") == 3
+    assert grew('mstar_request_success_total{finish_reason="length"}') == 2
+    assert grew('mstar_request_success_total{finish_reason="stop"}') == 1
+    generated = grew("mstar_generation_tokens_total")
+    assert generated > 10
+    assert grew("mstar_inter_token_latency_seconds_count") == generated - 3  # every token after each first
+    assert grew("mstar_prompt_tokens_total") > 2 * prompt_tokens
+
+
+def test_many_apps_have_their_own_registries(engine):
+    apps = [build_app(engine, served_model_name=f"m{i}") for i in range(3)]
+    shared = ServerMetrics(CollectorRegistry())
+    apps.append(build_app(engine, served_model_name="m", metrics=shared))
+    with TestClient(apps[-1]) as client:
+        client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert shared.generation_tokens._value.get() == 2
+
+
+def test_engine_stats_become_gauges():
+    metrics = ServerMetrics()
+    metrics.update_engine_stats(EngineStats(running=3, waiting=2, kv_pages_used=10, kv_pages_total=40,
+                                            kda_slots_used=1, kda_slots_total=4))
+    text = metrics.render().decode()
+    for line in ("mstar_requests_running 3.0", "mstar_requests_waiting 2.0", "mstar_kv_pages_usage_ratio 0.25",
+                 "mstar_kda_slots_usage_ratio 0.25"):
+        assert line in text
