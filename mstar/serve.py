@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import torch
+import uvicorn
 
 from mstar.config import ServeConfig, ServeConfigError, check_paths, load_serve_config, resolve_device
 from mstar.engine.async_engine import AsyncEngine
@@ -27,6 +28,15 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float64": torch.float64}
 TINY_NAMES = ("kimi_k3_tiny",)
 TENSOR_COMM_PROTOCOLS = ("SHM", "TCP", "NCCL", "GLOO")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn drains open requests on SIGTERM/SIGINT, then re-raises the signal so the process dies
+    by it; an orderly drain is a normal exit for mstar-serve, so it returns instead."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
@@ -94,12 +104,17 @@ def serve_main(argv: list[str] | None = None) -> None:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
-    import uvicorn
-
     from mstar.server.app import build_app
 
     app = build_app(engine, served_model_name=cfg.served_model_name)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=120))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         engine.shutdown()
+    log.info("drained and stopped")
+
+
+if __name__ == "__main__":
+    serve_main()

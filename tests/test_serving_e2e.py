@@ -1,0 +1,189 @@
+"""The real engine behind the real server on loopback: the `openai` client, 64 concurrent streams,
+disconnects, and `mstar-serve` itself (SIGTERM drains and exits 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer, wait_until
+
+from mstar.config import load_serve_config
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.serve import build_engine
+from mstar.server import build_app
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+MODEL = "kimi_k3_tiny"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=1024",
+                                     "resources.mla_kv.max_num_pages=512", "scheduler.max_num_batched_tokens=256"])
+    engine = build_engine(cfg)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    live = LiveServer(build_app(engine, served_model_name=MODEL))
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+def pools_empty(engine) -> bool:
+    s = engine.stats()
+    return s.running == 0 and s.waiting == 0 and s.kv_pages_used == 0 and s.kda_slots_used == 0
+
+
+def test_completions_greedy_equals_reference(client, engine, tiny_model):
+    prompt = engine.tokenizer.encode("def fibonacci(n):\n")
+    expect = greedy_generate(tiny_model, prompt, 12)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].token_ids == expect
+    assert r.choices[0].text == engine.tokenizer.decode(expect, skip_special=True)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 12
+
+
+def test_streaming_matches_non_streaming(client):
+    kw = dict(model=MODEL, prompt="import numpy as np\n", max_tokens=16, temperature=0,
+              extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kw).choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices)
+    assert streamed == whole
+
+
+def test_chat_stop_n_seed_logprobs(client, engine):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, n=3, temperature=0.9,
+                                       seed=7, logprobs=True, top_logprobs=2)
+    again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, n=3, temperature=0.9,
+                                           seed=7, logprobs=True, top_logprobs=2)
+    assert len(r.choices) == 3
+    assert [c.message for c in r.choices] == [c.message for c in again.choices]
+    for c in r.choices:
+        assert c.logprobs.content and all(len(t.top_logprobs) == 2 for t in c.logprobs.content)
+    text = client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=24, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    if len(text) > 8:
+        stop = text[4:7]
+        cut = client.completions.create(model=MODEL, prompt="x = 1\n", max_tokens=24, temperature=0, stop=[stop],
+                                        extra_body={"ignore_eos": True}).choices[0]
+        assert cut.text == text[: text.index(stop)] and cut.finish_reason == "stop"
+    assert wait_until(lambda: pools_empty(engine))
+
+
+def test_64_concurrent_streams_equal_sequential(server, engine):
+    prompts = [engine.tokenizer.encode(f"def f{i}(x):\n    return x * {i}\n") for i in range(64)]
+
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        ids: list[int] = []
+        async with client.stream("POST", server.url + "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    for choice in chunk["choices"]:
+                        ids += choice.get("token_ids") or []
+        return ids
+
+    async def run_all(parallel: bool) -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=80)) as client:
+            if parallel:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+            return [await one(client, p) for p in prompts[:8]]
+
+    concurrent = asyncio.run(run_all(True))
+    sequential = asyncio.run(run_all(False))
+    assert all(len(ids) == 8 for ids in concurrent)
+    assert concurrent[:8] == sequential
+    assert wait_until(lambda: pools_empty(engine))
+
+
+def test_disconnect_mid_stream_frees_pages_and_slot(server, engine):
+    body = {"model": MODEL, "prompt": "while True:\n", "max_tokens": 900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.Client(timeout=30) as client, client.stream("POST", server.url + "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert engine.stats().running == 1 and engine.stats().kv_pages_used > 0
+    assert wait_until(lambda: pools_empty(engine), timeout=10)
+
+
+def test_bad_input_is_a_400(server):
+    cases = [
+        b"{not json",
+        b'{"model": "kimi_k3_tiny", "prompt": "x", "max_tokens": "ten"}',
+        b'{"model": "other-model", "prompt": "x"}',
+        b'{"model": "kimi_k3_tiny", "prompt": "x", "temperature": -1}',
+        b'{"model": "kimi_k3_tiny", "prompt": [99999999]}',
+        b'{"model": "kimi_k3_tiny", "prompt": "x", "max_tokens": 5000}',
+    ]
+    for raw in cases:
+        r = httpx.post(server.url + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, (raw, r.text)
+        assert r.json()["error"]["message"]
+
+
+def test_mstar_serve_drains_on_sigterm(tiny_dir, tmp_path):
+    """The real entry point: start it, stream a request, SIGTERM mid-request: it finishes and exits 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.serve", "--config", str(CONFIG), "--port", str(port),
+                             f"checkpoint={tiny_dir}", "max_seq_len=1024", "resources.mla_kv.max_num_pages=256"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "mstar-serve did not come up"
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "class A:\n", "max_tokens": 64, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        got = 0
+        with httpx.Client(timeout=60) as client, client.stream("POST", url + "/v1/completions", json=body) as r:
+            for line in r.iter_lines():
+                if got == 0 and line.startswith("data: {"):
+                    proc.send_signal(signal.SIGTERM)
+                if line.startswith("data: {"):
+                    import json
+
+                    got += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+        assert got == 64
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
