@@ -137,20 +137,47 @@ def _fields(params: SamplingParams) -> dict:
     return {"temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k, "min_p": params.min_p}
 
 
-def _two_token_samples(pair: MarkovPair, method: str, anchor: int, drafts: int, one_hot_draft: bool):
-    """The first two emitted tokens of ROWS independent speculative decodes from `anchor`.
+def _decode_streams(pair: MarkovPair, method: str, anchor: int, drafts: int, one_hot_draft: bool,
+                    length: int) -> tuple[torch.Tensor, list]:
+    """The first `length` tokens of ROWS independent speculative decodes from `anchor`, and the verifies.
 
-    Rows that emit only one token in the first verify continue with a second verify from that token,
-    exactly as the engine would, so every row yields two tokens of the decoded stream.
+    Every round drafts from each row's last token and verifies with random per-row draft counts (so
+    padding is exercised); rows keep what they emit until they have `length` tokens, as the engine would.
     """
     generator = torch.Generator().manual_seed(_fresh_seed())
-    anchors = torch.full((ROWS,), anchor, dtype=torch.long)
-    num_drafts = torch.randint(0, drafts + 1, (ROWS,), generator=generator)  # per-row lengths, padding too
-    first_round = pair.speculate(method, anchors, drafts, num_drafts, one_hot_draft, generator)
-    first = first_round.tokens[:, 0]
-    second_round = pair.speculate(method, first, drafts, torch.full((ROWS,), drafts), one_hot_draft, generator)
-    second = torch.where(first_round.num_emitted >= 2, first_round.tokens[:, 1], second_round.tokens[:, 0])
-    return first, second, first_round, second_round
+    streams = torch.full((ROWS, length), -1, dtype=torch.long)
+    filled = torch.zeros(ROWS, dtype=torch.long)
+    last = torch.full((ROWS,), anchor, dtype=torch.long)
+    rows, rounds = torch.arange(ROWS), []
+    while int(filled.min()) < length:
+        num_drafts = torch.randint(0, drafts + 1, (ROWS,), generator=generator)
+        result = pair.speculate(method, last, drafts, num_drafts, one_hot_draft, generator)
+        for k in range(drafts + 1):
+            slot = filled + k
+            take = (k < result.num_emitted) & (slot < length)
+            streams[rows[take], slot[take]] = result.tokens[take, k]
+        filled = (filled + result.num_emitted).clamp(max=length)
+        last = streams[rows, filled - 1]
+        rounds.append(result)
+    return streams, rounds
+
+
+def _chi_square_bound(dof: int, z: float = 4.75) -> float:
+    """Wilson-Hilferty upper quantile of chi-square(dof) at a normal z (4.75: p ~ 1e-6)."""
+    c = 2 / (9 * dof)
+    return dof * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, float]:
+    """(statistic, 1e-6 bound) of observed counts against expected probabilities (cells < 5 pooled)."""
+    expected = probs.double().flatten() * counts.sum()
+    counts = counts.double().flatten()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum().view(1)])
+    expected = torch.cat([expected[~small], expected[small].sum().view(1)])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    return statistic, _chi_square_bound(int(keep.sum()) - 1)
 
 
 @pytest.mark.parametrize("one_hot_draft", [False, True], ids=["sampled-draft", "greedy-draft"])
@@ -160,27 +187,43 @@ def test_emitted_tokens_follow_the_target(method, one_hot_draft):
     vocab, drafts = 5, 3
     pair = MarkovPair(vocab, SamplingParams(temperature=0.7, top_p=0.9))
     anchor = random.randrange(vocab)
-    first, second, first_round, second_round = _two_token_samples(pair, method, anchor, drafts, one_hot_draft)
+    length = drafts + 1
+    streams, rounds = _decode_streams(pair, method, anchor, drafts, one_hot_draft, length)
 
+    # The first token and the first two, per probability (what a bug in the first positions would move).
     expected_first = pair.target[anchor]
     expected_joint = expected_first.unsqueeze(1) * pair.target  # P(x | anchor) P(y | x)
+    first, second = streams[:, 0], streams[:, 1]
     observed_first = torch.bincount(first, minlength=vocab).double() / ROWS
     observed_joint = torch.bincount(first * vocab + second, minlength=vocab * vocab).double().view(vocab, vocab) / ROWS
     first_error = (observed_first - expected_first.double()).abs().max().item()
     joint_error = (observed_joint - expected_joint.double()).abs().max().item()
-    print(f"{method} one_hot={one_hot_draft}: max |error| first {first_error:.4f}, joint {joint_error:.4f}")
+
+    # The whole first block's worth of tokens (a bug at a late position shows only here): chi-square, and
+    # exactly zero counts where the processed target has no mass (e.g. tokens top-p drops).
+    expected_stream = expected_first
+    for _ in range(length - 1):
+        expected_stream = expected_stream.unsqueeze(-1) * pair.target[(None,) * (expected_stream.dim() - 1)]
+    codes = (streams * vocab ** torch.arange(length - 1, -1, -1)).sum(-1)
+    counts = torch.bincount(codes, minlength=vocab**length)
+    statistic, bound = _chi_square(counts, expected_stream)
+    print(f"{method} one_hot={one_hot_draft}: max |error| first {first_error:.4f}, joint {joint_error:.4f}; "
+          f"{length}-token chi-square {statistic:.0f} (bound {bound:.0f})")
     assert first_error < TOLERANCE, (observed_first, expected_first)
     assert joint_error < TOLERANCE, (observed_joint, expected_joint)
+    assert int(counts[expected_stream.flatten() == 0].sum()) == 0
+    assert statistic < bound
 
     # The verifier really speculated (drafts accepted; sampled drafts also rejected), and the padding is -1.
-    accepted = torch.cat([first_round.num_accepted, second_round.num_accepted])
+    accepted = torch.cat([result.num_accepted for result in rounds])
     assert accepted.float().mean().item() > 0
     if not one_hot_draft:
-        assert bool((second_round.num_accepted < drafts).any())
-    emitted = first_round.num_emitted.unsqueeze(1)
-    positions = torch.arange(drafts + 1)
-    assert bool((first_round.tokens[positions.expand(ROWS, -1) >= emitted] == -1).all())
-    assert bool((first_round.tokens[positions.expand(ROWS, -1) < emitted] >= 0).all())
+        assert bool((accepted < drafts).any())
+    positions = torch.arange(drafts + 1).expand(ROWS, -1)
+    for result in rounds:
+        emitted = result.num_emitted.unsqueeze(1)
+        assert bool((result.tokens[positions >= emitted] == -1).all())
+        assert bool((result.tokens[positions < emitted] >= 0).all())
 
 
 def test_no_drafts_samples_from_the_target_row():

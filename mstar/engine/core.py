@@ -7,7 +7,7 @@ thread only (the async front end hands requests over through a queue).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,14 +16,27 @@ from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.request import Request, Status
-from mstar.engine.sampler import Sampler, SamplingBatch, request_generator
+from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
 from mstar.engine.scheduler import Scheduler, SchedulerConfig
+from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
+from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.spec.proposer import DSparkProposer
+from mstar.spec.schedule import DraftSchedule
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    draft: K3DSparkModel
+    speculative_tokens: int  # k: drafts per verify at the smallest batches
+    schedule: tuple[tuple[int, int], ...] = ()  # (max batch size, drafts); empty: k at every size
+    verify_method: str = "block"  # rule for sampled requests ("chain" or "block"); greedy ones use greedy
+    max_num_pages: int | None = None  # draft KV pages (default: as many as the target's)
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,7 @@ class EngineConfig:
     max_num_pages: int = 1024
     max_kda_slots: int = 65
     scheduler: SchedulerConfig = SchedulerConfig()
+    speculative: SpeculativeConfig | None = None
 
 
 class EngineCore:
@@ -51,11 +65,22 @@ class EngineCore:
         self.kv = PagedLatentKV(kinds.count("mla"), config.max_num_pages, config.page_size, cfg.kv_cache_width,
                                 dtype, device)
         la = cfg.linear_attn
+        spec = config.speculative
         self.pool = RecurrentStatePool(kinds.count("kda"), config.max_kda_slots, la.num_heads, la.head_dim,
                                        la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
-                                       dtype, device)
+                                       dtype, device, hidden_size=cfg.hidden_size,
+                                       max_block=spec.speculative_tokens + 1 if spec else 0)
         self.serving = ServingModel(model, self.kv, self.pool)
-        self.scheduler = Scheduler(config.scheduler, [self.kv, self.pool])
+        self.spec: Speculation | None = None
+        resources = [self.kv, self.pool]
+        if spec is not None:
+            proposer = DSparkProposer(spec.draft, model, num_pages=spec.max_num_pages or config.max_num_pages,
+                                      page_size=config.page_size)
+            schedule = DraftSchedule.from_config(spec.speculative_tokens, spec.schedule)
+            self.spec = Speculation(proposer, schedule, spec.verify_method)
+            resources.append(proposer)
+        self.scheduler = Scheduler(config.scheduler, resources,
+                                   drafts_for=self.spec.schedule.drafts_for if self.spec else None)
         self.sampler = Sampler()
         self.device = device
         self.requests: dict[str, Request] = {}
@@ -114,21 +139,35 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         decl = self.scheduler.schedule()
         if decl is not None:
-            logits = self.serving.forward(self._plan(decl))
+            drafts = self.spec.propose(decl, self.requests) if self.spec else {}
+            plan = self._plan(decl, drafts)
+            logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
+            new_tokens, decl = self._choose_tokens(decl, drafts, logits)
             self.scheduler.commit(decl)
-            self._record(decl, logits)
+            if self.spec:
+                self.spec.write_context(decl, taps, plan.seq_starts)
+            for s in decl.seqs:
+                self.requests[s.request_id].num_computed = s.committed_end
+            for request, tokens, logprobs in new_tokens:
+                self._append(request, tokens, logprobs)
         return self.drain_outputs()
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _plan(self, decl: StepDecl) -> BatchPlan:
-        starts = [0]
-        for s in decl.seqs:
+    def _plan(self, decl: StepDecl, drafts: dict[int, DraftProposal]) -> BatchPlan:
+        """Rows of all requests concatenated; verify rows feed their anchor then their drafts."""
+        starts, tokens, sample_rows = [0], [], []
+        for b, s in enumerate(decl.seqs):
+            tokens += s.token_ids
+            if b in drafts:
+                tokens += drafts[b].tokens.tolist()
             starts.append(starts[-1] + s.num_tokens)
-        tokens = [t for s in decl.seqs for t in s.token_ids]
-        sample_rows = [starts[b + 1] - 1 for b, s in enumerate(decl.seqs) if s.sample]
+            if s.verify:
+                sample_rows += range(starts[b], starts[b + 1])
+            elif s.sample:
+                sample_rows.append(starts[b + 1] - 1)
         return BatchPlan(
             input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
             seq_starts=tuple(starts),
@@ -136,33 +175,66 @@ class EngineCore:
             kv=self.kv.plan(decl),
             kda_slots=self.pool.plan(decl),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            verify=tuple(s.verify for s in decl.seqs),
         )
 
-    def _record(self, decl: StepDecl, logits: torch.Tensor) -> None:
-        sampled = [self.requests[s.request_id] for s in decl.seqs if s.sample]
-        for s in decl.seqs:
-            self.requests[s.request_id].num_computed = s.end
-        if not sampled:
-            return
-        batch = SamplingBatch.build([r.params for r in sampled], [r.generator for r in sampled], self.device)
-        result = self.sampler.sample(logits, batch)
-        tokens = result.token_ids.tolist()
-        requested = [r.params.logprobs for r in sampled]
-        logprobs = result.token_logprobs(requested) if any(k is not None for k in requested) else None
-        for i, request in enumerate(sampled):
-            self._append(request, tokens[i], logprobs[i] if logprobs else None)
+    def _choose_tokens(self, decl: StepDecl, drafts: dict[int, DraftProposal], logits: torch.Tensor
+                       ) -> tuple[list[tuple[Request, list[int], list[TokenLogprob] | None]], StepDecl]:
+        """Sample ordinary rows, verify speculative ones; return the new tokens per request and the
+        step with each verify row's accepted length (what commit keeps)."""
+        sampled: list[tuple[int, torch.Tensor]] = []  # (seq index, logits row)
+        verifying: list[tuple[int, torch.Tensor]] = []  # (seq index, [1 + drafts, V] rows)
+        row = 0
+        for b, s in enumerate(decl.seqs):
+            if s.verify:
+                verifying.append((b, logits[row : row + s.num_tokens]))
+                row += s.num_tokens
+            elif s.sample:
+                sampled.append((b, logits[row]))
+                row += 1
+        chosen: dict[int, list[int]] = {}
+        if sampled:
+            requests = [self.requests[decl.seqs[b].request_id] for b, _ in sampled]
+            batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], self.device)
+            picked = self.sampler.sample(torch.stack([x for _, x in sampled]), batch).token_ids.tolist()
+            chosen.update({b: [t] for (b, _), t in zip(sampled, picked, strict=True)})
+        seqs = list(decl.seqs)
+        if verifying:
+            vseqs = [decl.seqs[b] for b, _ in verifying]
+            results = self.spec.verify(vseqs, [self.requests[s.request_id] for s in vseqs],
+                                       [x for _, x in verifying], [drafts.get(b) for b, _ in verifying])
+            for (b, _), v in zip(verifying, results, strict=True):
+                chosen[b] = v.tokens
+                seqs[b] = replace(decl.seqs[b], accepted=v.num_accepted + 1)
+        rows = dict(sampled) | {b: x for b, x in verifying}
+        out = []
+        for b, tokens in sorted(chosen.items()):
+            request = self.requests[decl.seqs[b].request_id]
+            k = request.params.logprobs
+            logprobs = None
+            if k is not None:
+                block = rows[b] if rows[b].dim() == 2 else rows[b][None]
+                got = gather_logprobs(block[: len(tokens)].float(), torch.tensor(tokens, device=block.device), k)
+                logprobs = got.token_logprobs([k] * len(tokens))
+            out.append((request, tokens, logprobs))
+        return out, StepDecl(tuple(seqs))
 
-    def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
-        request.output_ids.append(token)
-        text = request.text.push(token)
-        reason, stop_reason = None, None
-        if token in request.stop_ids:
-            reason, stop_reason = "stop", token
-        elif request.text.stopped_by is not None:
-            reason, stop_reason = "stop", request.text.stopped_by
-        elif len(request.output_ids) >= request.params.max_tokens:
-            reason = "length"
-        self._emit(request, [token], text, [logprob] if logprob is not None else None)
+    def _append(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
+        """Emit new tokens up to the first stop; what follows a stop is dropped."""
+        text, kept, reason, stop_reason = "", 0, None, None
+        for token in tokens:
+            request.output_ids.append(token)
+            text += request.text.push(token)
+            kept += 1
+            if token in request.stop_ids:
+                reason, stop_reason = "stop", token
+            elif request.text.stopped_by is not None:
+                reason, stop_reason = "stop", request.text.stopped_by
+            elif len(request.output_ids) >= request.params.max_tokens:
+                reason = "length"
+            if reason is not None:
+                break
+        self._emit(request, tokens[:kept], text, logprobs[:kept] if logprobs is not None else None)
         if reason is not None:
             self._finish(request, reason, stop_reason)
 

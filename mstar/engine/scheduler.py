@@ -14,6 +14,7 @@ Waiting requests are admitted strictly first come, first served.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -38,9 +39,12 @@ class Resource(Protocol):
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, resources: list[Resource]):
+    def __init__(self, config: SchedulerConfig, resources: list[Resource],
+                 drafts_for: Callable[[int], int] | None = None):
+        """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts."""
         self.config = config
         self.resources = resources
+        self.drafts_for = drafts_for
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.num_preemptions = 0
@@ -88,7 +92,8 @@ class Scheduler:
 
     def _schedule_decode(self, batch: list[Request]) -> list[SeqStep]:
         while batch:
-            seqs = [self._seq(r, 1) for r in batch]
+            drafts = self.drafts_for(len(batch)) if self.drafts_for is not None else None
+            seqs = [self._decode_seq(r, drafts) for r in batch]
             if self._admit(seqs):
                 return seqs
             victim = self.running[-1]
@@ -135,6 +140,15 @@ class Scheduler:
         start = request.num_computed
         tokens = tuple(request.token_at(i) for i in range(start, start + n))
         return SeqStep(request.request_id, start, tokens, sample=start + n == request.num_tokens)
+
+    def _decode_seq(self, request: Request, drafts: int | None) -> SeqStep:
+        if drafts is None:
+            return self._seq(request, 1)
+        # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens.
+        room = request.params.max_tokens - len(request.output_ids) - 1
+        anchor = request.token_at(request.num_computed)
+        return SeqStep(request.request_id, request.num_computed, (anchor,), sample=True, verify=True,
+                       num_drafts=max(0, min(drafts, room)))
 
     def _admit(self, seqs: list[SeqStep]) -> bool:
         decl = StepDecl(tuple(seqs))

@@ -12,20 +12,37 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SeqStep:
-    """One request's rows in a step: `token_ids` continue after `num_computed` cached tokens."""
+    """One request's rows in a step: `token_ids` continue after `num_computed` cached tokens.
+
+    A verify row (speculative decoding) feeds its anchor token followed by `num_drafts` drafted
+    tokens, which the proposer fills in after admission; only the first `accepted` rows survive
+    verification, and commit records just those.
+    """
 
     request_id: str
     num_computed: int
     token_ids: tuple[int, ...]
     sample: bool  # the last row's logits pick the next token (end of prompt, or decode)
+    verify: bool = False  # a speculative decode row: rows stay pending until verification
+    num_drafts: int = 0
+    accepted: int | None = None  # rows kept after verification (None: all)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_drafts
 
     @property
     def end(self) -> int:
+        """Position after the last row this step feeds (what the caches must have room for)."""
         return self.num_computed + self.num_tokens
+
+    @property
+    def committed(self) -> int:
+        return self.num_tokens if self.accepted is None else self.accepted
+
+    @property
+    def committed_end(self) -> int:
+        return self.num_computed + self.committed
 
 
 @dataclass(frozen=True)
@@ -38,4 +55,4 @@ class StepDecl:
 
     @property
     def num_decode(self) -> int:
-        return sum(1 for s in self.seqs if s.num_computed > 0 and s.num_tokens == 1)
+        return sum(1 for s in self.seqs if s.num_computed > 0 and (s.verify or s.num_tokens == 1))

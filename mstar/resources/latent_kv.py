@@ -61,8 +61,10 @@ class PagedLatentKV:
         return LatentKVPlan(table.to(device), torch.tensor(slots, dtype=torch.long, device=device), lens.to(device))
 
     def commit(self, decl: StepDecl) -> None:
+        """Record the rows that survived: rejected draft rows stay in their pages, unread, and are
+        overwritten by the next step's rows at the same positions."""
         for s in decl.seqs:
-            self.lengths[s.request_id] = s.end
+            self.lengths[s.request_id] = s.committed_end
 
     def release(self, request_id: str) -> None:
         self.allocator.free(self.pages.pop(request_id, []))

@@ -202,7 +202,7 @@ def _valid_positions(num_drafts: torch.Tensor, drafts: int) -> torch.Tensor:
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
                   num_drafts: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
-    """Accept d_{j+1} while it equals argmax of raw target row j; then emit the argmax of the row after.
+    """Accept d_{j+1} while it equals the argmax of raw target row j, then emit the next row's argmax.
 
     At the first mismatch (column j) the emitted token is argmax of row j; with all n drafts accepted it
     is the bonus argmax of row n. Ties go to the lowest id, as in the sampler.

@@ -33,6 +33,7 @@ class BatchPlan:
     kv: LatentKVPlan
     kda_slots: torch.Tensor  # [B]
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+    verify: tuple[bool, ...] = ()  # [B] speculative rows: their KDA block stays pending
 
 
 class TorchMixerOps:
@@ -40,13 +41,22 @@ class TorchMixerOps:
 
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
+        """Replay each slot's accepted pending prefix from its checkpoint, then run the new rows:
+        folded into the state, or (verify rows) kept as the next pending prefix."""
         y = torch.empty_like(x)
         for b, slot in enumerate(plan.kda_slots.tolist()):
             rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
             state = KDAState(recurrent=pool.state[layer, slot], conv=pool.conv[layer, slot])
-            y[rows], new = attn(x[rows], state)
-            pool.state[layer, slot] = new.recurrent
-            pool.conv[layer, slot] = new.conv
+            pending = pool.prefix_len[slot]
+            if pending:
+                _, state = attn(pool.prefix_x[layer, slot, :pending], state)
+            if plan.verify and plan.verify[b]:
+                y[rows], _ = attn(x[rows], state)
+                pool.prefix_x[layer, slot, : x[rows].shape[0]] = x[rows]
+            else:
+                y[rows], state = attn(x[rows], state)
+            pool.state[layer, slot] = state.recurrent
+            pool.conv[layer, slot] = state.conv
         return y
 
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
@@ -73,8 +83,9 @@ class ServingModel:
         self.pool_index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
 
     @torch.no_grad()
-    def forward(self, plan: BatchPlan) -> torch.Tensor:
-        """Logits [S, vocab] of the sampled rows; caches and states advance by the step's tokens."""
+    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [S, vocab] of the sampled rows and, when asked, the DSpark taps of every row
+        ([N, len(tap_layers) * hidden]); caches and states advance by the step's rows."""
 
         def mix(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
             attn = self.model.model.layers[layer_idx].self_attn
@@ -83,5 +94,5 @@ class ServingModel:
                 return self.ops.kda(attn, index, x, plan, self.pool)
             return self.ops.mla(attn, index, x, plan, self.kv)
 
-        hidden, _ = self.model.model(plan.input_ids, mix)
-        return self.model.lm_head(hidden[plan.sample_rows])
+        hidden, taps = self.model.model(plan.input_ids, mix, tap_layers)
+        return self.model.lm_head(hidden[plan.sample_rows]), torch.cat(taps, dim=-1) if taps else None

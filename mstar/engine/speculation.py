@@ -1,0 +1,84 @@
+"""DSpark speculative decoding inside the engine step.
+
+Before the target runs, each verify row's drafts are proposed from the draft's context cache and
+the anchor (the last emitted token). The target then runs [anchor, d_1..d_k] for every verify row;
+`verify` keeps the drafts the target agrees with (greedy, or lossless rejection sampling) and adds
+the correction or bonus token. Commit keeps only the anchor and accepted rows: the target KV is
+trimmed by length, the KDA block stays a pending prefix of that length, and the draft's context
+gets rows for exactly those positions (written from the target's taps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engine.request import Request
+from mstar.engine.sampler import SamplingBatch
+from mstar.engine.step import SeqStep, StepDecl
+from mstar.models.dspark.model import DraftProposal
+from mstar.resources.latent_kv import LatentKVPlan
+from mstar.spec.proposer import DSparkProposer
+from mstar.spec.schedule import DraftSchedule
+from mstar.spec.verify import verify
+
+
+@dataclass
+class Verified:
+    tokens: list[int]  # accepted drafts, then the correction or bonus token
+    num_accepted: int
+
+
+class Speculation:
+    def __init__(self, proposer: DSparkProposer, schedule: DraftSchedule, method: str = "block"):
+        self.proposer = proposer
+        self.schedule = schedule
+        self.method = method
+        self.tap_layers = proposer.tap_layers
+        self.generator = torch.Generator(device=proposer.kv.cache.device)
+        self.draft_plan: LatentKVPlan | None = None
+        self.num_drafted = 0
+        self.num_accepted = 0
+
+    def propose(self, decl: StepDecl, requests: dict[str, Request]) -> dict[int, DraftProposal]:
+        """Drafts for every verify row of the step, keyed by row index in `decl`."""
+        self.draft_plan = self.proposer.kv.plan(decl)
+        drafts = {}
+        for b, s in enumerate(decl.seqs):
+            if s.verify and s.num_drafts:
+                r = requests[s.request_id]
+                context = self.proposer.context(self.draft_plan, b, s.num_computed)
+                drafts[b] = self.proposer.propose(context, s.token_ids[0], s.num_computed, s.num_drafts, r.params,
+                                                  r.generator)
+        return drafts
+
+    def verify(self, seqs: list[SeqStep], requests: list[Request], row_logits: list[torch.Tensor],
+               drafts: list[DraftProposal | None]) -> list[Verified]:
+        """Verify each row's block: `row_logits[i]` is [1 + num_drafts, V] target logits."""
+        width = max(s.num_drafts for s in seqs)
+        vocab = row_logits[0].shape[-1]
+        device = row_logits[0].device
+        logits = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
+        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+        probs = torch.zeros(len(seqs), width, vocab, dtype=torch.float32, device=device)
+        for i, (s, rows, d) in enumerate(zip(seqs, row_logits, drafts, strict=True)):
+            logits[i, : s.num_drafts + 1] = rows.float()
+            if d is not None:
+                tokens[i, : s.num_drafts] = d.tokens
+                probs[i, : s.num_drafts] = d.probs.float()
+        batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
+        result = verify(logits, tokens, probs, batch, self.method, [s.num_drafts for s in seqs], self.generator)
+        out = []
+        for s, emitted, n in zip(seqs, result.token_lists(), result.num_accepted.tolist(), strict=True):
+            self.num_drafted += s.num_drafts
+            self.num_accepted += n
+            out.append(Verified(emitted, n))
+        return out
+
+    def write_context(self, decl: StepDecl, taps: torch.Tensor, seq_starts: tuple[int, ...]) -> None:
+        self.proposer.write_context(decl, self.draft_plan, taps, seq_starts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
