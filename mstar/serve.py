@@ -19,7 +19,7 @@ import uvicorn
 
 from mstar.config import ServeConfig, ServeConfigError, check_paths, load_serve_config, resolve_device
 from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
 from mstar.engine.scheduler import SchedulerConfig
 
 log = logging.getLogger("mstar.serve")
@@ -41,7 +41,9 @@ class DrainingServer(uvicorn.Server):
 
 def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
     """Write the deterministic tiny checkpoints if a tiny config points at a folder that is missing."""
-    if cfg.checkpoint.exists() or cfg.checkpoint.name not in TINY_NAMES:
+    draft = cfg.model_kwargs.speculative_draft
+    missing = not cfg.checkpoint.exists() or (draft is not None and not draft.exists())
+    if not missing or cfg.checkpoint.name not in TINY_NAMES:
         return
     from mstar.tools.make_tiny import write_tiny
 
@@ -49,7 +51,7 @@ def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
     write_tiny(cfg.checkpoint.parent)
 
 
-def engine_config(cfg: ServeConfig) -> EngineConfig:
+def engine_config(cfg: ServeConfig, speculative: SpeculativeConfig | None = None) -> EngineConfig:
     s = cfg.scheduler
     return EngineConfig(
         max_seq_len=cfg.max_seq_len,
@@ -63,7 +65,22 @@ def engine_config(cfg: ServeConfig) -> EngineConfig:
             chunked_prefill=s.chunked_prefill,
             mixed_prefill_decode=cfg.model_kwargs.mixed_prefill_decode,
         ),
+        speculative=speculative,
     )
+
+
+def speculative_config(cfg: ServeConfig, dtype: torch.dtype, device: str) -> SpeculativeConfig | None:
+    kw = cfg.model_kwargs
+    if not kw.speculative_tokens:
+        return None
+    from mstar.models.dspark.model import K3DSparkModel
+
+    log.info("loading the DSpark draft %s (k=%d, schedule %s)", kw.speculative_draft, kw.speculative_tokens,
+             dict(kw.speculative_schedule) or "none")
+    draft = K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=dtype).to(device)
+    pages = cfg.resources.dspark_kv.max_num_pages if cfg.resources.dspark_kv else None
+    return SpeculativeConfig(draft=draft, speculative_tokens=kw.speculative_tokens,
+                             schedule=tuple(kw.speculative_schedule), max_num_pages=pages)
 
 
 def build_engine(cfg: ServeConfig, *, progress: bool | None = None) -> AsyncEngine:
@@ -72,16 +89,13 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None) -> AsyncEngi
 
     if cfg.tp_size != 1:
         raise ServeConfigError(f"tp_size={cfg.tp_size}: tensor parallelism is not available yet; use tp_size: 1")
-    if cfg.model_kwargs.speculative_tokens:
-        raise ServeConfigError("model_kwargs.speculative_tokens > 0: DSpark serving is not available yet; "
-                               "set it to 0 (and model_kwargs.speculative_schedule={})")
     ensure_tiny_checkpoint(cfg)
     check_paths(cfg)
     device = resolve_device(cfg)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
     model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
-    core = EngineCore(model, tokenizer, engine_config(cfg))
+    core = EngineCore(model, tokenizer, engine_config(cfg, speculative_config(cfg, _DTYPES[cfg.dtype], device)))
     return AsyncEngine(core, cfg.served_model_name).start()
 
 

@@ -187,3 +187,34 @@ def test_mstar_serve_drains_on_sigterm(tiny_dir, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_dspark_config_serves_greedy_identical_to_reference(tiny_dirs, tiny_model):
+    target_dir, draft_dir = tiny_dirs
+    cfg = load_serve_config(CONFIG.with_name("kimi_k3_tiny_dspark.yaml"),
+                            [f"checkpoint={target_dir}", f"model_kwargs.speculative_draft={draft_dir}",
+                             "max_seq_len=1024", "resources.mla_kv.max_num_pages=512",
+                             "resources.dspark_kv.max_num_pages=512", "scheduler.max_num_batched_tokens=512"])
+    engine = build_engine(cfg)
+    live = LiveServer(build_app(engine, served_model_name=MODEL))
+    live.start()
+    try:
+        prompts = [engine.tokenizer.encode(f"for i in range({i}):\n    print(i)\n") for i in range(8)]
+
+        async def one(client: httpx.AsyncClient, prompt: list[int]) -> list[int]:
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 20, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True}
+            r = await client.post(live.url + "/v1/completions", json=body)
+            return r.json()["choices"][0]["token_ids"]
+
+        async def run_all():
+            async with httpx.AsyncClient(timeout=120) as client:
+                return await asyncio.gather(*(one(client, p) for p in prompts))
+
+        got = asyncio.run(run_all())
+        assert got == [greedy_generate(tiny_model, p, 20) for p in prompts]
+        assert engine.core.spec.num_drafted > 0
+        assert wait_until(lambda: pools_empty(engine))
+    finally:
+        live.stop()
+        engine.shutdown()
