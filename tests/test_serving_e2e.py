@@ -214,6 +214,9 @@ def test_dspark_config_serves_greedy_identical_to_reference(tiny_dirs, tiny_mode
         got = asyncio.run(run_all())
         assert got == [greedy_generate(tiny_model, p, 20) for p in prompts]
         assert engine.core.spec.num_drafted > 0
+        metrics = httpx.get(live.url + "/metrics").text
+        assert "mstar_spec_mean_accepted_length" in metrics
+        assert 'mstar_spec_position_acceptance_rate{position="1"}' in metrics
         assert wait_until(lambda: pools_empty(engine))
     finally:
         live.stop()

@@ -9,10 +9,10 @@ import torch
 from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
-from mstar.engine.speculation import Speculation
-from mstar.models.dspark.model import DraftProposal, K3DSparkModel
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.spec.oracle import OracleSpeculation
 
 
 @pytest.fixture(scope="module")
@@ -58,40 +58,48 @@ def run(engine, jobs, params=lambda mt: SamplingParams(max_tokens=mt, temperatur
     return [got[f"r{i}"] for i in range(len(jobs))], steps
 
 
-class OracleSpeculation(Speculation):
-    """Drafts the reference continuation for a random number of tokens, then a wrong token: so every
-    accepted length 0..k occurs, and acceptance, trimming and the pending KDA prefix are exercised."""
-
-    def __init__(self, base: Speculation, references: dict[str, list[int]]):
-        super().__init__(base.proposer, base.schedule, base.method)
-        self.references = references
-
-    def propose(self, decl, requests):
-        super().propose(decl, requests)  # keeps the draft KV plan; the real drafts are replaced
-        drafts = {}
-        for b, s in enumerate(decl.seqs):
-            if s.verify and s.num_drafts:
-                full = self.references[s.request_id]
-                truth = full[s.num_computed + 1 : s.num_computed + 1 + s.num_drafts]
-                good = random.randint(0, s.num_drafts)
-                tokens = [t if i < good else (t + 1) % 1000 for i, t in enumerate(truth)]
-                vocab = self.proposer.config.vocab_size
-                t = torch.tensor(tokens)
-                probs = torch.nn.functional.one_hot(t, vocab).float()
-                drafts[b] = DraftProposal(tokens=t, probs=probs, logits=probs, base_logits=probs,
-                                          hidden=torch.zeros(len(tokens), 1), confidence=None, greedy=True)
-        return drafts
+def oracle_engine(model, tokenizer, draft, jobs, k, error_rate, schedule=(), **sched):
+    engine = make_engine(model, tokenizer, draft, k=k, schedule=schedule, **sched)
+    references = {f"r{i}": p + ref for i, (p, _, ref) in enumerate(jobs)}
+    engine.spec = OracleSpeculation(engine.spec, references, error_rate)
+    return engine
 
 
+def assert_pools_empty(engine):
+    assert engine.kv.allocator.num_used == 0 and engine.pool.num_used == 0
+    assert engine.spec.proposer.kv.allocator.num_used == 0 and not engine.spec.proposer.kv.pages
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
 @pytest.mark.parametrize("mixed", [True, False])
-def test_oracle_drafts_accept_every_length_and_match_reference(tiny_model, tokenizer, draft, jobs, mixed):
-    engine = make_engine(tiny_model, tokenizer, draft, k=5, mixed_prefill_decode=mixed)
-    engine.spec = OracleSpeculation(engine.spec, {f"r{i}": p + ref for i, (p, _, ref) in enumerate(jobs)})
+def test_oracle_drafts_match_reference(tiny_model, tokenizer, draft, jobs, k, mixed):
+    engine = oracle_engine(tiny_model, tokenizer, draft, jobs, k, error_rate=0.25, mixed_prefill_decode=mixed)
     outputs, _ = run(engine, jobs)
     assert outputs == [ref for _, _, ref in jobs]
-    assert engine.spec.num_accepted > 0 and engine.spec.num_accepted < engine.spec.num_drafted
-    assert engine.kv.allocator.num_used == 0 and engine.pool.num_used == 0
-    assert engine.spec.proposer.kv.allocator.num_used == 0
+    assert 0 < engine.spec.num_accepted < engine.spec.num_drafted
+    assert_pools_empty(engine)
+
+
+def test_schedule_switches_k_as_the_batch_grows_and_shrinks(tiny_model, tokenizer, draft, jobs):
+    schedule = ((2, 7), (4, 4), (6, 1), (8, 0))
+    engine = oracle_engine(tiny_model, tokenizer, draft, jobs, 7, error_rate=0.1, schedule=schedule)
+    seen = set()
+    real_schedule = engine.scheduler.schedule
+
+    def spy():
+        decl = real_schedule()
+        if decl is not None:
+            verify = [s for s in decl.seqs if s.verify]
+            if verify:
+                seen.add((len(verify), max(s.num_drafts for s in verify)))
+        return decl
+
+    engine.scheduler.schedule = spy
+    outputs, _ = run(engine, jobs)
+    assert outputs == [ref for _, _, ref in jobs]
+    drafts_used = {k for _, k in seen}
+    assert {7, 4}.issubset(drafts_used) and (1 in drafts_used or 0 in drafts_used), seen
+    assert_pools_empty(engine)
 
 
 def test_real_draft_greedy_equals_speculation_off(tiny_model, tokenizer, draft, jobs):

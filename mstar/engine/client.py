@@ -24,6 +24,19 @@ class EngineStats:
     kv_pages_total: int
     kda_slots_used: int
     kda_slots_total: int
+    # Speculative decoding, cumulative since start (all zero without a draft).
+    spec_verify_rows: int = 0  # verify rows run (each emits accepted drafts + 1 token)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_by_position: tuple[int, ...] = ()  # [i]: verify rows that proposed draft i+1
+    spec_accepted_by_position: tuple[int, ...] = ()  # [i]: rows whose draft i+1 was accepted
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verify row (accepted drafts plus the correction or bonus token)."""
+        if not self.spec_verify_rows:
+            return 0.0
+        return (self.spec_accepted_tokens + self.spec_verify_rows) / self.spec_verify_rows
 
 
 class EngineClient(Protocol):

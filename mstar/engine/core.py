@@ -126,6 +126,7 @@ class EngineCore:
         return self.scheduler.has_work() or bool(self._pending_outputs)
 
     def stats(self) -> EngineStats:
+        spec = self.spec
         return EngineStats(
             running=len(self.scheduler.running),
             waiting=len(self.scheduler.waiting),
@@ -133,6 +134,11 @@ class EngineCore:
             kv_pages_total=self.kv.allocator.capacity,
             kda_slots_used=self.pool.num_used,
             kda_slots_total=self.pool.capacity,
+            spec_verify_rows=spec.num_rows if spec else 0,
+            spec_draft_tokens=spec.num_drafted if spec else 0,
+            spec_accepted_tokens=spec.num_accepted if spec else 0,
+            spec_drafted_by_position=tuple(spec.drafted_by_position) if spec else (),
+            spec_accepted_by_position=tuple(spec.accepted_by_position) if spec else (),
         )
 
     # --- one step ---------------------------------------------------------------------------

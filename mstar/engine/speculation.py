@@ -38,8 +38,12 @@ class Speculation:
         self.tap_layers = proposer.tap_layers
         self.generator = torch.Generator(device=proposer.kv.cache.device)
         self.draft_plan: LatentKVPlan | None = None
+        self.num_rows = 0
         self.num_drafted = 0
         self.num_accepted = 0
+        k = schedule.max_drafts
+        self.drafted_by_position = [0] * k
+        self.accepted_by_position = [0] * k
 
     def propose(self, decl: StepDecl, requests: dict[str, Request]) -> dict[int, DraftProposal]:
         """Drafts for every verify row of the step, keyed by row index in `decl`."""
@@ -71,10 +75,17 @@ class Speculation:
         result = verify(logits, tokens, probs, batch, self.method, [s.num_drafts for s in seqs], self.generator)
         out = []
         for s, emitted, n in zip(seqs, result.token_lists(), result.num_accepted.tolist(), strict=True):
-            self.num_drafted += s.num_drafts
-            self.num_accepted += n
+            self._count(s.num_drafts, n)
             out.append(Verified(emitted, n))
         return out
+
+    def _count(self, drafted: int, accepted: int) -> None:
+        self.num_rows += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
 
     def write_context(self, decl: StepDecl, taps: torch.Tensor, seq_starts: tuple[int, ...]) -> None:
         self.proposer.write_context(decl, self.draft_plan, taps, seq_starts)

@@ -40,6 +40,16 @@ class ServerMetrics:
         self.kda_slots_used = Gauge("mstar_kda_slots_used", "KDA recurrent-state slots in use.", registry=r)
         self.kda_slots_total = Gauge("mstar_kda_slots_total", "KDA recurrent-state slots in all.", registry=r)
         self.kda_slots_usage = Gauge("mstar_kda_slots_usage_ratio", "Fraction of KDA slots in use (0..1).", registry=r)
+        self.spec_verify_rows = Gauge("mstar_spec_verify_rows", "Speculative verify rows run (cumulative).",
+                                      registry=r)
+        self.spec_draft_tokens = Gauge("mstar_spec_draft_tokens", "Draft tokens proposed (cumulative).", registry=r)
+        self.spec_accepted_tokens = Gauge("mstar_spec_accepted_tokens", "Draft tokens accepted (cumulative).",
+                                          registry=r)
+        self.spec_mean_accepted_length = Gauge(
+            "mstar_spec_mean_accepted_length", "Tokens emitted per verify row: accepted drafts + 1.", registry=r)
+        self.spec_position_acceptance = Gauge(
+            "mstar_spec_position_acceptance_rate", "Fraction of verify rows that proposed draft `position` and "
+            "had it accepted.", ["position"], registry=r)
         self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of started requests.", registry=r)
         self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(
@@ -75,6 +85,15 @@ class ServerMetrics:
         self.kda_slots_used.set(stats.kda_slots_used)
         self.kda_slots_total.set(stats.kda_slots_total)
         self.kda_slots_usage.set(stats.kda_slots_used / stats.kda_slots_total if stats.kda_slots_total else 0.0)
+        if stats.spec_verify_rows:
+            self.spec_verify_rows.set(stats.spec_verify_rows)
+            self.spec_draft_tokens.set(stats.spec_draft_tokens)
+            self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
+            self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)
+            for i, (drafted, accepted) in enumerate(zip(stats.spec_drafted_by_position,
+                                                        stats.spec_accepted_by_position, strict=True)):
+                if drafted:
+                    self.spec_position_acceptance.labels(position=str(i + 1)).set(accepted / drafted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
