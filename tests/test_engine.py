@@ -171,3 +171,27 @@ def test_pool_too_small_for_max_seq_len_is_a_config_error(tiny_model, tokenizer)
     with pytest.raises(ValueError, match="max_num_pages"):
         make_engine(tiny_model, tokenizer, pages=8)
 
+
+
+def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer):
+    engine = make_engine(tiny_model, tokenizer)
+    forward = engine.serving.forward
+
+    def poisoned(plan, tap_layers=()):
+        logits, taps = forward(plan, tap_layers)
+        if "bad" in engine.requests and engine.requests["bad"].output_ids:
+            logits = logits.clone()
+            logits[:, 7] = float("nan")  # every sampled row; only "bad" is still running by then
+        return logits, taps
+
+    engine.serving.forward = poisoned
+    engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    engine.add_request("bad", [4, 5, 6], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    outs = {}
+    while engine.has_work():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    assert outs["good"][-1].finish_reason == "length"
+    last = outs["bad"][-1]
+    assert last.finish_reason == "error" and "non-finite" in last.error
+    assert_pools_empty(engine)

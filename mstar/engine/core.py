@@ -86,6 +86,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self._poisoned: list[Request] = []
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
 
     # --- requests ---------------------------------------------------------------------------
@@ -156,6 +157,9 @@ class EngineCore:
                 self.requests[s.request_id].num_computed = s.committed_end
             for request, tokens, logprobs in new_tokens:
                 self._append(request, tokens, logprobs)
+            for request in self._poisoned:
+                self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
+            self._poisoned.clear()
         return self.drain_outputs()
 
     def drain_outputs(self) -> list[RequestOutput]:
@@ -190,21 +194,26 @@ class EngineCore:
         step with each verify row's accepted length (what commit keeps)."""
         sampled: list[tuple[int, torch.Tensor]] = []  # (seq index, logits row)
         verifying: list[tuple[int, torch.Tensor]] = []  # (seq index, [1 + drafts, V] rows)
+        finite = torch.isfinite(logits).all(-1).tolist()
+        seqs = list(decl.seqs)
         row = 0
         for b, s in enumerate(decl.seqs):
-            if s.verify:
-                verifying.append((b, logits[row : row + s.num_tokens]))
-                row += s.num_tokens
+            n = s.num_tokens if s.verify else int(s.sample)
+            if not all(finite[row : row + n]):
+                # Never sample garbage: this request ends with an error; the others go on.
+                self._poisoned.append(self.requests[s.request_id])
+                seqs[b] = replace(s, accepted=0) if s.verify else s
+            elif s.verify:
+                verifying.append((b, logits[row : row + n]))
             elif s.sample:
                 sampled.append((b, logits[row]))
-                row += 1
+            row += n
         chosen: dict[int, list[int]] = {}
         if sampled:
             requests = [self.requests[decl.seqs[b].request_id] for b, _ in sampled]
             batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], self.device)
             picked = self.sampler.sample(torch.stack([x for _, x in sampled]), batch).token_ids.tolist()
             chosen.update({b: [t] for (b, _), t in zip(sampled, picked, strict=True)})
-        seqs = list(decl.seqs)
         if verifying:
             vseqs = [decl.seqs[b] for b, _ in verifying]
             results = self.spec.verify(vseqs, [self.requests[s.request_id] for s in vseqs],
@@ -272,11 +281,15 @@ class EngineCore:
     def fail_all(self, message: str) -> None:
         """Finish every request with an error (the step raised): nothing waits forever."""
         for request in list(self.requests.values()):
-            request.status = Status.FINISHED
-            request.finish_reason = "error"
-            self.scheduler.release(request)
-            del self.requests[request.request_id]
-            out = RequestOutput(request.request_id, [], "", finished=True, finish_reason="error",
-                                num_prompt_tokens=len(request.prompt_ids),
-                                num_output_tokens=len(request.output_ids), error=message)
-            self._pending_outputs.append(out)
+            self._fail(request, message)
+
+    def _fail(self, request: Request, message: str) -> None:
+        if request.finished:
+            return
+        request.status = Status.FINISHED
+        request.finish_reason = "error"
+        self.scheduler.release(request)
+        del self.requests[request.request_id]
+        self._pending_outputs.append(RequestOutput(
+            request.request_id, [], "", finished=True, finish_reason="error",
+            num_prompt_tokens=len(request.prompt_ids), num_output_tokens=len(request.output_ids), error=message))
