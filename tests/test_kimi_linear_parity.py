@@ -7,6 +7,7 @@ safetensors checkpoint, loaded by mstar, and both models' logits compared.
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -61,6 +62,14 @@ def to_original_names(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Te
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    # transformers runs fla's Triton KDA kernels whenever `fla` imports (it does wherever triton is
+    # installed); they cannot run on a CPU, so hide fla and let transformers use its pure-torch KDA.
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "fla", None)
+        yield _build_pair(tmp_path_factory)
+
+
+def _build_pair(tmp_path_factory):
     cfg = transformers.KimiLinearConfig(**TINY_KIMI_LINEAR)
     ref = transformers.KimiLinearForCausalLM(cfg).eval()
     ref.set_attn_implementation("eager")
