@@ -91,7 +91,33 @@ class SchedulerConfig:
     # Split prompts longer than the token budget over several steps. Off: a prompt prefills in one
     # step, so the budget must hold max_seq_len tokens.
     chunked_prefill: bool = True
-    max_waiting: int = 1024  # requests queued for admission; more are refused (HTTP 503)
+    # Requests queued for admission. The server admits at most max_num_seqs + max_waiting engine
+    # requests (one per choice) at once and answers 429 with Retry-After beyond that.
+    max_waiting: int = 1024
+
+
+ApiKeys = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ServerSection:
+    """`server`: the HTTP front end's access control and per-request limits (see README, Operating)."""
+
+    # Bearer keys accepted on every /v1/* route (any one of them). Empty: no key needed, unless
+    # `mstar-serve --api-key` or the MSTAR_API_KEY environment variable gives some (all are merged).
+    # Prefer the environment variable: a key in a config file or on a command line is easier to leak.
+    api_keys: ApiKeys = ()
+    protect_health: bool = False  # GET /health needs a key too (when keys are set); default open for probes
+    protect_metrics: bool = False  # GET /metrics needs a key too (when keys are set)
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused with 413
+    max_n: int = 16  # choices per prompt (`n`); more is a 400
+    max_tokens: int = 0  # cap on max_tokens / max_completion_tokens (also the omitted default); 0: the context
+    retry_after_s: int = 1  # the Retry-After header of a 429 (engine requests beyond the waiting queue)
+    # Consecutive failed engine steps after which the engine gives up: mstar-serve then exits with
+    # status 3 (for a supervisor to restart it). A single failed step fails the requests in flight
+    # with an error and the server goes on.
+    max_step_failures: int = 3
+    log_requests: bool = False  # log each request's prompt and parameters (never logged otherwise)
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,7 @@ class ServeConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     model_kwargs: ModelKwargs = field(default_factory=ModelKwargs)
+    server: ServerSection = field(default_factory=ServerSection)
 
     @property
     def speculative(self) -> bool:
@@ -158,6 +185,8 @@ def _plain(value: Any) -> Any:
         return {f.name: _plain_field(f.name, getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, Path):
         return str(value)
+    if isinstance(value, tuple):
+        return list(value)
     return value
 
 
@@ -375,6 +404,8 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         return _build(section, value, key)
     if hint == DraftSchedule:
         return _parse_schedule(value, key)
+    if hint == ApiKeys:
+        return _parse_api_keys(value, key)
     if get_origin(hint) is Literal:
         choices = get_args(hint)
         if value not in choices:
@@ -413,6 +444,29 @@ def _parse_schedule(value: Any, key: str) -> DraftSchedule:
     return tuple(sorted(value.items()))
 
 
+def _parse_api_keys(value: Any, key: str) -> ApiKeys:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise ServeConfigError(f"'{key}' must be a list of key strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        problem = api_key_problem(item)
+        if problem:
+            raise ServeConfigError(f"'{key}[{i}]' {problem}")
+    return tuple(value)
+
+
+def api_key_problem(item: Any) -> str | None:
+    """What is wrong with an API key (None when it can be used); the key itself is never quoted."""
+    if not isinstance(item, str):
+        return f"must be a string, got {type(item).__name__}"
+    if not item:
+        return "is empty; give a non-empty key"
+    if any(c.isspace() or c == "," or not c.isprintable() for c in item):
+        return "holds whitespace, a comma or an unprintable character; keys are single printable tokens"
+    return None
+
+
 # --- validation -------------------------------------------------------------------------------
 
 _AT_LEAST = {
@@ -427,6 +481,14 @@ _AT_LEAST = {
     "scheduler.max_num_batched_tokens": 1,
     "scheduler.max_waiting": 1,
     "model_kwargs.speculative_tokens": 0,
+    "server.max_body_bytes": 1024,
+    "server.max_n": 1,
+    "server.max_tokens": 0,
+    "server.retry_after_s": 1,
+    "server.max_step_failures": 1,
+}
+_AT_MOST = {
+    "server.max_n": 128,  # OpenAI's own bound, and what the request schema allows at most
 }
 
 
@@ -443,6 +505,10 @@ def validate(cfg: ServeConfig) -> None:
         value = _get(cfg, key)
         if value is not None and value < least:
             raise ServeConfigError(f"'{key}' must be >= {least}, got {value}")
+    for key, most in _AT_MOST.items():
+        value = _get(cfg, key)
+        if value is not None and value > most:
+            raise ServeConfigError(f"'{key}' must be <= {most}, got {value}")
     _validate_scheduler(cfg)
     _validate_pools(cfg)
     _validate_speculation(cfg)

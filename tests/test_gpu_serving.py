@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
@@ -15,17 +16,27 @@ from mstar.models.kimi_k3.weights import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_cuda_served_greedy_equals_cpu_reference(tiny_dir, tiny_model):
+@pytest.mark.parametrize("kernels", ["torch", "auto"])
+@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_cuda_served_greedy_equals_cpu_reference(tiny_dirs, tiny_model, kernels, speculative, batch):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32: TF32 would change near-tied argmaxes
     torch.backends.cudnn.allow_tf32 = False
+    tiny_dir, draft_dir = tiny_dirs
     gpu_model = load_model(tiny_dir, dtype=torch.float32, device="cuda")
     tokenizer = KimiTokenizer.from_dir(tiny_dir)
+    spec = None
+    if speculative:
+        draft = K3DSparkModel.from_checkpoint(draft_dir, dtype=torch.float32).to("cuda")
+        spec = SpeculativeConfig(draft=draft, speculative_tokens=7, schedule=((4, 7), (16, 3)))
     engine = EngineCore(gpu_model, tokenizer, EngineConfig(
         max_seq_len=512, page_size=16, max_num_pages=512, max_kda_slots=17,
-        scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128)))
+        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=128), speculative=spec,
+        kernels=kernels))
     rng = random.Random()
     jobs = []
-    for i, n in enumerate([1, 7, 16, 17, 40, 100, 200, 300]):
+    lengths = [1, 7, 16, 17, 40, 100, 200, 300][: max(2, batch // 2)]
+    for i, n in enumerate(lengths):
         prompt = [rng.randrange(1000) for _ in range(n)]
         max_tokens = rng.randint(4, 24)
         jobs.append((prompt, greedy_generate(tiny_model, prompt, max_tokens)))
@@ -37,3 +48,5 @@ def test_cuda_served_greedy_equals_cpu_reference(tiny_dir, tiny_model):
     for i, (prompt, expect) in enumerate(jobs):
         assert got[f"r{i}"] == expect, f"prompt of {len(prompt)} tokens"
     assert engine.kv.allocator.num_used == 0 and engine.pool.num_used == 0
+    if speculative:
+        assert engine.spec.num_drafted > 0

@@ -21,8 +21,9 @@ from mstar.engine.scheduler import Scheduler, SchedulerConfig
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
+from mstar.models.kimi_k3.gpu_ops import default_mixer_ops
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -47,6 +48,7 @@ class EngineConfig:
     max_kda_slots: int = 65
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
+    kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
 
 
 class EngineCore:
@@ -70,7 +72,8 @@ class EngineCore:
                                        la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
                                        dtype, device, hidden_size=cfg.hidden_size,
                                        max_block=spec.speculative_tokens + 1 if spec else 0)
-        self.serving = ServingModel(model, self.kv, self.pool)
+        ops = default_mixer_ops(device) if config.kernels == "auto" else TorchMixerOps()
+        self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
         if spec is not None:

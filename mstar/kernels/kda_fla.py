@@ -1,0 +1,122 @@
+"""KDA layers of a ragged batch on the GPU through fla-core, with state in the `RecurrentStatePool`.
+
+One call runs every sequence of a step at once:
+  1. projections of all rows (one GEMM each), the short causal conv continued from each slot's
+     window (batched over sequences by padding), SiLU;
+  2. the delta-rule recurrence in fla's kernels, varlen over `cu_seqlens`, starting from the states
+     gathered from the pool slots: `chunk_kda` when some sequence has many rows (prefill chunks),
+     the recurrent kernel `fused_recurrent_kda_fwd` when all are short (decode, verify blocks);
+     fla fuses the L2 norm of q/k, the K3 gate (lower_bound·sigmoid(exp(A_log)·(f + dt_bias))) and
+     the sigmoid of beta;
+  3. final states and conv windows scattered back to the slots (only where the rows are folded in),
+     the gated head norm and o_proj.
+
+Speculative verify rows follow the pool's checkpoint + pending prefix rule (recurrent_pool.py):
+each slot's accepted pending prefix is first replayed from the checkpoint (folded), then the verify
+block runs from there without being folded; its layer inputs become the next pending prefix.
+
+The torch path (serving.TorchMixerOps.kda) is the oracle this is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mstar.models.kimi_k3.kda import KimiDeltaAttention
+from mstar.resources.recurrent_pool import RecurrentStatePool
+
+RECURRENT_MAX_ROWS = 16  # at most this many rows per sequence: the recurrent kernel; else the chunked one
+
+
+def available() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import fla.ops.kda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def varlen_short_conv(x: torch.Tensor, weight: torch.Tensor, windows: torch.Tensor, lengths: list[int]
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(causal depthwise conv) of B ragged sequences, each continuing from its window.
+
+    x [N, C] rows of all sequences; weight [C, 1, W]; windows [B, W-1, C]. Returns (y [N, C], the new
+    windows [B, W-1, C]). Sequences are padded to the longest so one conv1d covers the batch.
+    """
+    B, hist, C = windows.shape
+    longest = max(lengths)
+    padded = x.new_zeros(B, hist + longest, C)
+    padded[:, :hist] = windows.to(x.dtype)
+    rows = _row_index(lengths, x.device)  # (sequence, position) of every row
+    padded[rows[0], hist + rows[1]] = x
+    xf = padded.float() if x.dtype in (torch.bfloat16, torch.float16) else padded
+    y = F.conv1d(xf.transpose(1, 2), weight.to(xf.dtype), groups=C).transpose(1, 2)  # [B, longest, C]
+    out = F.silu(y[rows[0], rows[1]]).to(x.dtype)
+    ends = torch.tensor(lengths, device=x.device)[:, None] + torch.arange(hist, device=x.device)[None]
+    new_windows = padded.gather(1, ends[..., None].expand(B, hist, C))
+    return out, new_windows
+
+
+def _row_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
+    pos = torch.arange(int(sum(lengths))) - starts[seq]
+    return seq.to(device), pos.to(device)
+
+
+def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: torch.Tensor,
+             pool: RecurrentStatePool, fold: list[bool]) -> torch.Tensor:
+    """Run ragged rows `x` [N, D] of len(lengths) sequences from their slots' states; write back the
+    states of the sequences marked `fold`. Returns the layer output [N, D]."""
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    H, K = attn.num_heads, attn.head_dim
+    windows = pool.conv[layer, slots]  # [B, 3, W-1, width]
+    q, q_win = varlen_short_conv(attn.q_proj(x), attn.q_conv1d.weight, windows[:, 0], lengths)
+    k, k_win = varlen_short_conv(attn.k_proj(x), attn.k_conv1d.weight, windows[:, 1], lengths)
+    v, v_win = varlen_short_conv(attn.v_proj(x), attn.v_conv1d.weight, windows[:, 2], lengths)
+    f = attn.f_b_proj(attn.f_a_proj(x))
+    beta = attn.b_proj(x)
+    cu = torch.tensor([0, *lengths], device=x.device).cumsum(0)
+    state = pool.state[layer, slots].float().contiguous()  # [B, H, K, V]
+    args = dict(
+        q=q.view(1, -1, H, K), k=k.view(1, -1, H, K), v=v.view(1, -1, H, K), g=f.view(1, -1, H, K),
+        beta=beta.view(1, -1, H).float(), A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
+        scale=attn.scale, initial_state=state, output_final_state=True, cu_seqlens=cu,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=attn.gate_lower_bound,
+    )
+    if max(lengths) <= RECURRENT_MAX_ROWS:
+        o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
+    else:
+        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, **args)
+    keep = torch.tensor(fold, device=x.device)
+    if bool(keep.any()):
+        kept = slots[keep]
+        pool.state[layer, kept] = final[keep].to(pool.state.dtype)
+        pool.conv[layer, kept] = torch.stack([q_win, k_win, v_win], dim=1)[keep].to(pool.conv.dtype)
+    o = attn.o_norm(o.view(-1, H, K).to(x.dtype), attn._output_gate(x).view(-1, H, K))
+    return attn.o_proj(o.reshape(x.shape[0], -1))
+
+
+def kda_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, seq_starts: tuple[int, ...],
+             slots: torch.Tensor, verify: tuple[bool, ...], pool: RecurrentStatePool) -> torch.Tensor:
+    """One KDA layer for a step's batch (see the module docstring)."""
+    slot_list = slots.tolist()
+    pending = [pool.prefix_len[s] for s in slot_list]
+    with_prefix = [b for b, n in enumerate(pending) if n]
+    if with_prefix:  # fold each accepted pending prefix into its checkpoint
+        rows = torch.cat([pool.prefix_x[layer, slot_list[b], : pending[b]] for b in with_prefix])
+        run_rows(attn, layer, rows, [pending[b] for b in with_prefix], slots[with_prefix], pool,
+                 [True] * len(with_prefix))
+    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(len(slot_list))]
+    fold = [not (verify and verify[b]) for b in range(len(slot_list))]
+    y = run_rows(attn, layer, x, lengths, slots, pool, fold)
+    for b, folded in enumerate(fold):
+        if not folded:  # a verify block: its inputs wait as the next pending prefix
+            pool.prefix_x[layer, slot_list[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
+    return y

@@ -1,0 +1,80 @@
+"""fla-core KDA over the state pool (mstar/kernels/kda_fla.py) against the torch mixer. Needs CUDA + fla."""
+
+import pytest
+import torch
+
+from mstar.kernels import kda_fla
+from mstar.models.kimi_k3.config import parse_config
+from mstar.models.kimi_k3.kda import KimiDeltaAttention
+from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
+from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.tools.make_tiny import k3_fixture
+
+pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
+
+
+def layer_and_pool(heads, head_dim, hidden, dtype, slots=9, block=8):
+    raw = k3_fixture()
+    t = raw["text_config"]
+    t.update(hidden_size=hidden, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    t["linear_attn_config"].update(head_dim=head_dim, num_heads=heads, kda_layers=[1], full_attn_layers=[2])
+    cfg = parse_config(raw)
+    attn = KimiDeltaAttention(cfg, 0).to("cuda", dtype)
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name == "dt_bias":
+                p.copy_(torch.randn_like(p) * 0.5 - 3)
+            elif "conv1d" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name != "A_log":
+                p.copy_(torch.randn_like(p) * p.shape[-1] ** -0.5)
+    pool = RecurrentStatePool(1, slots, heads, head_dim, 4, torch.float32, dtype, "cuda", hidden_size=hidden,
+                              max_block=block)
+    pool.state.normal_(0, 0.3)
+    pool.conv.normal_(0, 1)
+    return attn, pool
+
+
+def clone_pool(pool):
+    other = RecurrentStatePool(1, pool.max_slots, *pool.state.shape[2:4], pool.conv.shape[3] + 1, pool.state.dtype,
+                               pool.conv.dtype, "cuda", hidden_size=pool.prefix_x.shape[-1],
+                               max_block=pool.prefix_x.shape[2])
+    other.state.copy_(pool.state)
+    other.conv.copy_(pool.conv)
+    other.prefix_x.copy_(pool.prefix_x)
+    other.prefix_len = list(pool.prefix_len)
+    return other
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape", [(4, 32, 128), (12, 128, 1024)])
+def test_kda_step_matches_torch(dtype, tol, shape):
+    heads, head_dim, hidden = shape
+    attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
+    lengths = [1, 5, 40, 100, 1, 8]
+    verify = (False, False, False, False, True, True)
+    # slots 5 and 6 carry an accepted pending prefix of 3 rows from a previous verify step
+    pool.prefix_x.normal_()
+    for slot in (5, 6):
+        pool.prefix_len[slot] = 3
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    x = torch.randn(starts[-1], hidden, device="cuda", dtype=dtype)
+    slots = torch.tensor([1, 2, 3, 4, 5, 6], device="cuda")
+    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 6, kv=None, kda_slots=slots,
+                     sample_rows=None, verify=verify)
+    ref_pool = clone_pool(pool)
+    with torch.no_grad():
+        expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
+        y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, slots, verify, pool)
+    assert torch.isfinite(y).all()
+    err = float((y.float() - expect.float()).norm() / expect.float().norm())
+    assert err < tol, err
+    for name in ("state", "conv"):
+        a, b = getattr(pool, name)[0, 1:7].float(), getattr(ref_pool, name)[0, 1:7].float()
+        assert float((a - b).norm() / b.norm()) < tol, name
+    for slot, n in ((5, 1), (6, 8)):
+        torch.testing.assert_close(pool.prefix_x[0, slot, :n], ref_pool.prefix_x[0, slot, :n])
