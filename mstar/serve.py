@@ -1,26 +1,45 @@
 """`mstar-serve --config FILE`: load a checkpoint, start the engine thread, serve the OpenAI API.
 
-    mstar-serve --config configs/kimi_k3_tiny.yaml --port 8000 [key.sub=value ...]
+    mstar-serve --config configs/kimi_k3_tiny.yaml --port 8000 [--api-key KEY ...] [--log-requests]
+                [key.sub=value ...]
 
 The tiny configs point at `checkpoints/kimi_k3_tiny`, which is written (deterministically) on first
 use if it is missing. SIGTERM or Ctrl-C drains: open requests finish, new ones are refused, then
 the engine thread stops and the process exits 0.
+
+API keys come from the config's `server.api_keys`, every `--api-key`, and `MSTAR_API_KEY` (comma-
+separated), all accepted. A failed engine step fails the requests in flight and serving goes on;
+`server.max_step_failures` failures in a row, or a crash of the engine thread, stop the engine:
+the server then stops and exits with status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
+Exit status 2: the config or the command line is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
 import uvicorn
 
-from mstar.config import ServeConfig, ServeConfigError, check_paths, load_serve_config, resolve_device
+from mstar.config import (
+    ServeConfig,
+    ServeConfigError,
+    api_key_problem,
+    check_paths,
+    load_serve_config,
+    resolve_device,
+)
 from mstar.engine.async_engine import AsyncEngine
 from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.engine.faults import ENV_VAR as FAULT_ENV_VAR
+from mstar.engine.faults import FaultInjector
 from mstar.engine.scheduler import SchedulerConfig
+from mstar.server.options import ServerOptions
 
 log = logging.getLogger("mstar.serve")
 
@@ -28,6 +47,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
            "float64": torch.float64}
 TINY_NAMES = ("kimi_k3_tiny",)
 TENSOR_COMM_PROTOCOLS = ("SHM", "TCP", "NCCL", "GLOO")
+API_KEY_ENV = "MSTAR_API_KEY"
+EXIT_ENGINE_FAILED = 3
 
 
 class DrainingServer(uvicorn.Server):
@@ -83,9 +104,15 @@ def speculative_config(cfg: ServeConfig, dtype: torch.dtype, device: str) -> Spe
                              schedule=tuple(kw.speculative_schedule), max_num_pages=pages)
 
 
-def build_engine(cfg: ServeConfig, *, progress: bool | None = None) -> AsyncEngine:
+def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: FaultInjector | None = None) -> AsyncEngine:
+    """Load the model and start the engine thread. `faults` (tests only) defaults to what
+    MSTAR_FAULT_INJECT asks for, when it is set."""
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
+
+    faults = faults if faults is not None else FaultInjector.from_env()
+    if faults is not None:
+        log.warning("fault injection is ON (%s=%s): for tests only", FAULT_ENV_VAR, os.environ.get(FAULT_ENV_VAR))
 
     if cfg.tp_size != 1:
         raise ServeConfigError(f"tp_size={cfg.tp_size}: tensor parallelism is not available yet; use tp_size: 1")
@@ -96,7 +123,41 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None) -> AsyncEngi
     model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
     core = EngineCore(model, tokenizer, engine_config(cfg, speculative_config(cfg, _DTYPES[cfg.dtype], device)))
-    return AsyncEngine(core, cfg.served_model_name).start()
+    return AsyncEngine(core, cfg.served_model_name, max_step_failures=cfg.server.max_step_failures,
+                       faults=faults).start()
+
+
+def api_keys(cfg: ServeConfig, cli_keys: Sequence[str] = (), environ: Mapping[str, str] | None = None
+             ) -> tuple[str, ...]:
+    """Every accepted key: the config's, then `--api-key`s, then MSTAR_API_KEY's (comma-separated),
+    without repeats. A malformed one is a ServeConfigError that says where it came from (never the key)."""
+    environ = os.environ if environ is None else environ
+    env_keys = [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+    keys = list(cfg.server.api_keys)
+    sources = [(f"--api-key #{i + 1}", k) for i, k in enumerate(cli_keys)]
+    sources += [(f"{API_KEY_ENV} entry {i + 1}", k) for i, k in enumerate(env_keys)]
+    for where, key in sources:
+        problem = api_key_problem(key)
+        if problem:
+            raise ServeConfigError(f"{where} {problem}")
+        keys.append(key)
+    return tuple(dict.fromkeys(keys))
+
+
+def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests: bool = False,
+                   environ: Mapping[str, str] | None = None) -> ServerOptions:
+    srv, sched = cfg.server, cfg.scheduler
+    return ServerOptions(
+        api_keys=api_keys(cfg, cli_keys, environ),
+        protect_health=srv.protect_health,
+        protect_metrics=srv.protect_metrics,
+        max_body_bytes=srv.max_body_bytes,
+        max_n=srv.max_n,
+        max_tokens=srv.max_tokens,
+        max_in_flight=sched.max_num_seqs + sched.max_waiting,
+        retry_after_s=srv.retry_after_s,
+        log_requests=srv.log_requests or log_requests,
+    )
 
 
 def serve_main(argv: list[str] | None = None) -> None:
@@ -107,12 +168,18 @@ def serve_main(argv: list[str] | None = None) -> None:
     p.add_argument("--tensor-comm-protocol", default="SHM", type=str.upper, choices=TENSOR_COMM_PROTOCOLS,
                    help="how tensor-parallel ranks exchange tensors (SHM = one node)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help=f"accept this bearer key on /v1/* (repeatable; also server.api_keys and {API_KEY_ENV}, "
+                        "comma-separated, which keeps keys out of the process list)")
+    p.add_argument("--log-requests", action="store_true",
+                   help="log every request's prompt and parameters (prompts are never logged otherwise)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. scheduler.max_num_seqs=8")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
         cfg = load_serve_config(args.config, args.overrides)
+        options = server_options(cfg, args.api_key, args.log_requests)
         engine = build_engine(cfg, progress=True)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
@@ -120,13 +187,26 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     from mstar.server.app import build_app
 
-    app = build_app(engine, served_model_name=cfg.served_model_name)
+    app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=120))
+    log.info("access: %s; at most %d generations in flight, bodies up to %d bytes, n <= %d%s",
+             f"{len(options.api_keys)} API key(s)" if options.api_keys else "open (no API key)",
+             options.max_in_flight, options.max_body_bytes, options.max_n,
+             "; logging prompts (--log-requests)" if options.log_requests else "")
+
+    def engine_stopped(message: str) -> None:
+        server.should_exit = True  # uvicorn's loop polls it: open requests (already failed) drain, then it returns
+
+    engine.on_fatal = engine_stopped
     try:
         server.run()
     finally:
         engine.shutdown()
+    if engine.fatal_error is not None:
+        print(f"mstar-serve: the engine stopped: {engine.fatal_error}. Exiting with status {EXIT_ENGINE_FAILED} "
+              "so that a supervisor can restart the server.", file=sys.stderr)
+        raise SystemExit(EXIT_ENGINE_FAILED)
     log.info("drained and stopped")
 
 

@@ -5,6 +5,15 @@ engine thread through a queue and receives its deltas through a per-request asyn
 each request's outputs arrive in the order the engine produced them (position order). A request
 whose consumer goes away (client disconnect, cancelled task) is aborted and its pages and slot are
 freed at the next step boundary.
+
+Failures never leave a client waiting:
+- a step that raises: every request in flight ends with finish_reason "error" (`core.fail_all`
+  frees what they held) and the engine goes on with the next requests;
+- `max_step_failures` failed steps in a row (a persistent fault), or the engine thread itself
+  raising: the engine stops for good. Every request it knows of, queued or running, ends with an
+  error; `generate` raises `EngineDeadError` from then on; `healthy` is False; `fatal_error` says
+  why, and `on_fatal(message)` is called (mstar-serve then exits with status 3).
+`faults` (a `FaultInjector`, tests only) injects such failures on purpose.
 """
 
 from __future__ import annotations
@@ -14,11 +23,12 @@ import logging
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from mstar.engine.client import EngineStats
 from mstar.engine.core import EngineCore
+from mstar.engine.faults import FaultInjector
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError, SamplingParams
 
@@ -27,6 +37,10 @@ log = logging.getLogger("mstar.engine")
 
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+class EngineGaveUp(RuntimeError):
+    """Too many engine steps failed in a row: the fault is not transient."""
 
 
 @dataclass
@@ -42,7 +56,10 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, model_name: str):
+    def __init__(self, core: EngineCore, model_name: str, *, max_step_failures: int = 3,
+                 faults: FaultInjector | None = None, on_fatal: Callable[[str], None] | None = None):
+        if max_step_failures < 1:
+            raise ValueError(f"max_step_failures must be >= 1, got {max_step_failures}")
         self.core = core
         self.tokenizer = core.tokenizer
         self.model_name = model_name
@@ -56,6 +73,14 @@ class AsyncEngine:
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name="mstar-engine", daemon=True)
         self.steps = 0
+        self.failed_steps = 0
+        self.max_step_failures = max_step_failures
+        self._failures_in_a_row = 0
+        self.fatal_error: str | None = None  # set once, when the engine stops for good
+        self.on_fatal = on_fatal
+        self.faults = faults
+        if faults is not None:
+            faults.install(core)
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self) -> AsyncEngine:
@@ -64,7 +89,7 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.fatal_error is None
 
     def stop_accepting(self) -> None:
         """Drain: requests already in flight finish; new ones are refused."""
@@ -84,9 +109,12 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         if not self._accepting or not self._thread.is_alive():
-            raise EngineDeadError("the engine is shutting down or has stopped; retry on another server")
+            raise EngineDeadError(self.fatal_error or "the engine is shutting down or has stopped; retry on "
+                                  "another server")
         self.core.validate(prompt_ids, params)
         with self._lock:
+            if self.fatal_error is not None:  # checked under the lock that `_die` holds while failing outboxes
+                raise EngineDeadError(self.fatal_error)
             if request_id in self._outboxes:
                 raise ParamError(f"request id {request_id!r} is already in use")
             outbox: asyncio.Queue[RequestOutput] = asyncio.Queue()
@@ -115,6 +143,16 @@ class AsyncEngine:
         self._wake.set()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # the engine cannot go on: nobody may be left waiting
+            if isinstance(e, EngineGaveUp):
+                self._die(str(e))
+            else:
+                log.critical("the engine thread crashed\n%s", traceback.format_exc())
+                self._die(f"the engine thread crashed: {type(e).__name__}: {e}")
+
+    def _loop(self) -> None:
         core = self.core
         while True:
             self._take_inbox()
@@ -124,18 +162,52 @@ class AsyncEngine:
                 self._wake.wait(0.5)
                 self._wake.clear()
                 continue
+            if self.faults is not None:
+                self.faults.before_step()  # outside the step's handling: an injected crash kills the thread
             try:
                 outputs = core.step()
                 self.steps += 1
+                self._failures_in_a_row = 0
             except Exception as e:  # a failed step must not leave clients waiting forever
-                log.error("engine step failed; failing in-flight requests\n%s", traceback.format_exc())
+                self.failed_steps += 1
+                self._failures_in_a_row += 1
+                log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
+                          self._failures_in_a_row, traceback.format_exc())
                 core.fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
                 outputs = core.drain_outputs()
+                if self._failures_in_a_row >= self.max_step_failures:
+                    self._stats = core.stats()
+                    self._deliver(outputs)
+                    raise EngineGaveUp(f"{self._failures_in_a_row} engine steps failed in a row (the limit is "
+                                       f"server.max_step_failures={self.max_step_failures}); the last one: "
+                                       f"{type(e).__name__}: {e}") from e
             self._stats = core.stats()
             self._deliver(outputs)
         for request_id in list(core.requests):
             core.abort_request(request_id)
         self._deliver(core.drain_outputs())
+
+    def _die(self, message: str) -> None:
+        """Stop for good: fail every request anyone waits for, free what the core holds, tell the owner."""
+        self._accepting = False
+        with self._lock:
+            self.fatal_error = message
+            waiting = list(self._outboxes)
+        log.critical("the engine has stopped: %s", message)
+        error = [RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
+                 for request_id in waiting]
+        self._deliver(error)
+        try:
+            self.core.fail_all(message)
+            self.core.drain_outputs()
+            self._stats = self.core.stats()
+        except Exception:
+            log.exception("could not release the engine's requests after it stopped")
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(message)
+            except Exception:
+                log.exception("the on_fatal callback failed")
 
     def _take_inbox(self) -> None:
         while True:
@@ -148,7 +220,12 @@ class AsyncEngine:
                 continue
             try:
                 self.core.add_request(message.request_id, message.prompt_ids, message.params)
-            except ParamError as e:
+            except Exception as e:  # refused (ParamError) or a bug: either way this request ends here
+                if not isinstance(e, ParamError):
+                    log.error("adding request %s failed\n%s", message.request_id, traceback.format_exc())
+                    self.core.abort_request(message.request_id)
+                    self.core.drain_outputs()
+                    e = f"internal error adding the request: {type(e).__name__}"
                 self._deliver([RequestOutput(message.request_id, [], "", finished=True, finish_reason="error",
                                              error=str(e))])
 
@@ -158,4 +235,7 @@ class AsyncEngine:
                 target = self._outboxes.get(out.request_id)
                 if target is not None:
                     loop, outbox = target
-                    loop.call_soon_threadsafe(outbox.put_nowait, out)
+                    try:
+                        loop.call_soon_threadsafe(outbox.put_nowait, out)
+                    except RuntimeError:  # that consumer's event loop is closed: nobody is waiting
+                        log.warning("dropped an output of request %s: its event loop is closed", out.request_id)

@@ -5,7 +5,8 @@ One call runs every sequence of a step at once:
      window (batched over sequences by padding), SiLU;
   2. the delta-rule recurrence in fla's kernels, varlen over `cu_seqlens`, starting from the states
      gathered from the pool slots: `chunk_kda` when some sequence has many rows (prefill chunks),
-     the recurrent kernel `fused_recurrent_kda_fwd` when all are short (decode, verify blocks);
+     the recurrent kernel `fused_recurrent_kda_fwd` when all are short (decode, verify blocks) or
+     the model is fp32 (see `use_recurrent_kernel`);
      fla fuses the L2 norm of q/k, the K3 gate (lower_bound·sigmoid(exp(A_log)·(f + dt_bias))) and
      the sigmoid of beta;
   3. final states and conv windows scattered back to the slots (only where the rows are folded in),
@@ -27,6 +28,14 @@ from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 RECURRENT_MAX_ROWS = 16  # at most this many rows per sequence: the recurrent kernel; else the chunked one
+
+
+def use_recurrent_kernel(lengths: list[int], dtype: torch.dtype) -> bool:
+    """The recurrent kernel is exact fp32 arithmetic at any length; `chunk_kda` multiplies on tensor
+    cores (TF32 for fp32 inputs), which flips near-tied greedy tokens of an fp32 model against the fp32
+    reference (seen on the H200). So fp32/fp64 models always take the recurrent kernel; bf16 and fp16
+    models take the chunked one for sequences longer than RECURRENT_MAX_ROWS (prefill)."""
+    return max(lengths) <= RECURRENT_MAX_ROWS or dtype in (torch.float32, torch.float64)
 
 
 def available() -> bool:
@@ -90,7 +99,7 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=attn.gate_lower_bound,
     )
-    if max(lengths) <= RECURRENT_MAX_ROWS:
+    if use_recurrent_kernel(lengths, x.dtype):
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
         o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, **args)

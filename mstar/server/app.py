@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat, models, health and metrics."""
+"""The FastAPI app: OpenAI-compatible completions and chat, models, health, metrics and its
+OpenAPI document, behind the access guard (API keys, body size) of `ServerOptions`."""
 
 from __future__ import annotations
 
@@ -10,27 +11,40 @@ from fastapi.responses import JSONResponse, Response
 
 from mstar.engine.client import EngineClient
 from mstar.server import responses
+from mstar.server.access import AccessGuard
+from mstar.server.admission import Admission
 from mstar.server.chat import create_chat_completion
 from mstar.server.completions import create_completion
 from mstar.server.context import ServerContext
 from mstar.server.errors import APIError, error_response, guarded, install_error_handlers
 from mstar.server.metrics import CONTENT_TYPE, ServerMetrics
+from mstar.server.openapi import build_openapi
+from mstar.server.options import ServerOptions
 from mstar.server.streaming import json_response
 
 logger = logging.getLogger("mstar.server")
 
 
-def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMetrics | None = None) -> FastAPI:
+def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMetrics | None = None,
+              options: ServerOptions | None = None) -> FastAPI:
     """An app serving `engine` under the model name `served_model_name`. `metrics` defaults to a
-    fresh `ServerMetrics` with its own registry."""
+    fresh `ServerMetrics` with its own registry, `options` to `ServerOptions()` (open, no bound on
+    requests in flight)."""
+    options = options if options is not None else ServerOptions()
+    metrics = metrics if metrics is not None else ServerMetrics()
     ctx = ServerContext(
         engine=engine,
         served_model_name=served_model_name,
-        metrics=metrics if metrics is not None else ServerMetrics(),
+        metrics=metrics,
         created=int(time.time()),
+        options=options,
+        admission=Admission(options.max_in_flight, options.retry_after_s, metrics),
     )
-    app = FastAPI(title="mstar", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="mstar", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    document = build_openapi(options, served_model_name, engine.tokenizer.vocab_size, engine.max_seq_len)
+    app.openapi = lambda: document  # FastAPI would derive one from the routes, which parse their own bodies
     app.state.ctx = ctx
+    app.add_middleware(AccessGuard, options=options, metrics=metrics)
     install_error_handlers(app)
 
     def unavailable() -> APIError | None:

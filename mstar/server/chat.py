@@ -39,9 +39,11 @@ from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs
 from mstar.server.output_segments import AlignedSegmenter, merge_text
 from mstar.server.protocol import ChatCompletionRequest, NamedToolChoice, parse_request
+from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
     check_model,
+    check_n,
     check_prompt_ids,
     check_stop_token_ids,
     check_supported,
@@ -212,6 +214,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     created = int(time.time())
     req = parse_request(await request.body(), ChatCompletionRequest)
     check_model(req.model, ctx.served_model_name)
+    check_n(req.n, ctx.options.max_n)
     check_supported(req)
     engine = ctx.engine
     prompt_ids = _prompt_ids(req, engine.tokenizer)
@@ -222,11 +225,14 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = base_params(req, logprobs, renames=_ENGINE_NAMES)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param)
+    max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param,
+                                    ctx.options.max_tokens)
     request_id = new_request_id("chatcmpl")
     specs = choices_for_prompt(request_id, 0, prompt_ids, params, req.n, max_tokens)
+    log_request(ctx.options.log_requests, "/v1/chat/completions", request_id,
+                [m.model_dump(exclude_none=True) for m in req.messages], specs[0].params, req.n)
 
-    run = GenerationRun(engine, specs, ctx.metrics, arrival)
+    run = GenerationRun(engine, specs, ctx.metrics, arrival, ctx.admission)
     outputs = [_ChoiceOutput(spec, engine.tokenizer, req) for spec in specs]
     prompt_token_ids = prompt_ids if req.return_token_ids else None
 

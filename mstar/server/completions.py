@@ -25,9 +25,11 @@ from mstar.server.errors import APIError
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import CompletionLogprobsBuilder
 from mstar.server.protocol import CompletionRequest, parse_request
+from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
     check_model,
+    check_n,
     check_prompt_ids,
     check_stop_token_ids,
     check_supported,
@@ -118,6 +120,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     created = int(time.time())
     req = parse_request(await request.body(), CompletionRequest)
     check_model(req.model, ctx.served_model_name)
+    check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
     prompts = _prompts(req.prompt, engine.tokenizer)
@@ -130,10 +133,12 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     request_id = new_request_id("cmpl")
     specs: list[ChoiceSpec] = []
     for p, ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len, DEFAULT_MAX_TOKENS, "max_tokens")
+        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len, DEFAULT_MAX_TOKENS, "max_tokens",
+                                        ctx.options.max_tokens)
         specs += choices_for_prompt(request_id, p * req.n, ids, params, req.n, max_tokens)
+    log_request(ctx.options.log_requests, "/v1/completions", request_id, req.prompt, specs[0].params, req.n)
 
-    run = GenerationRun(engine, specs, ctx.metrics, arrival)
+    run = GenerationRun(engine, specs, ctx.metrics, arrival, ctx.admission)
     outputs = [_ChoiceOutput(spec, engine.tokenizer, req) for spec in specs]
     prompt_tokens = sum(len(ids) for ids in prompts)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mstar.engine.client import EngineClient
+from mstar.server.admission import Admission
 from mstar.server.metrics import ServerMetrics
+from mstar.server.options import ServerOptions
 
 
 @dataclass(frozen=True)
@@ -14,3 +16,5 @@ class ServerContext:
     served_model_name: str
     metrics: ServerMetrics
     created: int  # unix time the app was built: the model card's `created`
+    options: ServerOptions
+    admission: Admission

@@ -1,8 +1,10 @@
 """OpenAI-style errors: every failure answers `{"error": {"message", "type", "param", "code"}}`.
 
 Bad input (malformed JSON, wrong types, out-of-range values, unknown model, prompts that do not fit)
-is a 400 that names the parameter. Only an unexpected exception is a 500, with a generic message;
-its traceback goes to the log, not to the client.
+is a 400 that names the parameter; a missing or wrong API key a 401, a body over the size limit a
+413, more engine requests than the server admits at once a 429 with `Retry-After`, an engine that
+has stopped a 503. Only an unexpected exception is a 500, with a generic message; its traceback goes
+to the log, not to the client (and never the request's prompt).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mstar.engine.async_engine import EngineDeadError
 from mstar.engine.params import ParamError
 from mstar.server.disconnect import ClientDisconnected
 
@@ -24,8 +27,11 @@ logger = logging.getLogger("mstar.server")
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
+    401: "invalid_request_error",  # what OpenAI answers for a bad key
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request; see the server log."
@@ -42,12 +48,14 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         type: str | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.headers = headers
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
 
     def body(self) -> dict:
@@ -59,7 +67,11 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status)
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def engine_unavailable(detail: str) -> APIError:
+    return APIError(f"The engine is not available: {detail}", status=503, code="engine_unavailable")
 
 
 def internal_error() -> APIError:
@@ -143,11 +155,13 @@ async def guarded(
     handler: Callable[[], Awaitable[Response]], what: str, on_invalid: Callable[[], None] | None = None
 ) -> Response:
     """Run an endpoint body: `APIError`/`ParamError` become their 4xx (`on_invalid` is called for a
-    400), a vanished client an empty 499, anything else a logged 500."""
+    400), a stopped engine a 503, a vanished client an empty 499, anything else a logged 500."""
     try:
         return await handler()
     except ClientDisconnected:
         return Response(status_code=499)  # nobody is listening; nginx's code for "client closed request"
+    except EngineDeadError as err:
+        return error_response(engine_unavailable(str(err)))
     except (APIError, ParamError) as err:
         api_error = err if isinstance(err, APIError) else from_param_error(err)
         if api_error.status == 400 and on_invalid is not None:

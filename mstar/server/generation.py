@@ -6,6 +6,10 @@ interleave as they come. `start` waits until every choice has produced its first
 `ParamError` the engine raises when it validates the request still becomes a 400 before any byte of
 a streamed response is sent.
 
+`start` first reserves one admission slot per choice (a 429 when the server is at capacity); each
+driver task gives its slot back when it ends, by a done callback, which runs even for a task
+cancelled before it started.
+
 Closing (client gone, error, or done) cancels the driver tasks; a task cancelled inside the engine
 iterator ends that iterator, and the iterator is closed explicitly otherwise, so every engine
 request is aborted and freed. The drivers are plain asyncio tasks, outside the cancel scope of the
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from mstar.engine.client import EngineClient
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.server.admission import Admission
 from mstar.server.errors import APIError
 from mstar.server.metrics import ServerMetrics
 
@@ -57,8 +62,10 @@ async def _close_iterator(iterator: AsyncIterator) -> None:
 
 
 class GenerationRun:
-    def __init__(self, engine: EngineClient, choices: list[ChoiceSpec], metrics: ServerMetrics, arrival: float):
+    def __init__(self, engine: EngineClient, choices: list[ChoiceSpec], metrics: ServerMetrics, arrival: float,
+                 admission: Admission | None = None):
         self._engine = engine
+        self._admission = admission
         self._choices = choices
         self._metrics = metrics
         self._arrival = arrival
@@ -68,17 +75,26 @@ class GenerationRun:
 
     async def start(self) -> None:
         """Submit every choice and wait for each one's first output. Raises the engine's
-        `ParamError` (or any other failure to start) after closing everything."""
+        `ParamError` (or any other failure to start) after closing everything; the admission's
+        429 before anything started."""
         loop = asyncio.get_running_loop()
+        if self._admission is not None:
+            self._admission.reserve(len(self._choices))
         for choice in self._choices:
             primed = loop.create_future()
             self._primed.append(primed)
-            self._tasks.append(asyncio.create_task(self._drive(choice, primed), name=choice.request_id))
+            task = asyncio.create_task(self._drive(choice, primed), name=choice.request_id)
+            if self._admission is not None:
+                task.add_done_callback(self._release)
+            self._tasks.append(task)
         try:
             await asyncio.gather(*self._primed)
         except BaseException:
             await self.close()
             raise
+
+    def _release(self, _task: asyncio.Task) -> None:
+        self._admission.release(1)
 
     async def _drive(self, choice: ChoiceSpec, primed: asyncio.Future) -> None:
         tracker = self._metrics.track(self._arrival, len(choice.prompt_ids))

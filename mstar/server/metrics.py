@@ -23,6 +23,7 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.0
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
 
 SUCCESS_REASONS = ("stop", "length")
+REFUSED_REASONS = ("unauthorized", "too_large", "overloaded")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -70,11 +71,22 @@ class ServerMetrics:
         self.e2e = Histogram(
             "mstar_e2e_request_latency_seconds", "Request arrival to its last token.", buckets=_E2E_BUCKETS, registry=r
         )
+        self.request_refused = Counter(
+            "mstar_request_refused",
+            "HTTP requests refused before reaching the engine: unauthorized (401), too_large (413), "
+            "overloaded (429).",
+            ["reason"],
+            registry=r,
+        )
+        self.in_flight = Gauge("mstar_requests_in_flight", "Engine requests admitted by the server and not "
+                               "yet ended (bounded by scheduler.max_num_seqs + scheduler.max_waiting).", registry=r)
         # A missing label value would not show up until first used; make every known one visible.
         for reason in SUCCESS_REASONS:
             self.request_success.labels(reason)
         for reason in ("error", "abort", "cancelled", "invalid_request"):
             self.request_failure.labels(reason)
+        for reason in REFUSED_REASONS:
+            self.request_refused.labels(reason)
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self.requests_running.set(stats.running)
@@ -100,6 +112,9 @@ class ServerMetrics:
 
     def invalid_request(self) -> None:
         self.request_failure.labels("invalid_request").inc()
+
+    def refused(self, reason: str) -> None:
+        self.request_refused.labels(reason).inc()
 
     def track(self, arrival: float, prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, arrival, prompt_tokens)

@@ -1,7 +1,8 @@
 """Request bodies of the OpenAI-compatible endpoints (pydantic, strict JSON types).
 
 Types are strict (`"16"` is not an int, `1` is not a bool) so that a wrong type is a 400 rather than
-a silent coercion. Unknown fields are ignored, as OpenAI clients send fields this server has no use
+a silent coercion. An integral JSON number (`16.0`) is an integer, as JSON Schema (and so the
+OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are ignored, as OpenAI clients send fields this server has no use
 for (`user`, `parallel_tool_calls`, `metadata`, ...). Range checks of sampling values live in
 `SamplingParams`, so the engine and the server agree on them; here only what the server itself
 needs (n, logprob counts) is bounded.
@@ -9,9 +10,9 @@ needs (n, logprob counts) is bounded.
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from mstar.server.errors import from_validation_error
 
@@ -21,6 +22,16 @@ INT64_MAX = 2**63 - 1
 
 
 Body = TypeVar("Body", bound=BaseModel)
+
+
+def _integral(value: Any) -> Any:
+    """16.0 -> 16: JSON has one number type, and JSON Schema's "integer" includes integral floats."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 def parse_request(raw: bytes, model: type[Body]) -> Body:
@@ -43,14 +54,14 @@ class SamplingFields(_Body):
     """Fields both endpoints share: the model, sampling, stopping, streaming and vLLM extensions."""
 
     model: str | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    n: Int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX - MAX_N)
+    seed: Int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX - MAX_N)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -74,11 +85,11 @@ class SamplingFields(_Body):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    max_tokens: Int | None = None
+    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
 
@@ -155,10 +166,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     tools: list[ToolDecl] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: ResponseFormat | None = None
 

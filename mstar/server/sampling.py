@@ -66,16 +66,27 @@ def check_stop_token_ids(ids: list[int] | None, engine: EngineClient) -> None:
         raise APIError(f"stop_token_ids holds {bad}, outside the vocabulary 0..{vocab - 1}", param="stop_token_ids")
 
 
+def check_n(n: int, max_n: int) -> None:
+    """The operator's bound on choices per prompt (pydantic already holds n to 1..MAX_N)."""
+    if n > max_n:
+        raise APIError(f"'n': Input should be less than or equal to {max_n} on this server (got {n})",
+                       param="n", code="invalid_value")
+
+
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, max_seq_len: int, default: int | None, param: str
+    requested: int | None, prompt_len: int, max_seq_len: int, default: int | None, param: str, cap: int = 0
 ) -> int:
-    """An explicit value must fit next to the prompt; an omitted one is `default` (or all the
-    room left), cut to the room left."""
+    """An explicit value must fit next to the prompt and under the operator's `cap` (0: none); an
+    omitted one is `default` (or all the room left), cut to the room left and to `cap`."""
     room = max_seq_len - prompt_len
     if requested is None:
-        return room if default is None else min(default, room)
+        chosen = room if default is None else min(default, room)
+        return min(chosen, cap) if cap else chosen
     if requested < 1:
         raise APIError(f"{param} must be >= 1, got {requested}", param=param, code="invalid_value")
+    if cap and requested > cap:
+        raise APIError(f"{param}={requested} is above this server's limit of {cap} tokens per request",
+                       param=param, code="invalid_value")
     if requested > room:
         raise APIError(
             f"{param}={requested} does not fit: the prompt is {prompt_len} tokens and the maximum context is "

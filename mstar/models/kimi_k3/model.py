@@ -9,6 +9,13 @@
     logits = lm_head(RMSNorm(AttnRes(blocks, P)))
 
 Kimi-Linear (`variant == "kimi_linear"`) is the same stack with plain residual adds.
+
+Tensor parallelism enters through a `Communicator` (mstar/distributed): one rank's model is this
+class built from that rank's config (heads / tp, ...) with its `ExpertSharding`; the sublayers'
+row-parallel outputs are all-reduced where they join the replicated stream (`DecoderLayer`; the
+latent MoE reduces its own, before its norm), and the embedding and lm_head are vocabulary-parallel.
+On one rank the communicator is the null one, every collective is the identity, and the stack is
+exactly the single-rank reference. mstar/distributed/sharding.py says what is split how.
 State between calls (KDA recurrent state and conv window, MLA cached latent rows) is explicit, so
 running a prefix and then its continuation gives the same logits as one pass. On request the
 forward also returns the DSpark taps: the raw prefix-sum stream after each named layer.
@@ -21,6 +28,10 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from mstar.distributed.communicator import Communicator, NullCommunicator
+from mstar.distributed.expert_sharding import ExpertSharding
+from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
 from .attn_res import ResidualStream, attn_res_mix
 from .config import KimiK3Config
@@ -51,17 +62,19 @@ class ModelOutput:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: KimiK3Config, layer_idx: int):
+    def __init__(self, config: KimiK3Config, layer_idx: int, comm: Communicator | None = None,
+                 experts: ExpertSharding | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.comm = comm or NullCommunicator()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.is_kda = config.is_kda_layer(layer_idx)
         self.self_attn = KimiDeltaAttention(config, layer_idx) if self.is_kda else GatedMLA(config, layer_idx)
         self.input_layernorm = RMSNorm(d, eps)
         self.post_attention_layernorm = RMSNorm(d, eps)
         if config.is_moe_layer(layer_idx):
-            self.block_sparse_moe = LatentMoE(config)
+            self.block_sparse_moe = LatentMoE(config, self.comm, experts)
         else:
             self.mlp = GatedMLP(config, d, config.intermediate_size)
         if config.attn_res_block_size is not None:
@@ -72,7 +85,14 @@ class DecoderLayer(nn.Module):
             self.mlp_res_norm = RMSNorm(d, eps)
 
     def ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+        """The FFN output, complete on every rank (the MoE reduces its partial sums itself)."""
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        return self.comm.all_reduce(self.mlp(x))
+
+    def mixer(self, mix: Mixer, x: torch.Tensor) -> torch.Tensor:
+        """The token mixer's output (row-parallel o_proj partial sums, reduced over ranks)."""
+        return self.comm.all_reduce(mix(self.layer_idx, x))
 
     def forward_attn_res(self, stream: ResidualStream, mix: Mixer) -> None:
         eps = self.config.rms_norm_eps
@@ -80,12 +100,12 @@ class DecoderLayer(nn.Module):
         if stream.blocks:
             a_in = _mix(stream.sources(), self.self_attention_res_proj, self.self_attention_res_norm, eps)
         stream.maybe_close_block(self.layer_idx)
-        stream.add(mix(self.layer_idx, self.input_layernorm(a_in)))
+        stream.add(self.mixer(mix, self.input_layernorm(a_in)))
         m_in = _mix(stream.sources(), self.mlp_res_proj, self.mlp_res_norm, eps)
         stream.add(self.ffn(self.post_attention_layernorm(m_in)))
 
     def forward_plain(self, h: torch.Tensor, mix: Mixer) -> torch.Tensor:
-        h = h + mix(self.layer_idx, self.input_layernorm(h))
+        h = h + self.mixer(mix, self.input_layernorm(h))
         return h + self.ffn(self.post_attention_layernorm(h))
 
 
@@ -96,11 +116,16 @@ def _mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, eps: float
 class KimiK3Model(nn.Module):
     """`model.*`: embeddings, decoder layers, output AttnRes and final norm."""
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, comm: Communicator | None = None,
+                 experts: ExpertSharding | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        comm = comm or NullCommunicator()
+        if comm.world_size == 1:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, comm, experts) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
@@ -143,13 +168,22 @@ def dense_mixer(model: KimiK3Model, state: ModelState, absorbed: bool) -> Mixer:
 
 
 class KimiK3ForCausalLM(nn.Module):
-    """The text decoder with its untied `lm_head`: the oracle every served path is tested against."""
+    """The text decoder with its untied `lm_head`: the oracle every served path is tested against.
 
-    def __init__(self, config: KimiK3Config):
+    `comm` and `experts` make it one tensor-parallel rank's model (config: that rank's, from
+    `ShardingPlan.rank_config`); without them it is the whole single-rank model.
+    """
+
+    def __init__(self, config: KimiK3Config, comm: Communicator | None = None,
+                 experts: ExpertSharding | None = None):
         super().__init__()
         self.config = config
-        self.model = KimiK3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.comm = comm or NullCommunicator()
+        self.model = KimiK3Model(config, self.comm, experts)
+        if self.comm.world_size == 1:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        else:
+            self.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, self.comm)
 
     def new_state(self) -> ModelState:
         return ModelState(layers=[None] * self.config.num_hidden_layers)

@@ -8,6 +8,12 @@ Latent path (K3): the routed experts work in a narrower latent space,
     z = down(x);  r = sum_k w_k * expert_k(z)  (fp32 combine);  r = RMSNorm(r);  r = up(r)
 and the fused shared experts run on the full hidden state: y = r + shared(x).
 Without a latent width (Kimi-Linear) z = x and there is no norm or up-projection.
+
+On tensor-parallel ranks (an `ExpertSharding` and a `Communicator`) the router, the latent down/up
+projections and the norm are replicated; a rank runs only the experts (and the slice of each) it
+holds, and the shared experts' slice of the intermediate dim. Both give partial sums, reduced in ONE
+all-reduce of [routed latent | shared] before `routed_expert_norm`, which needs the whole latent
+vector; the norm and the up-projection then run on complete values (mstar/distributed/sharding.py).
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from mstar.distributed.communicator import Communicator, NullCommunicator
+from mstar.distributed.expert_sharding import ExpertSharding
 
 from .config import KimiK3Config
 from .mlp import Expert, GatedMLP
@@ -67,11 +76,16 @@ class Router(nn.Module):
 
 
 class LatentMoE(nn.Module):
-    """`block_sparse_moe` of one layer."""
+    """`block_sparse_moe` of one layer. With `experts`, only the routed experts (and the slice of
+    each) that the sharding gives this rank; `experts` is then a ModuleDict keyed by global id."""
 
-    def __init__(self, config: KimiK3Config):
+    def __init__(self, config: KimiK3Config, comm: Communicator | None = None,
+                 experts: ExpertSharding | None = None):
         super().__init__()
         self.config = config
+        self.comm = comm or NullCommunicator()
+        self.sharding = None if experts is None or experts.is_whole else experts
+        experts = self.sharding
         d, latent = config.hidden_size, config.moe_input_size
         self.gate = Router(config)
         if config.routed_expert_hidden_size is not None:
@@ -79,30 +93,60 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
-        self.experts = nn.ModuleList(
-            Expert(config, latent, config.moe_intermediate_size) for _ in range(config.num_experts)
-        )
+        if experts is None:
+            self.experts = nn.ModuleList(
+                Expert(config, latent, config.moe_intermediate_size) for _ in range(config.num_experts)
+            )
+        else:
+            self.experts = nn.ModuleDict({
+                str(e): Expert(config, latent, experts.local_intermediate_size) for e in experts.local_experts
+            })
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
 
+    def local_expert(self, e: int) -> Expert | None:
+        """Expert `e` (global id) as this rank holds it; None when another rank holds it."""
+        if self.sharding is None:
+            return self.experts[e]
+        return self.experts[str(e)] if self.sharding.owns(e) else None
+
     def routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit."""
+        """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit (over the
+        experts held here: a partial sum on a tensor-parallel rank)."""
         out = torch.zeros(z.shape, dtype=routing.weights.dtype, device=z.device)
         for e in routing.experts.unique().tolist():
+            expert = self.local_expert(e)
+            if expert is None:
+                continue
             rows, slot = (routing.experts == e).nonzero(as_tuple=True)
-            y = at_least_fp32(self.experts[e](z[rows]))
+            y = at_least_fp32(expert(z[rows]))
             out.index_add_(0, rows, y * routing.weights[rows, slot].unsqueeze(-1))
         return out.to(z.dtype)
+
+    def reduce_partials(self, r: torch.Tensor, shared: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Complete the routed and shared partial sums over the ranks in one all-reduce (identity on one
+        rank). Without a latent space both live in the hidden space and are added first."""
+        if self.comm.world_size == 1:
+            return r, shared
+        if shared is None:
+            return self.comm.all_reduce(r), None
+        if self.config.routed_expert_hidden_size is None:
+            return self.comm.all_reduce(r + shared), None
+        both = self.comm.all_reduce(torch.cat([r, shared], dim=-1))
+        r, shared = both.split([r.shape[-1], shared.shape[-1]], dim=-1)
+        return r, shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = self.gate(x)
         latent = self.config.routed_expert_hidden_size is not None
         z = self.routed_expert_down_proj(x) if latent else x
-        r = self.routed(z, routing)
+        shared = self.shared_experts(x) if self.config.num_shared_experts else None
+        r, shared = self.reduce_partials(self.routed(z, routing), shared)
         if latent:
             if self.config.latent_moe_use_norm:
                 r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)
-        if self.config.num_shared_experts:
-            r = r + self.shared_experts(x)
+        if shared is not None:
+            r = r + shared
         return r

@@ -57,7 +57,7 @@ def checkpoint_dtype(name: str) -> torch.dtype:
     return torch.float32 if name.endswith(_FP32_SUFFIXES) else torch.bfloat16
 
 
-def _packed_names(name: str) -> tuple[str, str]:
+def packed_names(name: str) -> tuple[str, str]:
     stem = name.removesuffix(".weight")
     return f"{stem}.weight_packed", f"{stem}.weight_scale"
 
@@ -78,7 +78,7 @@ def expected_checkpoint_shapes(config: KimiK3Config, packed: set[str] = frozense
         ck = config.weight_prefix + name
         out, *rest = param.shape
         if name in packed:
-            w_packed, w_scale = _packed_names(ck)
+            w_packed, w_scale = packed_names(ck)
             shapes[w_packed] = (out, rest[0] // 2)
             shapes[w_scale] = (out, rest[0] // 32)
         elif name.endswith(".A_log"):
@@ -88,7 +88,7 @@ def expected_checkpoint_shapes(config: KimiK3Config, packed: set[str] = frozense
     return shapes
 
 
-def _read_a_log(reader: CheckpointReader, ck_name: str, heads: int) -> torch.Tensor:
+def read_a_log(reader: CheckpointReader, ck_name: str, heads: int) -> torch.Tensor:
     raw = reader.get(ck_name).reshape(-1)
     if raw.numel() < heads:
         raise CheckpointError(f"{ck_name}: has {raw.numel()} entries, fewer than the {heads} KDA heads")
@@ -99,6 +99,17 @@ def _read_a_log(reader: CheckpointReader, ck_name: str, heads: int) -> torch.Ten
 
 def _skipped(name: str) -> bool:
     return name.startswith(_SKIPPED_PREFIXES)
+
+
+def check_checkpoint_layout(reader: CheckpointReader, config: KimiK3Config, module_names: list[str], *,
+                            what: str) -> set[str]:
+    """Check every tensor name and shape of the checkpoint against the whole model of `config`
+    (headers only); return the module names of the expert weights stored as MXFP4."""
+    prefix = config.weight_prefix
+    packed = {n for n in module_names if is_expert_weight(n) and reader.has(packed_names(prefix + n)[0])}
+    found = {n: tuple(reader.shape(n)) for n in reader.names() if not _skipped(n)}
+    check_tensor_names_and_shapes(found, expected_checkpoint_shapes(config, packed), what=what)
+    return packed
 
 
 def load_model(
@@ -115,17 +126,15 @@ def load_model(
     module_names = list(model.state_dict())
     with CheckpointReader(checkpoint_dir) as reader:
         prefix = config.weight_prefix
-        packed = {n for n in module_names if is_expert_weight(n) and reader.has(_packed_names(prefix + n)[0])}
-        found = {n: tuple(reader.shape(n)) for n in reader.names() if not _skipped(n)}
-        check_tensor_names_and_shapes(found, expected_checkpoint_shapes(config, packed), what=str(checkpoint_dir))
+        packed = check_checkpoint_layout(reader, config, module_names, what=str(checkpoint_dir))
         tensors = {}
         for name in _progress(module_names, progress, f"loading {Path(checkpoint_dir).name}"):
             ck = prefix + name
             if name in packed:
-                w_packed, w_scale = _packed_names(ck)
+                w_packed, w_scale = packed_names(ck)
                 t = dequantize_mxfp4(reader.get(w_packed), reader.get(w_scale), dtype=dtype)
             elif name.endswith(".A_log"):
-                t = _read_a_log(reader, ck, config.linear_attn.num_heads)
+                t = read_a_log(reader, ck, config.linear_attn.num_heads)
             else:
                 t = reader.get(ck)
             tensors[name] = t.to(device=device, dtype=dtype)
@@ -141,7 +150,7 @@ def checkpoint_tensors(model: KimiK3ForCausalLM, *, quantize_experts: bool) -> d
         ck = config.weight_prefix + name
         t = t.detach().cpu()
         if quantize_experts and is_expert_weight(name):
-            w_packed, w_scale = _packed_names(ck)
+            w_packed, w_scale = packed_names(ck)
             out[w_packed], out[w_scale] = quantize_mxfp4(t.float())
         elif name.endswith(".A_log"):
             padded = torch.zeros(_a_log_shape(config)).reshape(-1)

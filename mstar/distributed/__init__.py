@@ -1,0 +1,13 @@
+"""Tensor and expert parallelism: the model sharded over ranks with torch.distributed.
+
+    communicator.py      the `Communicator` interface the model calls (and the null one for one rank)
+    process_group_comm.py  gloo (CPU) and NCCL (GPU) communicators over a torch.distributed group
+    symm_mem_comm.py     torch symmetric-memory one-shot / two-shot all-reduce (small single-node messages)
+    comm_choice.py       `choose_communicator`: the one rule that picks an implementation per message
+    expert_sharding.py   `ExpertSharding`: which experts and which slice of each a rank holds
+    sharding.py          `ShardingPlan`: the per-rank config and which checkpoint tensor is split how
+    vocab_parallel.py    the vocabulary-parallel embedding and lm_head
+    loader.py            reads only a rank's slices from the safetensors shards
+    control.py           rank 0's step messages to the followers, and the heartbeat
+    worker.py            rank processes: spawn, follow, monitor, stop; `build_tp_engine` for mstar-serve
+"""

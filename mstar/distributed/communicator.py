@@ -1,0 +1,68 @@
+"""The collective interface the model calls, and the null communicator of a single rank.
+
+The model never touches torch.distributed: where a row-parallel output joins the replicated residual
+stream it calls `all_reduce` (a sum over ranks), and the vocabulary-parallel lm_head calls
+`all_gather`. One subclass per implementation lives beside this file (gloo, NCCL, torch symmetric
+memory); `comm_choice.choose_communicator` is the one place that picks among them.
+
+Contract of every implementation:
+- `all_reduce(x)` returns the elementwise sum of `x` over the ranks of the group. It may reduce in
+  place, so the caller must not use `x` afterwards. Every rank receives the same bits (ring, tree and
+  symmetric-memory algorithms all reduce each element in one place and copy it out), which is what
+  keeps routing and every other data-dependent decision identical on all ranks.
+- `all_gather(x)` returns the ranks' tensors concatenated along the last dim, in rank order.
+- Every rank calls the same collectives in the same order (lockstep); nothing here checks that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class Communicator(ABC):
+    """Collectives over the ranks that hold one model (the tensor-parallel group)."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside 0..{world_size - 1}")
+        self.rank = rank
+        self.world_size = world_size
+
+    @abstractmethod
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over all ranks (may reuse `x`'s memory)."""
+
+    @abstractmethod
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' `x` concatenated along the last dim in rank order: [..., world_size * n]."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+
+class NullCommunicator(Communicator):
+    """No other ranks: the single-rank model, and one rank's shard emulated alone on one device.
+
+    With world_size 1 (the default) both collectives are the identity, so a model built with it is
+    exactly the single-rank reference. With world_size > 1 it stands in for the missing ranks
+    without moving data: `all_reduce` returns the local partial sum and `all_gather` repeats the
+    local piece, so a rank's shapes, weights and kernels run at their true size (benchmarks of one
+    TP8 rank on one GPU) while the numbers are not the model's.
+    """
+
+    name = "null"
+
+    def __init__(self, world_size: int = 1, rank: int = 0):
+        super().__init__(rank, world_size)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return x
+        return torch.cat([x] * self.world_size, dim=-1)

@@ -1,0 +1,432 @@
+"""Rank workers: one process per tensor-parallel rank, in lockstep, and what happens when one dies.
+
+    mstar-serve (rank 0)                         followers (ranks 1 .. tp-1), spawned by rank 0
+    ---------------------------------            ---------------------------------------------
+    HTTP server, AsyncEngine thread              ignore SIGINT/SIGTERM (rank 0 decides when to stop)
+    EngineCore: scheduler, sampler, pools        the same pools (checked against rank 0's shapes)
+    each step: send the plan (control.py) ---->  receive the plan
+               ServingModel.forward  <-- model collectives (Communicator) -->  ServingModel.forward
+               sample, commit, stream            (nothing else: no request state)
+
+Startup: rank 0 opens a TCPStore, spawns the followers, and every rank joins three groups: the
+default gloo group (startup barrier), a gloo control group (step messages, control.py) and the data
+group the model's `Communicator` runs on (gloo on CPU, NCCL + symmetric memory on GPU, chosen in
+comm_choice.py). Each rank loads only its slices of the checkpoint (loader.py) and builds its pools;
+after a barrier rank 0 sends its pool geometry, which every follower must match.
+
+Failure, all within seconds, never a hang:
+- a follower process exits unexpectedly (crash, OOM kill, SIGKILL): rank 0's monitor thread sees it
+  (process sentinels, polled every 0.25 s), logs which rank and its exit status, kills the other
+  followers (so a collective in flight fails at once and the requests in it end with an error),
+  and after a short grace ends rank 0 with status EXIT_RANK_FAILED (3);
+- rank 0 disappears: a follower's receive fails (the control connection closes) or times out (no
+  heartbeat within `control_s`), or its watchdog sees it was re-parented; it exits with status 1;
+- a follower's step raises: it logs the error and exits 1, and rank 0 proceeds as above.
+SIGTERM / Ctrl-C go to rank 0, which drains (open requests finish), then sends STOP, waits for the
+followers to exit and kills any that do not. At exit rank 0 kills whatever follower is still alive,
+so no rank outlives it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.connection
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mstar.engine.async_engine import AsyncEngine
+from mstar.engine.core import EngineConfig, EngineCore
+from mstar.models.kimi_k3.config import KimiK3Config, load_config
+from mstar.models.kimi_k3.model import KimiK3ForCausalLM
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.resources.latent_kv import PagedLatentKV
+from mstar.resources.recurrent_pool import RecurrentStatePool
+
+from .comm_choice import CommConfig, build_communicator
+from .communicator import Communicator
+from .control import GEOMETRY, HEARTBEAT, STEP, STOP, ControlChannel, Heartbeat, StepMessage, plan_on
+from .loader import load_rank_model
+from .sharding import ShardingPlan
+
+log = logging.getLogger("mstar.distributed")
+
+EXIT_RANK_FAILED = 3  # rank 0's exit status when a rank died (as mstar-serve's when its engine stops for good)
+STORE_HOST = "127.0.0.1"  # all ranks on one node (the store and gloo listen on loopback)
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    startup_s: float = 1800.0  # rendezvous, then every rank loading its slices (large checkpoints take minutes)
+    control_s: float = 30.0  # a follower that hears nothing from rank 0 this long stops
+    heartbeat_s: float = 1.0  # rank 0 sends a heartbeat after this long without a message
+    collective_s: float = 600.0  # one model collective (ranks wait for the slowest)
+    stop_s: float = 10.0  # followers' exit after STOP, before they are killed
+    failure_grace_s: float = 1.0  # after a rank died: time for failed requests to reach their clients
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """What every rank needs to build its part (sent to each follower when it is spawned)."""
+
+    checkpoint: str
+    tp_size: int
+    ep_size: int
+    dtype: torch.dtype
+    device_type: str  # "cpu" or "cuda"
+    engine: EngineConfig
+    comm: CommConfig
+    store_port: int
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    log_level: int = logging.INFO
+
+    def device(self, rank: int) -> torch.device:
+        if self.device_type == "cuda":
+            return torch.device("cuda", rank % torch.cuda.device_count())
+        return torch.device("cpu")
+
+
+@dataclass
+class RankRuntime:
+    """One rank's groups and model communicator."""
+
+    store: dist.Store
+    control: ControlChannel
+    comm: Communicator
+
+
+def _join(setup: RankSetup, rank: int, store: dist.Store) -> RankRuntime:
+    t = setup.timeouts
+    device = setup.device(rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=setup.tp_size,
+                            timeout=timedelta(seconds=t.startup_s))
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.control_s))
+    data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
+                          timeout=timedelta(seconds=t.collective_s))
+    comm = build_communicator(data, device, setup.comm, setup.dtype)
+    return RankRuntime(store, ControlChannel(control), comm)
+
+
+def _load(setup: RankSetup, rank: int, comm: Communicator) -> KimiK3ForCausalLM:
+    plan = ShardingPlan(setup.tp_size, rank, setup.ep_size)
+    return load_rank_model(setup.checkpoint, plan, comm, dtype=setup.dtype, device=setup.device(rank))
+
+
+def check_tp_config(config: KimiK3Config, tp_size: int, ep_size: int) -> None:
+    """Raise (naming the key) unless `config` shards over tp_size ranks in ep_size expert groups."""
+    ShardingPlan(tp_size, 0, ep_size).check(config)
+
+
+# --- pools and their geometry ------------------------------------------------------------------------
+
+
+def follower_pools(model: KimiK3ForCausalLM, engine: EngineConfig) -> tuple[PagedLatentKV, RecurrentStatePool]:
+    """The pools a follower addresses with rank 0's plans: built as EngineCore builds them (and
+    checked against rank 0's geometry at startup, so a drift between the two fails loudly)."""
+    cfg = model.config
+    param = next(model.parameters())
+    kinds = cfg.layer_kinds
+    la = cfg.linear_attn
+    kv = PagedLatentKV(kinds.count("mla"), engine.max_num_pages, engine.page_size, cfg.kv_cache_width,
+                       param.dtype, param.device)
+    pool = RecurrentStatePool(kinds.count("kda"), engine.max_kda_slots, la.num_heads, la.head_dim,
+                              la.short_conv_kernel_size, torch.promote_types(param.dtype, torch.float32),
+                              param.dtype, param.device, hidden_size=cfg.hidden_size, max_block=0)
+    return kv, pool
+
+
+def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]:
+    return {name: (tuple(t.shape), str(t.dtype)) for name, t in
+            (("latent_kv", kv.cache), ("kda_state", pool.state), ("kda_conv", pool.conv),
+             ("kda_prefix", pool.prefix_x))}
+
+
+# --- followers ------------------------------------------------------------------------------------------
+
+
+def apply_step(serving: ServingModel, message: StepMessage, device: torch.device) -> None:
+    """Run rank 0's step here: reset the slots of rows that start a sequence, take the pending prefix
+    lengths, then the forward (its logits are rank 0's business)."""
+    plan: BatchPlan = plan_on(message.plan, device)
+    pool = serving.pool
+    for b, slot in enumerate(plan.kda_slots.tolist()):
+        if plan.num_computed[b] == 0:
+            pool.state[:, slot].zero_()
+            pool.conv[:, slot].zero_()
+        pool.prefix_len[slot] = message.prefix_lens[b]
+    serving.forward(plan, message.tap_layers)
+
+
+def follow(channel: ControlChannel, serving: ServingModel, device: torch.device) -> None:
+    """Run rank 0's steps until it says STOP."""
+    rank = channel.rank
+    expected_step = 0
+    geometry = pool_geometry(serving.kv, serving.pool)
+    while True:
+        message = channel.receive()
+        if message.kind == STOP:
+            return
+        if message.kind == HEARTBEAT:
+            continue
+        if message.kind == GEOMETRY:
+            if message.geometry != geometry:
+                raise RuntimeError(f"rank {rank}: its pools {geometry} differ from rank 0's {message.geometry}")
+            continue
+        if message.kind != STEP:
+            raise RuntimeError(f"rank {rank}: unknown control message {message.kind!r}")
+        if message.step_id != expected_step:
+            raise RuntimeError(f"rank {rank}: received step {message.step_id}, expected {expected_step}: "
+                               "the ranks are out of lockstep")
+        apply_step(serving, message, device)
+        expected_step += 1
+
+
+def _watch_parent(parent_pid: int, rank: int) -> None:
+    while True:
+        time.sleep(0.5)
+        if os.getppid() != parent_pid:
+            log.error("rank %d: rank 0 (pid %d) is gone; exiting", rank, parent_pid)
+            os._exit(1)
+
+
+def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
+    """Entry point of a follower process."""
+    # A group-wide Ctrl-C or SIGTERM must not kill a follower while rank 0 drains: rank 0 stops it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+    threading.Thread(target=_watch_parent, args=(parent_pid, rank), name="mstar-watch-rank0", daemon=True).start()
+    try:
+        store = dist.TCPStore(STORE_HOST, setup.store_port, setup.tp_size, is_master=False,
+                              timeout=timedelta(seconds=setup.timeouts.startup_s))
+        runtime = _join(setup, rank, store)
+        model = _load(setup, rank, runtime.comm)
+        kv, pool = follower_pools(model, setup.engine)
+        serving = ServingModel(model, kv, pool)
+        dist.barrier()  # every rank has loaded
+        log.info("rank %d ready (%s, pid %d)", rank, runtime.comm, os.getpid())
+        follow(runtime.control, serving, setup.device(rank))
+    except BaseException as e:
+        log.error("rank %d stops: %s: %s\n%s", rank, type(e).__name__, e, traceback.format_exc())
+        logging.shutdown()
+        os._exit(1)  # no clean-up that could wait on a peer that is gone
+    dist.destroy_process_group()
+    log.info("rank %d stopped", rank)
+
+
+# --- rank 0 ----------------------------------------------------------------------------------------------
+
+
+class Ranks:
+    """Rank 0's handle on the followers: watches them, stops them, and fails everything when one dies."""
+
+    def __init__(self, setup: RankSetup, processes: list[Any], *, exit_on_failure: bool):
+        self.setup = setup
+        self.processes = processes  # index i: rank i + 1
+        self.exit_on_failure = exit_on_failure
+        self.failed: str | None = None
+        self.runtime: RankRuntime | None = None
+        self.heartbeat: Heartbeat | None = None
+        self._stopping = False
+        self._stopped = False
+        self._listeners: list[Callable[[str], None]] = []
+        self._fail_lock = threading.Lock()
+        self._monitor = threading.Thread(target=self._watch, name="mstar-rank-monitor", daemon=True)
+        atexit.register(self.kill)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes]
+
+    def on_failure(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(message)` (from the monitor thread) when a rank fails."""
+        self._listeners.append(listener)
+
+    def start_monitor(self) -> None:
+        self._monitor.start()
+
+    def check(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"tensor-parallel ranks failed: {self.failed}")
+
+    def _watch(self) -> None:
+        alive = {p.sentinel: rank for rank, p in enumerate(self.processes, start=1)}
+        while alive and not self._stopping:
+            for sentinel in multiprocessing.connection.wait(list(alive), timeout=0.25):
+                rank = alive.pop(sentinel)
+                if self._stopping:
+                    return
+                p = self.processes[rank - 1]
+                p.join(0)
+                self.fail(f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}")
+                return
+
+    def fail(self, message: str) -> None:
+        """A rank is gone: stop every rank; end rank 0 when it serves (exit_on_failure)."""
+        with self._fail_lock:
+            if self.failed is not None or self._stopping:
+                return
+            self.failed = message
+        log.critical("%s; stopping all %d ranks", message, self.setup.tp_size)
+        self.kill()
+        for listener in self._listeners:
+            try:
+                listener(message)
+            except Exception:
+                log.exception("a rank-failure listener failed")
+        if self.exit_on_failure:
+            time.sleep(self.setup.timeouts.failure_grace_s)
+            log.critical("exiting with status %d: %s", EXIT_RANK_FAILED, message)
+            logging.shutdown()
+            os._exit(EXIT_RANK_FAILED)
+
+    def kill(self) -> None:
+        """SIGKILL every follower still alive and reap it."""
+        for p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for p in self.processes:
+            p.join(5)
+
+    def stop(self) -> None:
+        """Orderly end: STOP to the followers, wait for them, kill stragglers, leave the groups."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._stopping = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.failed is None and self.runtime is not None:
+            try:
+                self.runtime.control.send(StepMessage(STOP))
+            except Exception as e:
+                log.warning("could not send STOP to the followers (%s); killing them", e)
+        deadline = time.monotonic() + self.setup.timeouts.stop_s
+        for p in self.processes:
+            p.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [p.pid for p in self.processes if p.is_alive()]
+        if stragglers:
+            log.warning("followers %s did not stop within %.0f s; killing them", stragglers, self.setup.timeouts.stop_s)
+        self.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit.unregister(self.kill)
+
+
+class LeaderServing:
+    """Rank 0's `EngineCore.serving`: sends each step to the followers, then runs it here."""
+
+    def __init__(self, serving: ServingModel, ranks: Ranks, channel: ControlChannel):
+        self.serving = serving
+        self.ranks = ranks
+        self.channel = channel
+        self.model = serving.model
+        self.pool = serving.pool
+        self.kv = serving.kv
+
+    @torch.no_grad()
+    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.ranks.check()
+        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.kda_slots.tolist())
+        self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
+        try:
+            return self.serving.forward(plan, tap_layers)
+        finally:
+            self.channel.step_done()
+
+
+def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineConfig, *, tp_size: int,
+                ep_size: int = 1, dtype: torch.dtype = torch.float32, device_type: str = "cpu",
+                comm: CommConfig | None = None, timeouts: Timeouts | None = None,
+                exit_on_failure: bool = False) -> tuple[EngineCore, Ranks]:
+    """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
+    every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process."""
+    if engine_config.speculative is not None:
+        raise ValueError("speculative decoding with tp_size > 1 is not supported yet: set "
+                         "model_kwargs.speculative_tokens=0 or tp_size=1")
+    if tp_size < 2:
+        raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
+    check_tp_config(load_config(checkpoint), tp_size, ep_size)
+    store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
+    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config, comm or CommConfig(),
+                      store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel())
+    context = torch.multiprocessing.get_context("spawn")
+    processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
+                 for rank in range(1, tp_size)]
+    for p in processes:
+        p.start()
+    ranks = Ranks(setup, processes, exit_on_failure=exit_on_failure)
+    log.info("started %d follower ranks (pids %s)", len(processes), ranks.pids)
+    ranks.start_monitor()
+    try:
+        runtime = ranks.runtime = _join(setup, 0, store)
+        model = _load(setup, 0, runtime.comm)
+        core = EngineCore(model, tokenizer, engine_config)
+        dist.barrier()  # every rank has loaded
+        runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
+        core.serving = LeaderServing(core.serving, ranks, runtime.control)
+        ranks.heartbeat = Heartbeat(runtime.control, setup.timeouts.heartbeat_s, ranks.fail).start()
+    except BaseException:
+        ranks.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        ranks.check()  # a follower's death explains the error better than the broken collective
+        raise
+    log.info("%d ranks ready (tp_size=%d, ep_size=%d, %s)", tp_size, tp_size, ep_size, runtime.comm)
+    return core, ranks
+
+
+class TPEngine(AsyncEngine):
+    """The AsyncEngine of rank 0 (same interface to the server); shutdown also stops the followers."""
+
+    def __init__(self, core: EngineCore, model_name: str, ranks: Ranks, **engine_kwargs: Any):
+        super().__init__(core, model_name, **engine_kwargs)
+        self.ranks = ranks
+        ranks.on_failure(self._rank_failed)
+
+    def _rank_failed(self, message: str) -> None:
+        self._accepting = False  # new requests are refused; the step in flight fails with the dead rank
+
+    @property
+    def healthy(self) -> bool:
+        return super().healthy and self.ranks.failed is None
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        try:
+            super().shutdown(timeout)
+        finally:
+            self.ranks.stop()
+
+
+def build_tp_engine(cfg: Any, engine_config: EngineConfig, *, device: str, tensor_comm_protocol: str = "SHM",
+                    ep_size: int = 1, timeouts: Timeouts | None = None, **engine_kwargs: Any) -> TPEngine:
+    """rank 0's engine for mstar-serve with `cfg.tp_size` ranks (a `ServeConfig`): spawns the
+    followers, loads the slices, starts the engine thread. A rank that dies ends this process with
+    status EXIT_RANK_FAILED; `engine.shutdown()` (after the server drained) stops every rank."""
+    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+              "float64": torch.float64}
+    if cfg.speculative:
+        raise ValueError("model_kwargs.speculative_tokens > 0 with tp_size > 1: speculative decoding does not run "
+                         "on tensor-parallel ranks yet; set model_kwargs.speculative_tokens=0 or tp_size=1")
+    tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
+    core, ranks = start_ranks(cfg.checkpoint, tokenizer, engine_config, tp_size=cfg.tp_size, ep_size=ep_size,
+                              dtype=dtypes[cfg.dtype], device_type=torch.device(device).type,
+                              comm=CommConfig(protocol=tensor_comm_protocol), timeouts=timeouts,
+                              exit_on_failure=True)
+    return TPEngine(core, cfg.served_model_name, ranks, **engine_kwargs).start()

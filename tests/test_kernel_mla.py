@@ -1,0 +1,366 @@
+"""Paged absorbed-MLA kernels (decode and verify/prefill) against their torch references.
+
+Without CUDA the kernels run on the CPU through Triton's interpreter (set before triton is imported), at
+tiny batches but the real row width (512 latent + 64 rope), page size 16, shuffled page tables. The
+interpreter multiplies bf16 operands of tl.dot as raw bits (triton-lang/triton#11584), so it runs fp16 and
+fp32; bf16 is checked on the GPU. The GPU tests use the K3 per-rank shapes (12 heads for TP8, 96 for TP1,
+page size 64) and skip without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+triton = pytest.importorskip("triton")
+
+from mstar.kernels import mla_attention as mla  # noqa: E402  (after TRITON_INTERPRET is settled)
+from mstar.models.kimi_k3.mla import absorbed_attention  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_CUDA = torch.cuda.is_available()
+LATENT, ROPE = 512, 64
+WIDTH = LATENT + ROPE
+SCALE = 192**-0.5  # (qk_nope + qk_rope)^-0.5, also in absorbed form
+
+tiny = pytest.mark.skipif(not (INTERPRET or HAS_CUDA), reason="needs CUDA or TRITON_INTERPRET=1")
+gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with int() of a 1-element array, which
+    numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6). Patch that one conversion."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_scalar_index_fixed", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._scalar_index_fixed = True
+    interpreter._patch_lang_tensor = patched
+
+
+if INTERPRET:
+    _fix_interpreter_scalar_index()
+
+
+# --- helpers ---------------------------------------------------------------------------------------------
+
+
+def tiny_device() -> str:
+    return "cpu" if INTERPRET else "cuda"
+
+
+def tiny_dtypes() -> list[torch.dtype]:
+    return [torch.float32, torch.float16] if INTERPRET or not HAS_CUDA else [torch.bfloat16, torch.float16]
+
+
+def make_pages(context_lens: list[int], page_size: int, *, spare: int = 3, dtype=torch.int32,
+               device="cpu") -> tuple[torch.Tensor, int]:
+    """A shuffled, non-contiguous page table: every sequence draws its pages at random from one pool
+    (with spare pages nobody owns); rows are padded with page 0. Returns (table [B, max_pages], pool size)."""
+    need = [-(-n // page_size) for n in context_lens]
+    num_pages = sum(need) + spare
+    order = torch.randperm(num_pages)
+    table = torch.zeros(len(context_lens), max(max(need), 1) + 1, dtype=dtype)  # one unused column too
+    taken = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[taken: taken + n].to(dtype)
+        taken += n
+    return table.to(device), num_pages
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    return {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
+
+
+def poisoned(shape, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def decode_case(context_lens, heads, page_size, dtype, device, *, pt_dtype=torch.int32):
+    table, num_pages = make_pages(context_lens, page_size, dtype=pt_dtype, device=device)
+    cache = torch.randn(num_pages, page_size, WIDTH, device=device).to(dtype)
+    q = torch.randn(len(context_lens), heads, WIDTH, device=device).to(dtype)
+    lens = torch.tensor(context_lens, dtype=torch.int32, device=device)
+    return q, cache, table, lens
+
+
+def reference_fp64(q, cache, table, lens, cu=None):
+    """The torch reference on upcast inputs (float64 on CPU, float32 on the GPU)."""
+    up = torch.float64 if q.device.type == "cpu" else torch.float32
+    if cu is None:
+        return mla.paged_mla_decode_reference(q.to(up), cache.to(up), table, lens, SCALE)
+    return mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu, lens, SCALE)
+
+
+# --- the torch references ----------------------------------------------------------------------------------
+
+
+def test_paged_reference_equals_dense_absorbed_attention():
+    """Gathering shuffled pages and attending equals absorbed_attention over the dense rows."""
+    ctx, page_size, heads, q_len = 37, 8, 3, 5
+    rows = torch.randn(ctx, WIDTH, dtype=torch.float64)
+    table, num_pages = make_pages([ctx], page_size)
+    cache = torch.randn(num_pages, page_size, WIDTH, dtype=torch.float64)
+    for i in range(ctx):
+        cache[table[0, i // page_size], i % page_size] = rows[i]
+    q = torch.randn(q_len, heads, WIDTH, dtype=torch.float64)
+    dense = absorbed_attention(q, rows, ctx - q_len, SCALE, kv_lora_rank=LATENT)
+    paged = mla.paged_mla_prefill_reference(q, cache, table, torch.tensor([0, q_len]), torch.tensor([ctx]), SCALE)
+    torch.testing.assert_close(paged, dense, rtol=1e-12, atol=1e-12)
+    last = mla.paged_mla_decode_reference(q[-1:], cache, table, torch.tensor([ctx]), SCALE)
+    torch.testing.assert_close(last, dense[-1:], rtol=1e-12, atol=1e-12)
+
+
+def test_num_splits_fill_the_machine_and_respect_the_minimum_piece():
+    for batch in (1, 2, 16, 64, 256):
+        for ctx in (1, 100, 1024, 8192, 32768, 131072):
+            s = mla.num_splits_for(batch, 12, ctx, num_sms=132)
+            assert 1 <= s <= 128
+            assert s == 1 or -(-ctx // s) >= mla.DEFAULT_MIN_SPLIT_TOKENS * 0.5
+            if batch >= 106:
+                assert s == 1
+    assert mla.num_splits_for(1, 12, 32768, num_sms=132) >= 64
+    with pytest.raises(ValueError, match="max_context"):
+        mla.num_splits_for(1, 12, 0)
+
+
+# --- tiny shapes: interpreter on CPU, or compiled on a GPU -------------------------------------------------------
+
+
+@tiny
+@pytest.mark.parametrize("dtype", tiny_dtypes(), ids=str)
+@pytest.mark.parametrize("block_n", [16, 32], ids=["tile_in_page", "tile_spans_pages"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_tiny(dtype, block_n, num_splits):
+    device = tiny_device()
+    heads = 3 if num_splits == 1 else 4
+    lens = [1, 15, 16, 17, 40, int(torch.randint(1, 41, ()).item())]
+    q, cache, table, ctx = decode_case(lens, heads, 16, dtype, device,
+                                       pt_dtype=torch.int32 if block_n == 16 else torch.int64)
+    out = poisoned((len(lens), heads, LATENT), dtype, device)
+    cfg = mla.KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
+    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, min_split_tokens=16, config=cfg)
+    assert torch.isfinite(out).all(), "some outputs were never written"
+    ref = reference_fp64(q, cache, table, ctx)
+    assert rel_err(out, ref) <= tolerance(dtype)
+    for b in range(len(lens)):  # every sequence on its own, not only on average
+        assert rel_err(out[b], ref[b]) <= 3 * tolerance(dtype), f"sequence {b} (context {lens[b]})"
+
+
+@tiny
+def test_decode_many_splits_tiny():
+    """More splits than the merge reads at once (16): its running max must rescale earlier chunks."""
+    device = tiny_device()
+    dtype = torch.float32 if INTERPRET else torch.float16
+    lens = [300, 137]
+    q, cache, table, ctx = decode_case(lens, 2, 16, dtype, device)
+    # Rows 256.. of sequence 0 (splits 16..18, the merge's second chunk) align with head 0's query, so
+    # their log-sum-exp exceeds the first chunk's and the running max must move.
+    for pos in range(256, 300):
+        page, slot = table[0, pos // 16], pos % 16
+        cache[page, slot] = (cache[page, slot].float() + 0.05 * q[0, 0].float()).to(dtype)
+    out = poisoned((2, 2, LATENT), dtype, device)
+    cfg = mla.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=20, min_split_tokens=16, config=cfg)
+    assert torch.isfinite(out).all()
+    ref = reference_fp64(q, cache, table, ctx)
+    for b in range(2):
+        assert rel_err(out[b], ref[b]) <= tolerance(dtype), f"sequence {b} (context {lens[b]})"
+
+
+@tiny
+def test_decode_zero_context_writes_zeros():
+    """Bucket padding rows (context 0) come out as zeros, with and without splits."""
+    device = tiny_device()
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    q, cache, table, ctx = decode_case([0, 20], 2, 16, dtype, device)
+    for splits in (1, 2):
+        out = poisoned((2, 2, LATENT), dtype, device)
+        mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=splits, min_split_tokens=16)
+        assert (out[0] == 0).all()
+        assert rel_err(out[1], reference_fp64(q, cache, table, ctx)[1]) <= tolerance(dtype)
+
+
+@tiny
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("block_m,block_n", [(16, 16), (32, 32)])
+def test_prefill_tiny(num_splits, block_m, block_n):
+    """Verify blocks and prefill chunks over existing pages: causal, ragged, with bucket padding rows."""
+    device = tiny_device()
+    dtype = torch.float16
+    heads = 3
+    q_lens = [1, 5, 8, 12]  # 12: a whole prompt (q_len == context)
+    lens = [9, 16, 40, 12]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    n_rows = int(cu[-1]) + 2  # two padding rows past cu[-1]
+    table, num_pages = make_pages(lens, 16, device=device)
+    cache = torch.randn(num_pages, 16, WIDTH, device=device).to(dtype)
+    q = torch.randn(n_rows, heads, WIDTH, device=device).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    out = poisoned((n_rows, heads, LATENT), dtype, device)
+    cfg = mla.KernelConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
+    mla.paged_mla_prefill(q, cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
+                          num_splits=num_splits, min_split_tokens=16, config=cfg)
+    rows = int(cu[-1])
+    assert torch.isfinite(out[:rows]).all(), "some outputs were never written"
+    assert torch.isnan(out[rows:]).all(), "rows past cu_seqlens[-1] must stay untouched"
+    ref = reference_fp64(q, cache, table, ctx, cu)
+    assert rel_err(out[:rows], ref[:rows]) <= tolerance(dtype)
+    for b in range(len(lens)):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        assert rel_err(out[sl], ref[sl]) <= 3 * tolerance(dtype), f"sequence {b}"
+
+
+@tiny
+def test_prefill_rows_equal_decode_rows():
+    """The last query of a verify block sees what a decode of the same sequence sees."""
+    device = tiny_device()
+    dtype = torch.float32 if INTERPRET else torch.float16
+    lens = [23, 7]
+    table, num_pages = make_pages(lens, 16, device=device)
+    cache = torch.randn(num_pages, 16, WIDTH, device=device).to(dtype)
+    q = torch.randn(6, 2, WIDTH, device=device).to(dtype)
+    cu = torch.tensor([0, 4, 6], dtype=torch.int32, device=device)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    block = mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, poisoned((6, 2, LATENT), dtype, device))
+    last = mla.paged_mla_decode(q[[3, 5]].contiguous(), cache, table, ctx, SCALE,
+                                poisoned((2, 2, LATENT), dtype, device), num_splits=1)
+    torch.testing.assert_close(block[[3, 5]], last, rtol=1e-3, atol=1e-3)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    if mla.triton is None:
+        pytest.skip("triton missing")
+    q = torch.zeros(2, 2, WIDTH)
+    cache = torch.zeros(4, 16, WIDTH)
+    table = torch.zeros(2, 2, dtype=torch.int32)
+    lens = torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache"):
+        mla.paged_mla_decode(q, torch.zeros(4, 16, 520), table, lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=1)
+    with pytest.raises(ValueError, match="latent"):
+        mla.paged_mla_decode(q, cache, table, lens, SCALE, torch.zeros(2, 2, 500), num_splits=1)
+    with pytest.raises(ValueError, match="num_splits"):
+        mla.paged_mla_decode(q, cache, table, lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=0)
+    with pytest.raises(ValueError, match="page_table"):
+        mla.paged_mla_decode(q, cache, table.float(), lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        mla.paged_mla_prefill(q, cache, table, torch.tensor([0, 1], dtype=torch.int32), lens, SCALE,
+                              torch.zeros(2, 2, LATENT))
+
+
+# --- GPU: K3 per-rank shapes --------------------------------------------------------------------------------
+
+GPU_CONTEXTS = [1, 63, 64, 65, 1000, 8192]
+
+
+def gpu_decode_check(lens: list[int], heads: int, num_splits: int) -> float:
+    q, cache, table, ctx = decode_case(lens, heads, 64, torch.bfloat16, "cuda")
+    out = poisoned((len(lens), heads, LATENT), torch.bfloat16, "cuda")
+    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "some outputs were never written"
+    ref = reference_fp64(q, cache, table, ctx)
+    for b in range(len(lens)):
+        assert rel_err(out[b], ref[b]) <= 1.5e-2, f"sequence {b} (context {lens[b]}), heads {heads}"
+    return rel_err(out, ref)
+
+
+@gpu
+@pytest.mark.parametrize("heads", [12, 96])
+@pytest.mark.parametrize("context", GPU_CONTEXTS)
+@pytest.mark.parametrize("splits", ["one", "auto", "many"])
+def test_gpu_decode_single_sequence(heads, context, splits):
+    num_splits = {"one": 1, "auto": mla.num_splits_for(1, heads, context), "many": 16}[splits]
+    assert gpu_decode_check([context], heads, num_splits) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("heads", [12, 96])
+@pytest.mark.parametrize("batch", [16, 64])
+@pytest.mark.parametrize("splits", ["one", "auto", "many"])
+def test_gpu_decode_mixed_batch(heads, batch, splits):
+    lens = GPU_CONTEXTS + torch.randint(1, 8193, (batch - len(GPU_CONTEXTS),)).tolist()
+    lens = [lens[i] for i in torch.randperm(batch).tolist()]
+    num_splits = {"one": 1, "auto": mla.num_splits_for(batch, heads, max(lens)), "many": 8}[splits]
+    assert gpu_decode_check(lens, heads, num_splits) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("heads", [12, 96])
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("case", ["verify", "chunk"])
+def test_gpu_prefill(heads, num_splits, case):
+    """Verify blocks (1..8 rows over contexts up to 8192) and prefill chunks over existing pages."""
+    if case == "verify":
+        q_lens = torch.randint(1, 9, (16,)).tolist()
+        lens = [max(q, c) for q, c in zip(q_lens, GPU_CONTEXTS * 2 + torch.randint(1, 8193, (4,)).tolist(),
+                                           strict=True)]
+    else:
+        q_lens, lens = [512, 300, 64], [1000, 300, 4096]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    n_rows = int(cu[-1]) + 3
+    table, num_pages = make_pages(lens, 64, device="cuda")
+    cache = torch.randn(num_pages, 64, WIDTH, device="cuda").bfloat16()
+    q = torch.randn(n_rows, heads, WIDTH, device="cuda").bfloat16()
+    ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    out = poisoned((n_rows, heads, LATENT), torch.bfloat16, "cuda")
+    mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens), num_splits=num_splits)
+    torch.cuda.synchronize()
+    rows = int(cu[-1])
+    assert torch.isfinite(out[:rows]).all() and torch.isnan(out[rows:]).all()
+    ref = reference_fp64(q, cache, table, ctx, cu.cpu())
+    for b in range(len(lens)):
+        sl = slice(int(cu[b]), int(cu[b + 1]))
+        assert rel_err(out[sl], ref[sl]) <= 1.5e-2, f"sequence {b} (q_len {q_lens[b]}, context {lens[b]})"
+    assert rel_err(out[:rows], ref[:rows]) <= 1e-2
+
+
+@gpu
+def test_gpu_decode_replays_in_a_cuda_graph():
+    """One capture (fixed buffers, fixed num_splits) replays correctly for new lengths and page tables."""
+    batch, heads, page_size, max_pages = 16, 12, 64, 130
+    num_pages = batch * max_pages + 7
+    cache = torch.randn(num_pages, page_size, WIDTH, device="cuda").bfloat16()
+    q = torch.empty(batch, heads, WIDTH, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(batch, max_pages, dtype=torch.int32, device="cuda")
+    ctx = torch.ones(batch, dtype=torch.int32, device="cuda")
+    out = torch.empty(batch, heads, LATENT, device="cuda", dtype=torch.bfloat16)
+    num_splits = mla.num_splits_for(batch, heads, max_pages * page_size)
+    workspace = mla.split_workspace(num_splits, batch, heads, LATENT, "cuda")
+
+    def step():
+        mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, workspace=workspace)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        lens = torch.randint(1, max_pages * page_size + 1, (batch,))
+        lens[0] = 0  # a padding row
+        q.copy_(torch.randn_like(q, dtype=torch.float32))
+        table.copy_(torch.randperm(num_pages, device="cuda")[: batch * max_pages].view(batch, max_pages))
+        ctx.copy_(lens)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert (out[0] == 0).all() and torch.isfinite(out).all()
+        ref = reference_fp64(q, cache, table, ctx)
+        assert rel_err(out[1:], ref[1:]) <= 1e-2
