@@ -21,7 +21,7 @@ from mstar.engine.scheduler import Scheduler, SchedulerConfig
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
-from mstar.models.kimi_k3.gpu_ops import default_mixer_ops
+from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -72,7 +72,10 @@ class EngineCore:
                                        la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
                                        dtype, device, hidden_size=cfg.hidden_size,
                                        max_block=spec.speculative_tokens + 1 if spec else 0)
-        ops = default_mixer_ops(device) if config.kernels == "auto" else TorchMixerOps()
+        ops = TorchMixerOps()
+        if config.kernels == "auto":
+            ops = default_mixer_ops(device)
+            install_expert_kernels(model)
         self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]

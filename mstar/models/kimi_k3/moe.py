@@ -84,8 +84,7 @@ class LatentMoE(nn.Module):
         super().__init__()
         self.config = config
         self.comm = comm or NullCommunicator()
-        self.sharding = None if experts is None or experts.is_whole else experts
-        experts = self.sharding
+        self.sharding = experts if experts is not None and not experts.is_whole else None
         d, latent = config.hidden_size, config.moe_input_size
         self.gate = Router(config)
         if config.routed_expert_hidden_size is not None:
@@ -93,14 +92,13 @@ class LatentMoE(nn.Module):
             self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
-        if experts is None:
+        if self.sharding is None:
             self.experts = nn.ModuleList(
                 Expert(config, latent, config.moe_intermediate_size) for _ in range(config.num_experts)
             )
         else:
-            self.experts = nn.ModuleDict({
-                str(e): Expert(config, latent, experts.local_intermediate_size) for e in experts.local_experts
-            })
+            width = self.sharding.local_intermediate_size
+            self.experts = nn.ModuleDict({str(e): Expert(config, latent, width) for e in self.sharding.local_experts})
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
 
