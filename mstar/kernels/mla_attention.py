@@ -37,7 +37,7 @@ except ImportError:  # the torch references stay usable without triton
     triton = None
 
 LOG2E = 1.4426950408889634
-DEFAULT_MIN_SPLIT_TOKENS = 256
+DEFAULT_MIN_SPLIT_TOKENS = 128  # two 64-row tiles: shorter pieces cost more in prologue and partials than they save
 
 
 # --- configuration -----------------------------------------------------------------------------------
@@ -54,7 +54,7 @@ class KernelConfig:
 
 
 def default_config(num_heads: int, page_size: int, *, multi_query: bool) -> KernelConfig:
-    """Tiles that keep the fp32 accumulator [block_m, 512] within the registers (ptxas for sm_90: no spills).
+    """Tiles that keep the fp32 accumulator [block_m, 512] in registers (ptxas for sm_90: no spills in decode).
 
     Decode puts all heads of a token in one tile when they fit (H <= 64): each row load then serves every
     head, which is the whole bandwidth argument. H=12 (TP8) runs 16-row tiles on mma.sync (about 30 FLOP per
@@ -76,24 +76,29 @@ def num_splits_for(batch: int, num_heads: int, max_context: int, *, num_sms: int
                    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS, max_splits: int = 128) -> int:
     """Splits per sequence for a decode capture bucket of `batch` rows whose contexts reach `max_context`.
 
-    Enough splits to fill the SMs, the fewest that reach nearly the best wave efficiency (a partial last
-    wave idles SMs), and never pieces shorter than `min_split_tokens` of `max_context`. Shorter contexts
-    at run time use fewer of the splits (the length of a piece never drops below `min_split_tokens`).
+    Pieces never shorter than `min_split_tokens` of `max_context`; all of them when they fit in one wave;
+    otherwise the fewest that reach nearly the best wave efficiency (a partial last wave idles SMs).
+    Shorter contexts at run time use fewer of the splits (a piece never drops below `min_split_tokens`).
     """
     if batch <= 0 or num_heads <= 0 or max_context <= 0:
         raise ValueError(f"batch={batch}, num_heads={num_heads} and max_context={max_context} must be positive")
     block_m = default_config(num_heads, 64, multi_query=False).block_m
     programs = batch * -(-num_heads // block_m)
+    # A 16-row program holds ~92 KB of shared memory and <= 255 registers x 128 threads: two share an SM
+    # (ptxas for sm_90); the 32- and 64-row programs take 112-144 KB, one per SM.
+    slots = num_sms * (2 if block_m <= 16 else 1)
     limit = max(1, min(max_splits, -(-max_context // min_split_tokens)))
-    if programs >= 0.8 * num_sms or limit == 1:
+    if programs >= 0.8 * slots or limit == 1:
         return 1
+    if programs * limit <= slots:  # every piece of minimum length runs at once: the shortest critical path
+        return limit
 
     def efficiency(splits: int) -> float:
         work = programs * splits
-        return work / (-(-work // num_sms) * num_sms)
+        return work / (-(-work // slots) * slots)
 
     best = max(efficiency(s) for s in range(1, limit + 1))
-    enough = 0.8 * min(num_sms, programs * limit)  # most of one wave, or all the work there is
+    enough = 0.8 * min(slots, programs * limit)  # most of one wave, or all the work there is
     for s in range(1, limit + 1):
         if efficiency(s) >= 0.85 * best and programs * s >= enough:
             return s
@@ -167,7 +172,7 @@ if triton is not None:
     def _mla_attn_kernel(
         q_ptr, cache_ptr, page_table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         scale_log2, num_heads, num_splits,
-        stride_qt, stride_qh, stride_cp, stride_cr, stride_pt,
+        stride_qt, stride_qh, stride_pt,
         stride_ot, stride_oh, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -216,7 +221,9 @@ if triton is not None:
                     page = tl.load(pt_row + n0 // PAGE_SIZE).to(tl.int64)
                 else:
                     page = tl.load(pt_row + keys // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-                row_ptr = cache_ptr + page * stride_cp + (keys % PAGE_SIZE) * stride_cr
+                # The cache is one layer's contiguous [num_pages, PAGE_SIZE, LATENT + ROPE] (checked by the
+                # launcher): constant strides let the compiler prove 16-byte alignment of every row.
+                row_ptr = cache_ptr + (page * PAGE_SIZE + keys % PAGE_SIZE) * (LATENT + ROPE)
                 kv_lat = tl.load(row_ptr[:, None] + d_lat[None, :], mask=key_ok[:, None], other=0.0)
                 kv_pe = tl.load(row_ptr[:, None] + LATENT + d_pe[None, :], mask=key_ok[:, None], other=0.0)
 
@@ -304,9 +311,12 @@ def _check_inputs(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens
             raise ValueError(f"{name} is {width}; the kernel needs a power of two >= 16 (K3: 512 and 64)")
     if q_abs.dtype != cache.dtype or q_abs.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"q_abs ({q_abs.dtype}) and cache ({cache.dtype}) must share one of bf16/fp16/fp32")
-    for name, t in (("q_abs", q_abs), ("cache", cache), ("out", out)):
+    for name, t in (("q_abs", q_abs), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension; got strides {t.stride()}")
+    if not cache.is_contiguous():
+        raise ValueError(f"cache must be contiguous (one layer of the paged cache, cache[layer]); got strides "
+                         f"{cache.stride()} for shape {tuple(cache.shape)}")
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"page_table must be [B, max_pages] int32/int64; got {tuple(page_table.shape)} "
                          f"{page_table.dtype}")
@@ -352,7 +362,7 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
     _mla_attn_kernel[grid](
         q_abs, cache, page_table, cu, context_lens, out, part_o, part_lse,
         float(scale) * LOG2E, num_heads, num_splits,
-        q_abs.stride(0), q_abs.stride(1), cache.stride(0), cache.stride(1), page_table.stride(0),
+        q_abs.stride(0), q_abs.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=cache.shape[1], LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
@@ -388,6 +398,9 @@ def paged_mla_decode(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_l
                  here when None: inside a graph capture that comes from the graph's pool)
     No host sync: lengths are read on the device. Lengths past max_pages * page_size are not checked.
     """
+    if context_lens.shape[0] != q_abs.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: q_abs has {q_abs.shape[0]} rows, context_lens "
+                         f"{tuple(context_lens.shape)}")
     cfg = config or default_config(q_abs.shape[1], cache.shape[1], multi_query=False)
     return _launch(q_abs, cache, page_table, None, context_lens, scale, out, num_seqs=q_abs.shape[0],
                    max_rows=q_abs.shape[1], num_splits=num_splits, min_split_tokens=min_split_tokens,
@@ -404,7 +417,8 @@ def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqle
                  last q_len_b positions: query i sits at position context_lens[b] - q_len_b + i
     cu_seqlens   [B+1] int32/int64 row offsets (the step's seq_starts)
     context_lens [B] rows cached after this step (q_len_b <= context_lens[b])
-    max_query_len  an upper bound of q_len_b (defaults to N; a tighter static bound shrinks the grid)
+    max_query_len  a static upper bound of every q_len_b (defaults to N; a tighter bound shrinks the grid;
+                 rows of a longer sequence past the bound would be skipped)
     Rows of out past cu_seqlens[-1] (bucket padding) are left untouched. Other arguments as in decode.
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != context_lens.shape[0] + 1:

@@ -32,7 +32,8 @@ class GpuMixerOps(TorchMixerOps):
         return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.kda_slots, plan.verify, pool)
 
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or not mla_attention.supported(x.device):
+        # The kernels are built for K3's latent row: 64 k_pe columns after the latent (512 in K3).
+        if x.dtype != torch.bfloat16 or attn.rope != 64 or not mla_attention.supported(x.device):
             return super().mla(attn, layer, x, plan, kv)
         c_kv, k_pe = attn.latent_rows(x)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
