@@ -26,7 +26,8 @@ run() {  # run NAME CMD...: record pass/fail and wall time
     tail -n 5 "$OUT/$name.log"
 }
 
-run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py $(ls tests/test_kernel_*.py 2>/dev/null)
+run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py \
+    $(ls tests/test_kernel_*.py 2>/dev/null)
 run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
 for bench in benchmarks/kernels/bench_*.py; do
     [ -e "$bench" ] && run "$(basename "$bench" .py)" python3 "$bench"
