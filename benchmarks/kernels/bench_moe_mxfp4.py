@@ -1,0 +1,334 @@
+"""The routed-expert step of one TP8 rank of pruned75 on the GPU: mstar's Triton MXFP4 MoE against
+the byte floor (and torch's bf16 grouped GEMM on pre-dequantized weights).
+
+    python benchmarks/kernels/bench_moe_mxfp4.py [--tokens 1 8 16 64 256 1024] [--tune] [--reps 200]
+
+Shapes: E = 224 experts, top-16, H_lat = 3584, I = 384 (K3 pruned75, one rank of TP8); bf16 z, random
+canonical MXFP4 weights (`random_mxfp4`), random top-16 routing with renormalised positive weights.
+
+What is timed: the whole step (alignment, gate/up GEMM + SiTU, down GEMM, combine) captured in one
+CUDA graph, replayed with CUDA events around each replay; the median is reported. The CPU queues all
+replays behind a long GPU sleep, so the events time GPU work, not Python's launch pace. Each replay
+reads one of SETS weight copies in turn (different memory, same routing): between two reads of the
+same copy at least (SETS - 1) x 35 MB of other weights pass through the 50 MB L2, so weights come
+from HBM, as they do in a model whose 92 MoE layers are far larger than L2.
+
+Floor: the fewest HBM bytes of the step over the measured copy bandwidth (4.26 TB/s):
+    bytes = distinct experts touched x (3 H I / 2 packed + 3 H I / 32 scale bytes)   [2,193,408 per expert]
+          + T H x 2 (z, bf16) + T k x (8 + 4) (ids int64, weights fp32) + T H x 4 (output, fp32)
+e.g. one token touches 16 experts: 35.1 MB -> 8.2 us. 'TB/s' is floor bytes / measured time.
+
+--tune runs a coordinate search over tile configs per token count (each candidate checked against
+the reference) and prints the best as a config table to paste into `default_config`.
+The table is printed last; full results go to $OUT/bench_moe_mxfp4.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from mstar.kernels import moe_mxfp4 as moe
+from mstar.models.kimi_k3.mlp import situ
+from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
+
+E, K, H, I = 224, 16, 3584, 384
+SETS = 4  # weight copies replays rotate over
+SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep ahead of each batch of replays
+BATCH = 50  # replays queued behind one sleep
+DEVICE = "cuda"
+# vLLM's MXFP4 MoE (humming-kernels 0.1.20) at these shapes, measured 2026-11-29 (peers_kernels.md §6).
+HUMMING_US = {1: 42.5, 8: 121.2, 16: 167.4, 64: 235.5, 256: 306.8, 1024: 572.7}
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+
+
+def make_weights(gen: torch.Generator) -> moe.StackedExperts:
+    """Random canonical MXFP4 experts, drawn 32 experts at a time to bound the temporaries."""
+    parts = {"w13": [], "w2": []}
+    for start in range(0, E, 32):
+        n = min(32, E - start)
+        parts["w13"].append(random_mxfp4(n * 2 * I, H, gen))
+        parts["w2"].append(random_mxfp4(n * H, I, gen))
+    w13_packed = torch.cat([p for p, _ in parts["w13"]]).view(E, 2 * I, H // 2)
+    w13_scale = torch.cat([s for _, s in parts["w13"]]).view(E, 2 * I, H // 32)
+    w2_packed = torch.cat([p for p, _ in parts["w2"]]).view(E, H, I // 2)
+    w2_scale = torch.cat([s for _, s in parts["w2"]]).view(E, H, I // 32)
+    return moe.StackedExperts(w13_packed, w13_scale, w2_packed, w2_scale)
+
+
+def permuted(stacked: moe.StackedExperts, gen: torch.Generator) -> moe.StackedExperts:
+    """Another weight copy (new memory): the experts of `stacked` in a random order."""
+    perm = torch.randperm(E, generator=gen, device=stacked.w13_packed.device)
+    return moe.StackedExperts(*(t.index_select(0, perm).contiguous() for t in stacked))
+
+
+def dequantized(stacked: moe.StackedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 [E, 2I, H] and [E, H, I] for the torch baseline (exact: MXFP4 values are bf16 numbers)."""
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=stacked.w13_packed.device)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=stacked.w13_packed.device)
+    for e in range(E):
+        w13[e] = dequantize_mxfp4(stacked.w13_packed[e], stacked.w13_scale[e], torch.bfloat16)
+        w2[e] = dequantize_mxfp4(stacked.w2_packed[e], stacked.w2_scale[e], torch.bfloat16)
+    return w13, w2
+
+
+def make_inputs(num_tokens: int, gen: torch.Generator):
+    z = torch.randn(num_tokens, H, generator=gen, device=DEVICE).to(torch.bfloat16)
+    scores = torch.rand(num_tokens, E, generator=gen, device=DEVICE)
+    ids = scores.topk(K, dim=1).indices
+    weights = torch.rand(num_tokens, K, generator=gen, device=DEVICE) + 0.1
+    return z, ids, weights / weights.sum(dim=1, keepdim=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+
+
+def capture(fn) -> torch.cuda.CUDAGraph:
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def time_graphs(graphs: list[torch.cuda.CUDAGraph], reps: int) -> float:
+    """Median µs of one replay, rotating over `graphs` (one per weight copy)."""
+    for g in graphs:
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for start in range(0, reps, BATCH):
+        n = min(BATCH, reps - start)
+        begin = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        end = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for r in range(n):
+            begin[r].record()
+            graphs[(start + r) % len(graphs)].replay()
+            end[r].record()
+        torch.cuda.synchronize()
+        times += [b.elapsed_time(e) * 1e3 for b, e in zip(begin, end, strict=True)]
+    return statistics.median(times)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# ----------------------------------------------------------------------------------------------
+# mstar
+# ----------------------------------------------------------------------------------------------
+
+
+class MstarStep:
+    """One config at one token count: a workspace, an output and one captured graph per weight copy."""
+
+    def __init__(self, sets, z, ids, weights, config: moe.MoEConfig):
+        self.config = moe.fit_config(config, H, I)
+        self.sets, self.z, self.ids, self.weights = sets, z, ids, weights
+        self.ws = moe.MoEWorkspace.allocate(z.shape[0], K, E, H, I, self.config, DEVICE)
+        self.out = torch.empty(z.shape[0], H, device=DEVICE)
+
+    def run(self, stacked):
+        return moe.moe_mxfp4(self.z, self.ids, self.weights, *stacked, config=self.config, out=self.out,
+                             workspace=self.ws)
+
+    def check(self, ref: torch.Tensor) -> float:
+        self.out.fill_(float("nan"))
+        self.ws.hidden_act.fill_(float("nan"))
+        self.run(self.sets[0])
+        return relative_error(self.out, ref)
+
+    def time(self, reps: int, stages: str = "all") -> float:
+        graphs = [capture(lambda s=s: self.run_stages(s, stages)) for s in self.sets]
+        return time_graphs(graphs, reps)
+
+    def run_stages(self, stacked, stages: str):
+        """The pipeline up to a stage, through the launchers moe_mxfp4 uses, for a time breakdown."""
+        if stages == "all":
+            return self.run(stacked)
+        cfg, ws = self.config, self.ws
+        moe._launch_align(self.ids, E, ws)
+        if stages == "align+gate_up":
+            moe._launch_gate_up(self.z, stacked.w13_packed, stacked.w13_scale, self.out, K, cfg, ws,
+                                moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+
+
+# ----------------------------------------------------------------------------------------------
+# torch baseline: bf16 grouped GEMM on pre-dequantized weights
+# ----------------------------------------------------------------------------------------------
+
+
+def torch_grouped_step(z, ids, weights, w13, w2):
+    """Sort pairs by expert, torch._grouped_mm for w13 and w2, SiTU and the weighted sum, all on device."""
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=z.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    token = order // K
+    gate_up = torch._grouped_mm(z[token], w13.transpose(1, 2), offs=offs)
+    h = situ(gate_up[:, :I], gate_up[:, I:], moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
+    out = torch.zeros(z.shape[0], H, dtype=torch.float32, device=z.device)
+    return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
+
+
+def time_torch(bf16_sets, z, ids, weights, ref, reps) -> tuple[float | None, float | None]:
+    try:
+        err = relative_error(torch_grouped_step(z, ids, weights, *bf16_sets[0]), ref)
+        graphs = [capture(lambda s=s: torch_grouped_step(z, ids, weights, *s)) for s in bf16_sets]
+        return time_graphs(graphs, reps), err
+    except Exception as exc:  # noqa: BLE001 - the baseline is optional; report why it is missing
+        print(f"  torch baseline unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# Tuning
+# ----------------------------------------------------------------------------------------------
+
+BLOCK_MS = (16, 32, 64, 128)
+GATE_UP_TILES = (moe.GemmTile(16, 256), moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 128),
+                 moe.GemmTile(16, 512), moe.GemmTile(32, 256, num_warps=2), moe.GemmTile(64, 128, num_warps=8),
+                 moe.GemmTile(64, 256, num_warps=8, num_stages=2))
+DOWN_TILES = (moe.GemmTile(32, 128), moe.GemmTile(64, 128), moe.GemmTile(128, 128), moe.GemmTile(64, 128, num_warps=2),
+              moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(256, 128, num_warps=8, num_stages=2))
+
+
+def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
+    """Coordinate search from the default config: block_m, gate/up tile, down tile, swap_ab, combine, decode."""
+    rows = z.shape[0] * K / E
+    best = moe.fit_config(moe.default_config(z.shape[0], K, E), H, I)
+    best_us = MstarStep(sets, z, ids, weights, best).time(reps)
+    axes = [
+        ("block_m", [bm for bm in BLOCK_MS if bm <= max(16, 4 * rows)]),
+        ("gate_up", GATE_UP_TILES),
+        ("down", DOWN_TILES),
+        ("swap_ab", (True, False)),
+        ("combine", ("atomic", "reduce")),
+        ("decode", ("subnormal", "select")),
+    ]
+    tried = {best}
+    for field, values in axes:
+        for value in values:
+            candidate = moe.fit_config(moe.MoEConfig(**{**best.__dict__, field: value}), H, I)
+            if candidate in tried:
+                continue
+            tried.add(candidate)
+            try:
+                step = MstarStep(sets, z, ids, weights, candidate)
+                err = step.check(ref)
+                us = step.time(reps) if err < 1e-2 else float("inf")
+            except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is skipped
+                print(f"    {candidate}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
+                continue
+            print(f"    {us:8.1f} us  err {err:.1e}  {candidate}", file=sys.stderr)
+            if us < best_us:
+                best, best_us = candidate, us
+    return best, best_us
+
+
+# ----------------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256, 1024])
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--tune", action="store_true", help="search tile configs per token count")
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_moe_mxfp4: needs a CUDA GPU")
+    if not moe.supported("cuda"):
+        sys.exit(f"bench_moe_mxfp4: compute capability {torch.cuda.get_device_capability()} < 8.0")
+
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}")
+    gen = torch.Generator(device=DEVICE)
+    print(f"seed = {gen.seed()}")
+    sets = [make_weights(gen)]
+    sets += [permuted(sets[0], gen) for _ in range(SETS - 1)]
+    bf16_sets = [] if args.no_torch else [dequantized(s) for s in sets]
+    print(f"weights ready ({time.time() - t0:.0f} s)")
+
+    results = []
+    for num_tokens in args.tokens:
+        z, ids, weights = make_inputs(num_tokens, gen)
+        distinct = int(ids.unique().numel())
+        floor_bytes = moe.bytes_floor(num_tokens, K, distinct, H, I)
+        floor_us = floor_bytes / moe.HBM_BYTES_PER_S * 1e6
+        ref = moe.moe_mxfp4_reference(z, ids, weights, *sets[0])
+
+        step = MstarStep(sets, z, ids, weights, moe.default_config(num_tokens, K, E))
+        err = step.check(ref)
+        us = step.time(args.reps)
+        align_us = step.time(args.reps, "align")
+        gate_up_us = step.time(args.reps, "align+gate_up") - align_us
+        row = {"tokens": num_tokens, "experts": distinct, "floor_bytes": floor_bytes, "floor_us": floor_us,
+               "us": us, "rel_err": err, "align_us": align_us, "gate_up_us": gate_up_us,
+               "down_us": us - align_us - gate_up_us, "config": asdict(step.config),
+               "humming_us": HUMMING_US.get(num_tokens)}
+        if bf16_sets:
+            row["torch_us"], row["torch_err"] = time_torch(bf16_sets, z, ids, weights, ref, args.reps)
+        if args.tune:
+            tuned, tuned_us = tune(sets, z, ids, weights, ref, args.reps)
+            row["tuned_us"], row["tuned_config"] = tuned_us, asdict(tuned)
+        results.append(row)
+        print(f"T={num_tokens}: {us:.1f} us (floor {floor_us:.1f}), err {err:.1e} ({time.time() - t0:.0f} s)")
+
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "bench_moe_mxfp4.json"), "w") as f:
+            json.dump({"device": props.name, "torch": torch.__version__, "results": results}, f, indent=1)
+    print_table(results, args.tune)
+
+
+def print_table(results: list[dict], tuned: bool) -> None:
+    def cell(value, fmt="{:.1f}"):
+        return "n/a" if value is None else fmt.format(value)
+
+    print()
+    print(f"MXFP4 routed experts, one TP8 rank of pruned75 (E={E}, top-{K}, H_lat={H}, I={I}); "
+          "CUDA graph, median; floor at 4.26 TB/s")
+    head = ["T", "experts", "floor us", "mstar us", "x floor", "TB/s", "align/gate-up/down us", "rel err",
+            "torch bf16 us", "humming us (§6)"]
+    if tuned:
+        head += ["tuned us", "x floor"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in results:
+        cells = [str(r["tokens"]), str(r["experts"]), cell(r["floor_us"]), cell(r["us"]),
+                 cell(r["us"] / r["floor_us"], "{:.2f}x"), cell(r["floor_bytes"] / r["us"] / 1e6, "{:.2f}"),
+                 f"{r['align_us']:.1f}/{r['gate_up_us']:.1f}/{r['down_us']:.1f}", cell(r["rel_err"], "{:.1e}"),
+                 cell(r.get("torch_us")), cell(r["humming_us"])]
+        if tuned:
+            cells += [cell(r["tuned_us"]), cell(r["tuned_us"] / r["floor_us"], "{:.2f}x")]
+        print("| " + " | ".join(cells) + " |")
+    if tuned:
+        print("\ntuned configs:")
+        for r in results:
+            print(f"  T={r['tokens']}: {r['tuned_config']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,787 @@
+"""K3's routed experts on the GPU: a W4A16 (MXFP4 weights, bf16 activations) grouped-GEMM pipeline.
+
+Given the latent activations z [T, H] (bf16; H = the latent width), the router's expert ids [T, k]
+and combine weights [T, k] (fp32), `moe_mxfp4` computes, in fp32,
+
+    r[t] = sum_j w[t, j] * W2_e SiTU(W1_e z[t], W3_e z[t]),   e = ids[t, j],
+
+the routed part of `LatentMoE` (models/kimi_k3/moe.py); the norm and the up-projection stay outside.
+`moe_mxfp4_reference` is the same function in torch on `dequantize_mxfp4`: the kernel must equal it.
+
+Weights (`stack_experts`) are the checkpoint's compressed-tensors MXFP4 tensors stacked over experts:
+
+    w13_packed u8 [E, 2I, H/2] + w13_scale u8 [E, 2I, H/32]   rows 0..I-1 = w1 (gate), I..2I-1 = w3 (up)
+    w2_packed  u8 [E, H, I/2]  + w2_scale  u8 [E, H, I/32]
+
+w1 then w3, not interleaved, keeps each checkpoint tensor's rows as they are; the gate/up kernel
+interleaves them as it loads a tile (gate row n at tile row 2n, up row n at 2n + 1), so that one dot
+yields both and SiTU is applied in registers. H and I must be multiples of 128 (the scales are read
+as int32 words of 4 groups; K3 at TP8: H = 3584, I = 384).
+
+Pipeline: 3 launches (4 with combine="reduce"), no host sync, so the step is CUDA-graph capturable;
+every buffer's size depends only on T, k, E and BLOCK_M (`MoEWorkspace`):
+
+1. `_align_kernel`: sorts the T*k (token, slot) pairs by expert, stably, each expert's run padded to
+   whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row block, its expert
+   (`block_expert`, -1 past the end) and number of real rows (`block_rows`).
+2. `_gate_up_kernel`: one program per (row block, BLOCK_N columns of I). It dequantizes E2M1 + E8M0
+   in registers (each weight is read from HBM once and never written back as bf16), accumulates in
+   fp32 on the tensor cores, applies SiTU and writes bf16 h [T*k, I] (indexed by pair).
+3. `_down_kernel`: one program per (row block, BLOCK_N columns of H), same dequantization; then
+   - combine="atomic": scales by the combine weight and atomically adds into the fp32 output (zeroed
+     by the gate/up launch). No extra launch and no [T*k, H] round trip: what decode wants. The order
+     of the k additions per output is not fixed, so the last bits can differ from run to run.
+   - combine="reduce": stores each expert's output in bf16 (as the bf16 model's expert MLP returns
+     it) and `_combine_kernel` adds the k rows of a token in a fixed order in fp32: deterministic,
+     and cheaper than T*k*H atomics at large T.
+
+Small batches (decode) matter most: at one token the floor is reading 16 experts (35 MB per TP8 rank
+of pruned75) once. Configs come from a table by expected rows per expert (`default_config`), picked
+on the host by T (no autotuning inside a CUDA graph): at small T, BLOCK_M = 16 (the smallest
+tensor-core tile) and narrow N tiles give hundreds of programs, so that all SMs stream weights.
+benchmarks/kernels/bench_moe_mxfp4.py --tune searches around the table.
+
+Dequantization (`_dequant_mxfp4`): an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16
+number value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's
+bf16 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
+2^(scale - 1) is a finite bf16 only for scale bytes <= 128 (|w| <= 12), which `stack_experts` checks.
+decode="select" builds only normal bf16 numbers and takes every scale byte, for a few more integer
+operations per weight. Both codes of a byte are built as the two halves of one int32 and scaled by
+one packed bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Decoding costs ~3 of
+the ~5-7 instructions per weight of the main loops (read off the sm_90 SASS): at small T the kernels
+are likely bound by instruction issue rather than by HBM, so the tiles are chosen for few
+instructions per weight as much as for parallelism. Under Triton's CPU interpreter (numpy has no
+bf16 arithmetic) the same bits are scaled and dotted in fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.errors import OutOfResources
+
+from mstar.models.kimi_k3.mlp import situ
+from mstar.quant.mxfp4 import GROUP_SIZE, dequantize_mxfp4
+
+SITU_BETA = 4.0  # K3's activation_situ_beta (the gate's soft clip)
+SITU_LINEAR_BETA = 25.0  # K3's activation_situ_linear_beta (the up branch's soft clip)
+MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a finite bf16
+SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
+HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
+
+
+# ----------------------------------------------------------------------------------------------
+# Stacked weights
+# ----------------------------------------------------------------------------------------------
+
+
+class StackedExperts(NamedTuple):
+    """One layer's routed experts, stacked; pass as `*stacked` to `moe_mxfp4` and the reference."""
+
+    w13_packed: torch.Tensor  # u8 [E, 2I, H/2]: w1 (gate) rows, then w3 (up) rows
+    w13_scale: torch.Tensor  # u8 [E, 2I, H/32]
+    w2_packed: torch.Tensor  # u8 [E, H, I/2]
+    w2_scale: torch.Tensor  # u8 [E, H, I/32]
+
+
+def stack_experts(
+    w1: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    w3: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    w2: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    check_scales: bool = True,
+) -> StackedExperts:
+    """Stack per-expert (weight_packed, weight_scale) pairs of w1, w3 and w2 into `StackedExperts`.
+
+    With check_scales, raises if a scale byte exceeds MAX_SUBNORMAL_DECODE_SCALE, which the default
+    decode cannot represent (run with MoEConfig(decode="select") instead). The check syncs with the
+    device: it belongs at load time.
+    """
+    if not (len(w1) == len(w3) == len(w2)) or not w1:
+        raise ValueError(f"stack_experts: need the same non-zero number of experts, got w1 {len(w1)}, "
+                         f"w3 {len(w3)}, w2 {len(w2)}")
+    for name, pairs in (("w1", w1), ("w3", w3), ("w2", w2)):
+        kinds = {(tuple(p.shape), tuple(s.shape), p.dtype, s.dtype, p.device) for p, s in pairs}
+        if len(kinds) != 1:
+            raise ValueError(f"stack_experts: the {name} tensors differ across experts: {sorted(map(str, kinds))}")
+    stacked = StackedExperts(
+        w13_packed=torch.stack([torch.cat((a[0], b[0])) for a, b in zip(w1, w3, strict=True)]),
+        w13_scale=torch.stack([torch.cat((a[1], b[1])) for a, b in zip(w1, w3, strict=True)]),
+        w2_packed=torch.stack([p for p, _ in w2]),
+        w2_scale=torch.stack([s for _, s in w2]),
+    )
+    check_weights(*stacked)
+    if check_scales:
+        for name in ("w13_scale", "w2_scale"):
+            top = int(getattr(stacked, name).max())
+            if top > MAX_SUBNORMAL_DECODE_SCALE:
+                raise ValueError(f"stack_experts: {name} holds scale byte {top} > {MAX_SUBNORMAL_DECODE_SCALE}; "
+                                 "use MoEConfig(decode='select') and stack with check_scales=False")
+    return stacked
+
+
+def stack_experts_from_state(tensors: Mapping[str, torch.Tensor], prefix: str, num_experts: int,
+                             **kwargs) -> StackedExperts:
+    """`stack_experts` from checkpoint names `{prefix}.{e}.w1.weight_packed` etc. (prefix ends in `experts`)."""
+
+    def pairs(w: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for e in range(num_experts):
+            names = (f"{prefix}.{e}.{w}.weight_packed", f"{prefix}.{e}.{w}.weight_scale")
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise KeyError(f"stack_experts_from_state: missing {missing}")
+            out.append((tensors[names[0]], tensors[names[1]]))
+        return out
+
+    return stack_experts(pairs("w1"), pairs("w3"), pairs("w2"), **kwargs)
+
+
+def check_weights(w13_packed, w13_scale, w2_packed, w2_scale) -> tuple[int, int, int]:
+    """(E, H, I) of consistent stacked weights, or a ValueError naming the tensor at fault."""
+    named = {"w13_packed": w13_packed, "w13_scale": w13_scale, "w2_packed": w2_packed, "w2_scale": w2_scale}
+    for name, t in named.items():
+        if t.dtype != torch.uint8 or t.ndim != 3 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous 3-D uint8 tensor (see stack_experts), got "
+                             f"{t.dtype} {tuple(t.shape)}")
+    e, two_i, half_h = w13_packed.shape
+    h, i = 2 * half_h, two_i // 2
+    if two_i % 2 or h % SCALE_WORD or i % SCALE_WORD:
+        raise ValueError(f"w13_packed {tuple(w13_packed.shape)}: need 2I rows and H, I multiples of {SCALE_WORD} "
+                         f"(got H={h}, 2I={two_i})")
+    expected = {"w13_scale": (e, two_i, h // GROUP_SIZE), "w2_packed": (e, h, i // 2),
+                "w2_scale": (e, h, i // GROUP_SIZE)}
+    for name, shape in expected.items():
+        if tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(named[name].shape)}, expected {shape} for "
+                             f"w13_packed {tuple(w13_packed.shape)} (E={e}, H={h}, I={i})")
+    return e, h, i
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_mxfp4_reference(
+    z: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    situ_beta: float = SITU_BETA,
+    situ_linear_beta: float = SITU_LINEAR_BETA,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """sum_j w[t, j] * W2_e SiTU(W1_e z[t], W3_e z[t]), [T, H] in `dtype`, as `LatentMoE.routed` computes it."""
+    _, _, inter = check_weights(w13_packed, w13_scale, w2_packed, w2_scale)
+    x_all = z.to(dtype)
+    out = torch.zeros(z.shape, dtype=dtype, device=z.device)
+    for e in expert_ids.unique().tolist():
+        rows, slot = (expert_ids == e).nonzero(as_tuple=True)
+        w13 = dequantize_mxfp4(w13_packed[e], w13_scale[e], dtype)
+        w2 = dequantize_mxfp4(w2_packed[e], w2_scale[e], dtype)
+        x = x_all[rows]
+        h = situ(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
+        out.index_add_(0, rows, (h @ w2.T) * expert_weights[rows, slot].to(dtype).unsqueeze(-1))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Configuration, buffers, floor
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmTile:
+    block_n: int  # output columns per program
+    block_k: int  # reduction columns per step, a multiple of SCALE_WORD
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int  # rows (pairs of one expert) per program; one alignment serves both GEMMs
+    gate_up: GemmTile
+    down: GemmTile
+    combine: str = "atomic"  # "atomic" or "reduce" (deterministic)
+    decode: str = "subnormal"  # "subnormal" (fewer operations; scale bytes <= 128) or "select"
+    swap_ab: bool = True  # weights as the dot's A operand (see _mxfp4_matmul); for small BLOCK_M
+
+
+def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+    """Tiles by expected rows per expert, T*k/E (the table benchmarks/kernels/bench_moe_mxfp4.py tunes).
+
+    Decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one token's 16
+    experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the dot's A
+    operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized once per
+    BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. These choices come
+    from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6 instructions per weight
+    in the main loops), not yet from timings.
+    """
+    pairs = num_tokens * top_k
+    rows = pairs / max(num_experts, 1)
+    combine = "atomic" if pairs <= 1024 else "reduce"
+    if rows <= 8:
+        gate_up = GemmTile(block_n=16 if pairs <= 64 else 32, block_k=256)
+        down = GemmTile(block_n=64 if pairs <= 64 else 128, block_k=128)
+        return MoEConfig(16, gate_up, down, combine)
+    if rows <= 24:
+        return MoEConfig(32, GemmTile(64, 128), GemmTile(64, 128), combine)
+    if rows <= 48:
+        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), combine, swap_ab=False)
+    big = {"num_warps": 8, "num_stages": 3}
+    return MoEConfig(128, GemmTile(64, 128, **big), GemmTile(128, 128, **big), combine, swap_ab=False)
+
+
+def _fit(block: int, dim: int, smallest: int, what: str) -> int:
+    """The largest power of two <= block that divides dim, at least `smallest`."""
+    b = 1 << (max(block, 1).bit_length() - 1)
+    while b > smallest and dim % b:
+        b //= 2
+    if b < smallest or dim % b:
+        raise ValueError(f"{what}: no power-of-two tile >= {smallest} divides {dim}")
+    return b
+
+
+def fit_config(config: MoEConfig, hidden: int, inter: int) -> MoEConfig:
+    """`config` with its tiles shrunk to divide the GEMMs (gate/up: N = I, K = H; down: N = H, K = I)."""
+    if config.combine not in ("atomic", "reduce"):
+        raise ValueError(f"MoEConfig.combine must be 'atomic' or 'reduce', got {config.combine!r}")
+    if config.decode not in ("subnormal", "select"):
+        raise ValueError(f"MoEConfig.decode must be 'subnormal' or 'select', got {config.decode!r}")
+    if config.block_m < 16 or config.block_m & (config.block_m - 1):
+        raise ValueError(f"MoEConfig.block_m must be a power of two >= 16, got {config.block_m}")
+    gate_up = replace(config.gate_up, block_n=_fit(config.gate_up.block_n, inter, 16, "gate/up block_n"),
+                      block_k=_fit(config.gate_up.block_k, hidden, SCALE_WORD, "gate/up block_k"))
+    down = replace(config.down, block_n=_fit(config.down.block_n, hidden, 16, "down block_n"),
+                   block_k=_fit(config.down.block_k, inter, SCALE_WORD, "down block_k"))
+    return replace(config, gate_up=gate_up, down=down)
+
+
+def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most row blocks any routing of num_pairs pairs can fill.
+
+    Expert e needs ceil(c_e / BM) blocks, so n used experts need at most (P + n (BM - 1)) / BM (the
+    worst-case padded rows P + E (BM - 1) when n = E); and never more than P blocks, since every block
+    holds at least one pair.
+    """
+    used = min(num_experts, num_pairs)
+    return min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m)
+
+
+@dataclass
+class MoEWorkspace:
+    """Buffers of one call; allocate once per (T, config) and reuse them across CUDA-graph replays."""
+
+    block_m: int
+    sorted_pair: torch.Tensor  # int32 [blocks * BM]: pair index (t * k + j) of each sorted row
+    block_expert: torch.Tensor  # int32 [blocks]: expert of each row block, -1 past the end
+    block_rows: torch.Tensor  # int32 [blocks]: real rows in each row block
+    hidden_act: torch.Tensor  # bf16 [T * k, I]: SiTU(gate, up) per pair
+    expert_out: torch.Tensor | None  # bf16 [T * k, H]: per-pair expert output (combine="reduce" only)
+
+    @classmethod
+    def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                 config: MoEConfig, device: torch.device | str) -> MoEWorkspace:
+        pairs = num_tokens * top_k
+        blocks = max_row_blocks(pairs, num_experts, config.block_m)
+        i32 = {"dtype": torch.int32, "device": device}
+        bf16 = {"dtype": torch.bfloat16, "device": device}
+        return cls(
+            block_m=config.block_m,
+            sorted_pair=torch.empty(blocks * config.block_m, **i32),
+            block_expert=torch.empty(blocks, **i32),
+            block_rows=torch.empty(blocks, **i32),
+            hidden_act=torch.empty(pairs, inter, **bf16),
+            expert_out=torch.empty(pairs, hidden, **bf16) if config.combine == "reduce" else None,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_expert.numel()
+
+
+def expert_bytes(hidden: int, inter: int) -> int:
+    """HBM bytes of one expert: half a byte per weight plus a scale byte per 32 weights, for w1, w3, w2.
+
+    One TP8 rank of pruned75 (H = 3584, I = 384): 3 * 3584 * 384 = 4,128,768 weights ->
+    2,064,384 packed + 129,024 scale bytes = 2,193,408 bytes; 16 experts: 35.1 MB, 8.2 us at 4.26 TB/s.
+    """
+    weights = 3 * hidden * inter
+    return weights // 2 + weights // GROUP_SIZE
+
+
+def bytes_floor(num_tokens: int, top_k: int, distinct_experts: int, hidden: int, inter: int) -> int:
+    """Fewest HBM bytes of one step: each touched expert once, z in (bf16), ids (int64) and weights
+    (fp32) in, the fp32 output out."""
+    activations = num_tokens * hidden * 2 + num_tokens * top_k * (8 + 4) + num_tokens * hidden * 4
+    return distinct_experts * expert_bytes(hidden, inter) + activations
+
+
+def supported(device: torch.device | str) -> bool:
+    """Whether this Triton kernel runs on `device`: CUDA with compute capability 8.0+ (bf16 tensor cores)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+
+def moe_mxfp4(
+    z: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    *,
+    config: MoEConfig | None = None,
+    out: torch.Tensor | None = None,
+    workspace: MoEWorkspace | None = None,
+    situ_beta: float = SITU_BETA,
+    situ_linear_beta: float = SITU_LINEAR_BETA,
+) -> torch.Tensor:
+    """The routed experts' combined output, fp32 [T, H] (written into `out` if given); see the module doc.
+
+    z: bf16 [T, H] with unit column stride; expert_ids: int32/int64 [T, k], values in [0, E);
+    expert_weights: fp32 [T, k]. CUDA-graph capturable once compiled: call it once before capturing.
+    """
+    num_experts, hidden, inter = check_weights(w13_packed, w13_scale, w2_packed, w2_scale)
+    num_tokens, top_k = _check_activations(z, expert_ids, expert_weights, hidden, w13_packed.device)
+    config = fit_config(config or default_config(num_tokens, top_k, num_experts), hidden, inter)
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=z.device)
+    elif out.shape != (num_tokens, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{num_tokens}, {hidden}] tensor, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if num_tokens == 0:
+        return out
+    if workspace is None:
+        workspace = MoEWorkspace.allocate(num_tokens, top_k, num_experts, hidden, inter, config, z.device)
+    _check_workspace(workspace, num_tokens * top_k, num_experts, hidden, inter, config)
+    weights = expert_weights.contiguous()
+
+    _launch_align(expert_ids.contiguous(), num_experts, workspace)
+    _launch_gate_up(z, w13_packed, w13_scale, out, top_k, config, workspace, situ_beta, situ_linear_beta)
+    _launch_down(w2_packed, w2_scale, weights, out, top_k, config, workspace)
+    if config.combine == "reduce":
+        _launch_combine(workspace.expert_out, weights, out, top_k)
+    return out
+
+
+def _check_activations(z, expert_ids, expert_weights, hidden, device) -> tuple[int, int]:
+    if z.dtype != torch.bfloat16 or z.ndim != 2 or z.shape[1] != hidden or z.stride(1) != 1:
+        raise ValueError(f"z must be bf16 [T, {hidden}] with unit column stride, got {z.dtype} {tuple(z.shape)} "
+                         f"strides {z.stride()}")
+    if expert_ids.dtype not in (torch.int32, torch.int64) or expert_ids.ndim != 2 or expert_ids.shape[0] != z.shape[0]:
+        raise ValueError(f"expert_ids must be int32/int64 [T={z.shape[0]}, k], got {expert_ids.dtype} "
+                         f"{tuple(expert_ids.shape)}")
+    if expert_weights.dtype != torch.float32 or expert_weights.shape != expert_ids.shape:
+        raise ValueError(f"expert_weights must be fp32 with the shape of expert_ids {tuple(expert_ids.shape)}, "
+                         f"got {expert_weights.dtype} {tuple(expert_weights.shape)}")
+    for name, t in (("z", z), ("expert_ids", expert_ids), ("expert_weights", expert_weights)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the weights are on {device}")
+    return z.shape[0], expert_ids.shape[1]
+
+
+def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int, inter: int,
+                     config: MoEConfig) -> None:
+    problems = []
+    if ws.block_m != config.block_m:
+        problems.append(f"block_m {ws.block_m} != config.block_m {config.block_m}")
+    blocks = max_row_blocks(pairs, num_experts, config.block_m)
+    if ws.num_blocks != blocks or ws.block_rows.numel() != blocks or ws.sorted_pair.numel() != blocks * ws.block_m:
+        problems.append(f"{ws.num_blocks} row blocks, need {blocks}")
+    if tuple(ws.hidden_act.shape) != (pairs, inter):
+        problems.append(f"hidden_act {tuple(ws.hidden_act.shape)} != {(pairs, inter)}")
+    if config.combine == "reduce" and (ws.expert_out is None or tuple(ws.expert_out.shape) != (pairs, hidden)):
+        problems.append(f"combine='reduce' needs expert_out of shape {(pairs, hidden)}")
+    if problems:
+        raise ValueError("workspace does not fit this call (MoEWorkspace.allocate one for it): " + "; ".join(problems))
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+
+_ALIGN_CHUNK = 256  # pairs one alignment program places
+_ZERO_BLOCK = 1024  # fp32 output elements a gate/up program zeroes per step
+_COMBINE_BLOCK = 512  # output columns per combine program
+
+
+def _interpreted() -> bool:
+    """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 when this module loaded)."""
+    return type(_align_kernel).__name__ == "InterpretedFunction"
+
+
+def _compute_dtype():
+    # numpy has no bf16 arithmetic, so under the interpreter the (exact) bf16 weights and activations
+    # are multiplied and dotted in fp32; on the GPU both run in bf16 with fp32 accumulation.
+    return tl.float32 if _interpreted() else tl.bfloat16
+
+
+def _launch_align(ids: torch.Tensor, num_experts: int, ws: MoEWorkspace) -> None:
+    pairs = ids.numel()
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    rows = max(16, min(64, 16384 // e_pad))  # keeps the [rows, E_PAD] one-hot temporaries in registers
+    _align_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
+        ids, ws.sorted_pair, ws.block_expert, ws.block_rows, pairs, ws.num_blocks,
+        BLOCK_M=ws.block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, SUB=rows, META=rows,
+        HIST=min(2048, max(64, triton.next_power_of_2(pairs))), num_warps=4,
+    )
+
+
+def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, top_k: int) -> dict:
+    return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n,
+            "BLOCK_K": tile.block_k, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
+            "COMPUTE": _compute_dtype()}
+
+
+def _launch_gate_up(z, w13_packed, w13_scale, out, top_k, config: MoEConfig, ws: MoEWorkspace,
+                    beta: float, linear_beta: float) -> None:
+    tile = config.gate_up
+    hidden, inter = z.shape[1], ws.hidden_act.shape[1]
+    scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
+    args = (z, w13_packed, scale, ws.hidden_act, out, ws.sorted_pair, ws.block_expert, ws.block_rows,
+            out.numel(), beta, linear_beta, z.stride(0),
+            w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, top_k)
+    constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=_ZERO_BLOCK)
+    _launch(_gate_up_kernel, (ws.num_blocks, inter // tile.block_n), args, constexprs, tile)
+
+
+def _launch_down(w2_packed, w2_scale, weights, out, top_k, config: MoEConfig, ws: MoEWorkspace) -> None:
+    tile = config.down
+    hidden, inter = out.shape[1], ws.hidden_act.shape[1]
+    scale = w2_scale.view(torch.int32)
+    atomic = config.combine == "atomic"
+    args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights,
+            ws.sorted_pair, ws.block_expert, ws.block_rows,
+            w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, top_k)
+    constexprs.update(ATOMIC=atomic)
+    _launch(_down_kernel, (ws.num_blocks, hidden // tile.block_n), args, constexprs, tile)
+
+
+def _launch_combine(expert_out, weights, out, top_k) -> None:
+    num_tokens, hidden = out.shape
+    _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
+        expert_out, weights, out, HIDDEN=hidden, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        BLOCK_H=_COMBINE_BLOCK, num_warps=4,
+    )
+
+
+# A tile whose software pipeline does not fit in shared memory is retried with fewer stages, and
+# the stage count that fits is remembered: the retry happens once, at warm-up, before any capture.
+_STAGES_THAT_FIT: dict[tuple, int] = {}
+
+
+def _launch(kernel, grid, args, constexprs: dict, tile: GemmTile) -> None:
+    key = (kernel.__name__, tuple(sorted((k, str(v)) for k, v in constexprs.items())), tile)
+    stages = _STAGES_THAT_FIT.get(key, tile.num_stages)
+    while True:
+        try:
+            kernel[grid](*args, **constexprs, num_warps=tile.num_warps, num_stages=stages)
+        except OutOfResources:
+            if stages <= 1:
+                raise
+            stages -= 1
+            continue
+        _STAGES_THAT_FIT[key] = stages
+        return
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+# Loops over run-time bounds are `while` loops: Triton 3.6's interpreter cannot `range` over a
+# run-time integer. The GEMM loops run over constexpr bounds, so that they are software-pipelined.
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                  META: tl.constexpr, HIST: tl.constexpr):
+    """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the blocks.
+
+    One program per CHUNK pairs and no communication between programs: each counts all pairs itself
+    (O(T*k) per program, small at decode sizes), so the whole step is one launch.
+    """
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    experts = tl.arange(0, E_PAD)
+    chunk_start = pid * CHUNK
+
+    # Pairs per expert: in all, and before this program's chunk.
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    start = 0
+    while start < num_pairs:
+        offs = start + tl.arange(0, HIST)
+        valid = offs < num_pairs
+        e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+        total += tl.histogram(e, E_PAD, mask=valid)
+        before += tl.histogram(e, E_PAD, mask=valid & (offs < chunk_start))
+        start += HIST
+
+    # Experts one after another, each padded to whole blocks.
+    padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first_row = tl.cumsum(padded, 0) - padded
+
+    # This chunk's pairs: row = the expert's first free row + same-expert pairs earlier in the chunk.
+    next_row = first_row + before
+    chunk_end = tl.minimum(chunk_start + CHUNK, num_pairs)
+    lanes = tl.arange(0, SUB)
+    sub = chunk_start
+    while sub < chunk_end:
+        offs = sub + lanes
+        valid = offs < chunk_end
+        e = tl.load(ids_ptr + offs, mask=valid, other=E_PAD).to(tl.int32)  # E_PAD matches no expert
+        onehot = e[:, None] == experts[None, :]
+        base = tl.sum(tl.where(onehot, next_row[None, :], 0), axis=1)
+        earlier_same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
+        rank = tl.sum(earlier_same.to(tl.int32), axis=1)
+        tl.store(sorted_pair_ptr + base + rank, offs, mask=valid)
+        next_row += tl.sum(onehot.to(tl.int32), axis=0)
+        sub += SUB
+
+    # Block table. The expert of block b is the number of experts whose blocks all end at or before b
+    # (experts are laid out in order, and an unused expert ends where it starts).
+    first_block = first_row // BLOCK_M
+    end_block = (first_row + padded) // BLOCK_M
+    used_blocks = tl.sum(padded, axis=0) // BLOCK_M
+    b0 = pid * META
+    while b0 < num_blocks:
+        blocks = b0 + tl.arange(0, META)
+        expert = tl.sum((end_block[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
+        pick = expert[:, None] == experts[None, :]
+        start_block = tl.sum(tl.where(pick, first_block[None, :], 0), axis=1)
+        count = tl.sum(tl.where(pick, total[None, :], 0), axis=1)
+        rows = tl.minimum(count - (blocks - start_block) * BLOCK_M, BLOCK_M)
+        live = blocks < used_blocks
+        in_range = blocks < num_blocks
+        tl.store(block_expert_ptr + blocks, tl.where(live, expert, -1), mask=in_range)
+        tl.store(block_rows_ptr + blocks, tl.where(live, rows, 0), mask=in_range)
+        b0 += nprog * META
+
+
+@triton.jit
+def _dequant_mxfp4(packed, scale_words, N: tl.constexpr, KB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                   COMPUTE: tl.constexpr):
+    """packed u8 [N, KB] + scale words int32 [N, KB / 64] -> weights [N, 2 KB] in COMPUTE dtype, exactly.
+
+    The scales arrive as int32 words (4 E8M0 bytes, little-endian) because Triton's pipeliner only
+    prefetches loads of at least 32 bits per thread: a tile of scale bytes this small would be a
+    synchronous global load in every iteration.
+    """
+    b = packed.to(tl.int32)
+    s = (scale_words[:, :, None, None] >> (tl.arange(0, 4) * 8)[None, None, :, None]) & 0xFF  # [N, KB/64, 4, 1]
+    # Both codes of a byte as the two bf16 halves of one int32 (low nibble = even column = low half).
+    if SUBNORMAL_DECODE:
+        # b * (2^6 + 2^18) puts the magnitude bits of the low nibble at 8..6 and those of the high
+        # nibble at 24..22, b * (2^12 + 2^24) the sign bits at 15 and 31 (the two copies of b do not
+        # overlap, so the products are plain shifts). Each half is then value * 2^-126 (0 and 0.5
+        # as bf16 subnormals), and 2^(s - 1) (exponent field s + 126) scales it.
+        pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000
+        factor = (s + 126) << 7
+    else:
+        # Normal bf16 numbers only: magnitudes 1..6 by the exponent trick, 0 and 0.5 picked apart.
+        even = _e2m1_bits_normal(b & 0x7) | ((b << 12) & 0x8000)
+        odd = _e2m1_bits_normal((b >> 4) & 0x7) | ((b << 8) & 0x8000)
+        pair = even | (odd << 16)
+        factor = s << 7  # 2^(s - 127); byte 0 (2^-127) reads as 0
+    # Bytes [N, KB] as [N, KB / 64, 4, 16]: one scale byte per 16 bytes (32 columns), four per word.
+    even, odd = _scaled_halves(pair.reshape(N, KB // 64, 4, 16), factor, COMPUTE)
+    return tl.reshape(tl.interleave(even, odd), (N, 2 * KB))
+
+
+@triton.jit
+def _scaled_halves(pair, factor, COMPUTE: tl.constexpr):
+    """The low and high bf16 halves of int32 `pair`, each times the bf16 whose bits are `factor`."""
+    if COMPUTE.is_fp32():
+        f = _bits_to(factor, COMPUTE)
+        low = _bits_to(pair & 0xFFFF, COMPUTE) * f
+        high = _bits_to((pair >> 16) & 0xFFFF, COMPUTE) * f
+    else:
+        # One packed multiply per byte (x * f + -0.0 is exactly x * f, and fma.bf16x2 runs on sm_80+).
+        # Triton's own bf16 multiplies are scalar, and ptxas pairs them with extra byte permutes.
+        low, high = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, $3, z; mov.b32 {$0, $1}, t; }",
+            constraints="=h,=h,r,r", args=[pair, factor * 0x10001], dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True, pack=1)
+    return low, high
+
+
+@triton.jit
+def _e2m1_bits_normal(magnitude):
+    # Codes 2..7 are 2^(e - 1) (1 + m/2): exponent field e + 126 and mantissa bit m, i.e. the code at
+    # bits 8..6 plus 126 << 7 (0x3F00). Code 1 (0.5) is 0x3F00, code 0 is 0.
+    return tl.where(magnitude >= 2, (magnitude << 6) + 0x3F00, magnitude * 0x3F00)
+
+
+@triton.jit
+def _bits_to(bits, COMPUTE: tl.constexpr):
+    """bf16 bit patterns held in int32 -> those bf16 numbers, in COMPUTE dtype (bf16 or fp32)."""
+    if COMPUTE.is_fp32():
+        # A bf16 is the top half of the fp32 of the same value. (The interpreter's bf16 -> fp32 cast
+        # flushes subnormals; the shift keeps them.)
+        value = (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        value = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return value
+
+
+@triton.jit
+def _to_bf16(x, COMPUTE: tl.constexpr):
+    """fp32 -> bf16, rounded to nearest even (by hand under the interpreter, whose cast truncates)."""
+    if COMPUTE.is_fp32():
+        bits = x.to(tl.int32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = (bits >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        rounded = x.to(tl.bfloat16)
+    return rounded
+
+
+@triton.jit
+def _tanh(u):
+    # 1 - 2 / (1 + e^{2u}): -1 as e^{2u} -> 0; the clamp (tanh(15) = 1 in fp32) keeps e^{2u} finite.
+    return 1.0 - 2.0 / (1.0 + tl.exp(2.0 * tl.minimum(u, 15.0)))
+
+
+@triton.jit
+def _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
+    """(pair index of each row, whether the row is real) for one row block."""
+    rows = tl.load(block_rows_ptr + block)
+    offs_m = tl.arange(0, BLOCK_M)
+    row_ok = offs_m < rows
+    pair = tl.load(sorted_pair_ptr + block * BLOCK_M + offs_m, mask=row_ok, other=0)
+    return pair.to(tl.int64), row_ok
+
+
+@triton.jit
+def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                  COMPUTE: tl.constexpr):
+    """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N].
+
+    One dot per K step: with two chained dots per step Triton stacks all warps along BLOCK_M, which
+    at BLOCK_M = 16 decodes every weight once per warp. SWAP_AB computes (W x^T)^T instead: the
+    decoded weights are then the A operand, which Hopper's wgmma takes straight from registers (no
+    round trip through shared memory), and the few token rows are the N side of the instruction.
+    """
+    KB: tl.constexpr = BLOCK_K // 2  # weight bytes per row per step
+    acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
+        w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, KB, SUBNORMAL_DECODE, COMPUTE)
+        acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += KB
+        s_ptrs += BLOCK_K // (4 * 32)  # one int32 word of scales per 128 columns
+    return tl.trans(acc) if SWAP_AB else acc
+
+
+@triton.jit
+def _zero_slice(out_ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
+    start = pid * ZERO_BLOCK
+    while start < numel:
+        offs = start + tl.arange(0, ZERO_BLOCK)
+        tl.store(out_ptr + offs, tl.zeros([ZERO_BLOCK], dtype=tl.float32), mask=offs < numel)
+        start += nprog * ZERO_BLOCK
+
+
+@triton.jit
+def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+                    out_numel, beta, linear_beta, stride_zt, stride_we, stride_wn, stride_se, stride_sn,
+                    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_OUT: tl.constexpr,
+                    ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                    COMPUTE: tl.constexpr):
+    """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one row block of one expert."""
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if ZERO_OUT:
+        # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
+        n_tiles = tl.num_programs(1)
+        _zero_slice(out_ptr, out_numel, block * n_tiles + pid_n, tl.num_programs(0) * n_tiles, ZERO_BLOCK)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    pair, row_ok = _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M)
+
+    # One B tile of 2 BLOCK_N rows: gate row n at tile row 2n, up row n at 2n + 1, so one dot gives
+    # both and the epilogue separates them in registers.
+    tile_rows = tl.arange(0, 2 * BLOCK_N)
+    w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
+    x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+    s_ptrs = s_ptr + expert * stride_se + w_rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 128)[None, :]
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, HIDDEN, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
+                        SUBNORMAL_DECODE, COMPUTE)
+
+    gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    # SiTU(a, b) = [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in fp32.
+    act = (beta * _tanh(gate / beta) * tl.sigmoid(gate)) * (linear_beta * _tanh(up / linear_beta))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + pair[:, None] * INTER + offs_n[None, :], _to_bf16(act, COMPUTE), mask=row_ok[:, None])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
+                 stride_we, stride_wn, stride_se, stride_sn,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
+                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+    """y[pair, n-tile] = h W2^T for one row block; added into out (atomic) or stored per pair (reduce)."""
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    if expert < 0:
+        return
+    pair, row_ok = _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_ptrs = h_ptr + pair[:, None] * INTER + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
+    s_ptrs = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BLOCK_K // 128)[None, :]
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUBNORMAL_DECODE,
+                        COMPUTE)
+
+    if ATOMIC:
+        coef = tl.load(coef_ptr + pair, mask=row_ok, other=0.0)
+        out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
+        tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
+    else:
+        tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, coef_ptr, out_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[t] = sum_j coef[t, j] y[t k + j], in fp32 and always in the same order (deterministic)."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    slots = tl.arange(0, K_PAD)
+    slot_ok = slots < TOP_K
+    col_ok = cols < HIDDEN
+    pairs = token * TOP_K + slots
+    y = tl.load(y_ptr + pairs[:, None] * HIDDEN + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+    coef = tl.load(coef_ptr + pairs, mask=slot_ok, other=0.0)
+    tl.store(out_ptr + token * HIDDEN + cols, tl.sum(y.to(tl.float32) * coef[:, None], axis=0), mask=col_ok)
