@@ -104,7 +104,8 @@ def speculative_config(cfg: ServeConfig, dtype: torch.dtype, device: str) -> Spe
                              schedule=tuple(kw.speculative_schedule), max_num_pages=pages)
 
 
-def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: FaultInjector | None = None) -> AsyncEngine:
+def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: FaultInjector | None = None,
+                 tensor_comm_protocol: str = "SHM") -> AsyncEngine:
     """Load the model and start the engine thread. `faults` (tests only) defaults to what
     MSTAR_FAULT_INJECT asks for, when it is set."""
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -114,11 +115,14 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: Faul
     if faults is not None:
         log.warning("fault injection is ON (%s=%s): for tests only", FAULT_ENV_VAR, os.environ.get(FAULT_ENV_VAR))
 
-    if cfg.tp_size != 1:
-        raise ServeConfigError(f"tp_size={cfg.tp_size}: tensor parallelism is not available yet; use tp_size: 1")
     ensure_tiny_checkpoint(cfg)
     check_paths(cfg)
     device = resolve_device(cfg)
+    if cfg.tp_size > 1:  # one process per rank; this one is rank 0 and schedules
+        from mstar.distributed.worker import build_tp_engine
+
+        return build_tp_engine(cfg, engine_config(cfg), device=device, tensor_comm_protocol=tensor_comm_protocol,
+                               max_step_failures=cfg.server.max_step_failures, faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
     model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
@@ -180,7 +184,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_serve_config(args.config, args.overrides)
         options = server_options(cfg, args.api_key, args.log_requests)
-        engine = build_engine(cfg, progress=True)
+        engine = build_engine(cfg, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None

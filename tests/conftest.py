@@ -9,6 +9,11 @@ import torch
 
 from mstar.tools.make_tiny import write_tiny
 
+# Without a GPU, Triton kernels run in Triton's interpreter. The variable must be set before anything
+# imports triton (the engine imports the kernel modules), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # The tiny models are far too small to gain from intra-op threads, and on a 2-core machine OpenMP's
 # spinning threads slow every op by ~100x as soon as another process competes for a core.
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by subprocesses the tests start

@@ -5,8 +5,9 @@ Every generated request (valid ones and deliberately invalid ones, with and with
 must get: no 5xx, a status the document lists for that operation, a body and content type that
 match the document, the headers it promises (Retry-After, WWW-Authenticate), invalid bodies
 refused, a refusal without the key, and an answer within the request timeout (no hang). The
-server runs with small limits (max_seq_len 128, max_tokens 4, n <= 2) so that each case is quick;
-the number of cases is bounded by MAX_EXAMPLES per operation and phase.
+server runs with small limits (max_seq_len 256, max_tokens 4, n <= 2) so that each case is quick;
+the number of cases is bounded by MAX_EXAMPLES per operation and mode (MSTAR_FUZZ_EXAMPLES=400 for a
+longer run).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 import schemathesis
-from schemathesis import GenerationMode
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.configuration import set_hypothesis_home_dir
 from live_server import LiveServer, wait_until
+from schemathesis import GenerationMode
 from schemathesis.checks import max_response_time, not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -37,12 +40,20 @@ from mstar.server import build_app
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 API_KEY = "fuzz-test-key"
-MAX_EXAMPLES = 60
+MAX_EXAMPLES = int(os.environ.get("MSTAR_FUZZ_EXAMPLES", "40"))  # per operation and mode; raise it for a long run
 REQUEST_TIMEOUT_S = 30.0  # a response slower than this is a hang
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance, negative_data_rejection, ignored_auth, max_response_time]
 CASES: Counter = Counter()
 STATUSES: Counter = Counter()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def hypothesis_home(tmp_path_factory):
+    """Hypothesis keeps a cache under ./.hypothesis; keep it out of the repository."""
+    set_hypothesis_home_dir(tmp_path_factory.mktemp("hypothesis"))
+    yield
+    set_hypothesis_home_dir(None)
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +100,19 @@ def test_server_conforms_to_its_openapi_document(api_schema, mode):
                 print("DEBUG", mode, case.path, response.status_code, response.text[:300], str(case.body)[:300])
 
         run()
+
+
+def test_found_by_fuzzing_a_huge_top_k_is_a_400_not_a_failed_step(live):
+    """top_k >= 2**63 used to reach the sampler, fail its int64 tensor and so the whole engine step,
+    taking every other request in flight down with it."""
+    server, engine = live
+    failed_before = engine.failed_steps
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as client:
+        r = client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 2, "top_k": 2**63})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+        ok = client.post("/v1/completions", json={"prompt": "x = 1", "max_tokens": 2, "top_k": 2**63 - 1})
+        assert ok.status_code == 200
+    assert engine.failed_steps == failed_before
 
 
 def test_fuzzing_ran_and_left_the_engine_clean(live, capsys):

@@ -1,17 +1,21 @@
 """moe_mxfp4 (Triton W4A16 routed experts) against its torch reference, moe_mxfp4_reference.
 
-Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set below before the kernels are defined)
-runs the tiny-shape tests on the CPU. With CUDA they run compiled on the GPU, and so do the tests at
-the real per-rank shapes of pruned75 at TP8 (E=224, top-16, H_lat=3584, I=384), which skip
-elsewhere. Every run draws fresh weights, activations and routing (the seed is printed); outputs and
-buffers are poisoned before each call; errors are ||out - ref|| / ||ref|| against the fp32
-reference, with a bf16 bound (the kernel rounds the SiTU output, and with combine="reduce" each
-expert's output, to bf16).
+Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported) runs
+the tiny-shape tests on the CPU. If triton was already imported in this process without it (a
+full-suite run where an earlier module imported the GPU ops), the interpreter cannot work here, so
+one test reruns this file in a fresh process with TRITON_INTERPRET=1. With CUDA the tiny tests run
+compiled on the GPU, and so do the tests at the real per-rank shapes of pruned75 at TP8 (E=224,
+top-16, H_lat=3584, I=384), which skip elsewhere. Every run draws fresh weights, activations and
+routing (the seed is printed); outputs and buffers are poisoned before each call; errors are
+||out - ref|| / ||ref|| against the fp32 reference, with a bf16 bound (the kernel rounds the SiTU
+output, and with combine="reduce" each expert's output, to bf16).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,14 +31,17 @@ from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
 from mstar.kernels.moe_mxfp4 import _dequant_mxfp4  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+INTERPRET = moe._interpreted()
+# The kernels can run in this process: compiled on a GPU, or interpreted on the CPU.
+IN_PROCESS = INTERPRET or (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1")
 TINY_DEVICE = "cpu" if INTERPRET else "cuda"
 BF16_BOUND = 1e-2
 COMBINES = ("atomic", "reduce")
 DECODES = ("subnormal", "select")
 
-needs_kernel_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
-                                         reason="needs CUDA or TRITON_INTERPRET=1")
+needs_kernel_device = pytest.mark.skipif(
+    not IN_PROCESS, reason="triton was imported without TRITON_INTERPRET=1 and there is no GPU: "
+    "test_kernels_in_fresh_interpreter_process runs these")
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
                          reason="needs CUDA, without TRITON_INTERPRET (real shapes are too slow for the interpreter)")
 
@@ -157,6 +164,14 @@ def check_alignment(ws: moe.MoEWorkspace, ids: torch.Tensor) -> None:
 # ----------------------------------------------------------------------------------------------
 # Tiny shapes: interpreter on the CPU, compiled on a GPU
 # ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the kernel tests run in this process")
+def test_kernels_in_fresh_interpreter_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
 
 @needs_kernel_device

@@ -25,7 +25,7 @@ import torch
 from mstar.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from mstar.models.kimi_k3.config import KimiK3Config, load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.weights import read_a_log, check_checkpoint_layout, packed_names
+from mstar.models.kimi_k3.weights import check_checkpoint_layout, packed_names, read_a_log
 from mstar.quant.mxfp4 import dequantize_mxfp4
 
 from .communicator import Communicator, NullCommunicator

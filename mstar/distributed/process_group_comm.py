@@ -4,9 +4,10 @@ Both run the group's own collective (`dist.all_reduce`, an all-gather) on the gr
 the tensor-parallel group of the model's ranks, never the group rank 0 sends its step messages on
 (control.py), so model collectives and control messages cannot interleave.
 
-They differ in where the tensors live and how the all-gather is called: gloo takes CPU tensors and a
-list of outputs; NCCL takes CUDA tensors and gathers into one flat tensor (`all_gather_into_tensor`,
-one kernel, and capturable in a CUDA graph).
+They differ in where the tensors live and how the all-gather is called: gloo works on CPU tensors
+(a GPU tensor, under `--tensor-comm-protocol GLOO`, is staged through host memory: a debugging path)
+and gathers into a list; NCCL takes CUDA tensors and gathers into one flat tensor
+(`all_gather_into_tensor`, one kernel, and capturable in a CUDA graph).
 """
 
 from __future__ import annotations
@@ -18,42 +19,42 @@ from .communicator import Communicator
 
 
 class _ProcessGroupCommunicator(Communicator):
-    device_type = ""
-
     def __init__(self, group: dist.ProcessGroup):
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.group = group
-
-    def _check_device(self, x: torch.Tensor) -> None:
-        if x.device.type != self.device_type:
-            raise ValueError(f"{self.name} collectives take {self.device_type} tensors, got one on {x.device}")
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_device(x)
-        x = x.contiguous()
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
-        return x
 
 
 class GlooCommunicator(_ProcessGroupCommunicator):
     """gloo over TCP between processes: the CPU path (and the tests)."""
 
     name = "gloo"
-    device_type = "cpu"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        host = x.contiguous() if x.device.type == "cpu" else x.cpu()
+        dist.all_reduce(host, op=dist.ReduceOp.SUM, group=self.group)
+        return host.to(x.device)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_device(x)
-        x = x.contiguous()
-        pieces = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(pieces, x, group=self.group)
-        return torch.cat(pieces, dim=-1)
+        host = x.contiguous() if x.device.type == "cpu" else x.cpu()
+        pieces = [torch.empty_like(host) for _ in range(self.world_size)]
+        dist.all_gather(pieces, host, group=self.group)
+        return torch.cat(pieces, dim=-1).to(x.device)
 
 
 class NcclCommunicator(_ProcessGroupCommunicator):
     """NCCL between GPUs (NVLink inside a node, the network across nodes): large messages and all-gathers."""
 
     name = "nccl"
-    device_type = "cuda"
+
+    def _check_device(self, x: torch.Tensor) -> None:
+        if not x.is_cuda:
+            raise ValueError(f"NCCL collectives take CUDA tensors, got one on {x.device}")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_device(x)
+        x = x.contiguous()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=self.group)
+        return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)

@@ -3,7 +3,8 @@
     mstar-serve (rank 0)                         followers (ranks 1 .. tp-1), spawned by rank 0
     ---------------------------------            ---------------------------------------------
     HTTP server, AsyncEngine thread              ignore SIGINT/SIGTERM (rank 0 decides when to stop)
-    EngineCore: scheduler, sampler, pools        the same pools (checked against rank 0's shapes)
+    EngineCore: scheduler, sampler, pools        an EngineCore of its own for the same pools and
+                                                 mixers; its scheduler never runs
     each step: send the plan (control.py) ---->  receive the plan
                ServingModel.forward  <-- model collectives (Communicator) -->  ServingModel.forward
                sample, commit, stream            (nothing else: no request state)
@@ -46,11 +47,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mstar.checkpoint.safetensors_io import CheckpointReader
 from mstar.engine.async_engine import AsyncEngine
 from mstar.engine.core import EngineConfig, EngineCore
-from mstar.models.kimi_k3.config import KimiK3Config, load_config
+from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
@@ -63,6 +66,7 @@ from .sharding import ShardingPlan
 log = logging.getLogger("mstar.distributed")
 
 EXIT_RANK_FAILED = 3  # rank 0's exit status when a rank died (as mstar-serve's when its engine stops for good)
+FAILURE_ATTRIBUTION_S = 1.0  # how long a failed step waits for the monitor to name the rank that died
 STORE_HOST = "127.0.0.1"  # all ranks on one node (the store and gloo listen on loopback)
 
 
@@ -114,8 +118,8 @@ def _join(setup: RankSetup, rank: int, store: dist.Store) -> RankRuntime:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=setup.tp_size,
                             timeout=timedelta(seconds=t.startup_s))
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=t.control_s))
-    data = dist.new_group(backend="nccl" if device.type == "cuda" else "gloo",
-                          timeout=timedelta(seconds=t.collective_s))
+    nccl = device.type == "cuda" and setup.comm.protocol != "GLOO"
+    data = dist.new_group(backend="nccl" if nccl else "gloo", timeout=timedelta(seconds=t.collective_s))
     comm = build_communicator(data, device, setup.comm, setup.dtype)
     return RankRuntime(store, ControlChannel(control), comm)
 
@@ -125,27 +129,25 @@ def _load(setup: RankSetup, rank: int, comm: Communicator) -> KimiK3ForCausalLM:
     return load_rank_model(setup.checkpoint, plan, comm, dtype=setup.dtype, device=setup.device(rank))
 
 
-def check_tp_config(config: KimiK3Config, tp_size: int, ep_size: int) -> None:
-    """Raise (naming the key) unless `config` shards over tp_size ranks in ep_size expert groups."""
-    ShardingPlan(tp_size, 0, ep_size).check(config)
+def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int) -> None:
+    """Raise (naming the key) unless the checkpoint shards over tp_size ranks in ep_size expert groups
+    (MXFP4 experts: on whole scale groups). Reads the config and the tensor names only."""
+    plan = ShardingPlan(tp_size, 0, ep_size)
+    config = load_config(checkpoint)
+    plan.check(config)
+    with CheckpointReader(checkpoint) as reader:
+        if any(name.endswith(".weight_packed") for name in reader.names()):
+            plan.expert_sharding(config).check_mxfp4()
 
 
 # --- pools and their geometry ------------------------------------------------------------------------
 
 
-def follower_pools(model: KimiK3ForCausalLM, engine: EngineConfig) -> tuple[PagedLatentKV, RecurrentStatePool]:
-    """The pools a follower addresses with rank 0's plans: built as EngineCore builds them (and
-    checked against rank 0's geometry at startup, so a drift between the two fails loudly)."""
-    cfg = model.config
-    param = next(model.parameters())
-    kinds = cfg.layer_kinds
-    la = cfg.linear_attn
-    kv = PagedLatentKV(kinds.count("mla"), engine.max_num_pages, engine.page_size, cfg.kv_cache_width,
-                       param.dtype, param.device)
-    pool = RecurrentStatePool(kinds.count("kda"), engine.max_kda_slots, la.num_heads, la.head_dim,
-                              la.short_conv_kernel_size, torch.promote_types(param.dtype, torch.float32),
-                              param.dtype, param.device, hidden_size=cfg.hidden_size, max_block=0)
-    return kv, pool
+def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: Any) -> ServingModel:
+    """A follower's ServingModel: pools, mixers and kernels exactly as rank 0's EngineCore builds them
+    (an EngineCore whose scheduler never runs), so rank 0's plans address the same slots and pages.
+    The pools are also checked against rank 0's geometry at startup."""
+    return EngineCore(model, tokenizer, engine).serving
 
 
 def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]:
@@ -170,13 +172,21 @@ def apply_step(serving: ServingModel, message: StepMessage, device: torch.device
     serving.forward(plan, message.tap_layers)
 
 
+class LostRankZero(RuntimeError):
+    """A follower no longer hears from rank 0."""
+
+
 def follow(channel: ControlChannel, serving: ServingModel, device: torch.device) -> None:
     """Run rank 0's steps until it says STOP."""
     rank = channel.rank
     expected_step = 0
     geometry = pool_geometry(serving.kv, serving.pool)
     while True:
-        message = channel.receive()
+        try:
+            message = channel.receive()
+        except Exception as e:
+            raise LostRankZero(f"rank {rank} lost rank 0 (its process is gone, or it sent nothing within the "
+                               f"control timeout): {type(e).__name__}: {str(e).splitlines()[0]}") from e
         if message.kind == STOP:
             return
         if message.kind == HEARTBEAT:
@@ -214,11 +224,14 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
                               timeout=timedelta(seconds=setup.timeouts.startup_s))
         runtime = _join(setup, rank, store)
         model = _load(setup, rank, runtime.comm)
-        kv, pool = follower_pools(model, setup.engine)
-        serving = ServingModel(model, kv, pool)
+        serving = follower_serving(model, setup.engine, KimiTokenizer.from_dir(setup.checkpoint))
         dist.barrier()  # every rank has loaded
         log.info("rank %d ready (%s, pid %d)", rank, runtime.comm, os.getpid())
         follow(runtime.control, serving, setup.device(rank))
+    except LostRankZero as e:
+        log.error("%s; exiting", e)
+        logging.shutdown()
+        os._exit(1)
     except BaseException as e:
         log.error("rank %d stops: %s: %s\n%s", rank, type(e).__name__, e, traceback.format_exc())
         logging.shutdown()
@@ -244,6 +257,7 @@ class Ranks:
         self._stopped = False
         self._listeners: list[Callable[[str], None]] = []
         self._fail_lock = threading.Lock()
+        self._failed_event = threading.Event()
         self._monitor = threading.Thread(target=self._watch, name="mstar-rank-monitor", daemon=True)
         atexit.register(self.kill)
 
@@ -258,6 +272,10 @@ class Ranks:
     def start_monitor(self) -> None:
         self._monitor.start()
 
+    def wait_for_failure(self, timeout: float) -> bool:
+        """True when a rank failure is known within `timeout` seconds."""
+        return self._failed_event.wait(timeout)
+
     def check(self) -> None:
         if self.failed is not None:
             raise RuntimeError(f"tensor-parallel ranks failed: {self.failed}")
@@ -270,9 +288,14 @@ class Ranks:
                 if self._stopping:
                     return
                 p = self.processes[rank - 1]
-                p.join(0)
+                p.join(1)  # its sentinel closes as it exits; reap it for the exit status
                 self.fail(f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}")
                 return
+
+    def heartbeat_failed(self, message: str) -> None:
+        """A heartbeat broadcast broke: most often a follower died, which the monitor names shortly."""
+        if not self.wait_for_failure(FAILURE_ATTRIBUTION_S):
+            self.fail(message)
 
     def fail(self, message: str) -> None:
         """A rank is gone: stop every rank; end rank 0 when it serves (exit_on_failure)."""
@@ -280,6 +303,7 @@ class Ranks:
             if self.failed is not None or self._stopping:
                 return
             self.failed = message
+            self._failed_event.set()
         log.critical("%s; stopping all %d ranks", message, self.setup.tp_size)
         self.kill()
         for listener in self._listeners:
@@ -300,6 +324,17 @@ class Ranks:
                 p.kill()
         for p in self.processes:
             p.join(5)
+
+    def abandon(self) -> None:
+        """Rank 0 itself failed (at startup): kill the followers without calling it their failure."""
+        self._stopping = True
+        self._stopped = True
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        self.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        atexit.unregister(self.kill)
 
     def stop(self) -> None:
         """Orderly end: STOP to the followers, wait for them, kill stragglers, leave the groups."""
@@ -341,9 +376,14 @@ class LeaderServing:
     def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.ranks.check()
         prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.kda_slots.tolist())
-        self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
         try:
+            self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
             return self.serving.forward(plan, tap_layers)
+        except Exception as e:
+            # A broken collective is most often a rank that died: say which, once the monitor knows.
+            if self.ranks.wait_for_failure(FAILURE_ATTRIBUTION_S):
+                raise RuntimeError(f"a tensor-parallel rank failed: {self.ranks.failed}") from e
+            raise
         finally:
             self.channel.step_done()
 
@@ -359,7 +399,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
                          "model_kwargs.speculative_tokens=0 or tp_size=1")
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
-    check_tp_config(load_config(checkpoint), tp_size, ep_size)
+    check_tp_checkpoint(checkpoint, tp_size, ep_size)
     store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
     setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config, comm or CommConfig(),
@@ -379,12 +419,12 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
         dist.barrier()  # every rank has loaded
         runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
         core.serving = LeaderServing(core.serving, ranks, runtime.control)
-        ranks.heartbeat = Heartbeat(runtime.control, setup.timeouts.heartbeat_s, ranks.fail).start()
-    except BaseException:
-        ranks.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        ranks.check()  # a follower's death explains the error better than the broken collective
+        ranks.heartbeat = Heartbeat(runtime.control, setup.timeouts.heartbeat_s, ranks.heartbeat_failed).start()
+    except BaseException as e:
+        follower_failure = ranks.failed  # a follower's death explains the error better than a broken collective
+        ranks.abandon()
+        if follower_failure is not None:
+            raise RuntimeError(f"tensor-parallel startup failed: {follower_failure}") from e
         raise
     log.info("%d ranks ready (tp_size=%d, ep_size=%d, %s)", tp_size, tp_size, ep_size, runtime.comm)
     return core, ranks
@@ -417,8 +457,6 @@ def build_tp_engine(cfg: Any, engine_config: EngineConfig, *, device: str, tenso
     """rank 0's engine for mstar-serve with `cfg.tp_size` ranks (a `ServeConfig`): spawns the
     followers, loads the slices, starts the engine thread. A rank that dies ends this process with
     status EXIT_RANK_FAILED; `engine.shutdown()` (after the server drained) stops every rank."""
-    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "float64": torch.float64}
     if cfg.speculative:

@@ -28,15 +28,12 @@ from dataclasses import dataclass
 
 from mstar.engine.client import EngineStats
 from mstar.engine.core import EngineCore
+from mstar.engine.errors import EngineDeadError
 from mstar.engine.faults import FaultInjector
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError, SamplingParams
 
 log = logging.getLogger("mstar.engine")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
 
 
 class EngineGaveUp(RuntimeError):
@@ -178,7 +175,8 @@ class AsyncEngine:
                 if self._failures_in_a_row >= self.max_step_failures:
                     self._stats = core.stats()
                     self._deliver(outputs)
-                    raise EngineGaveUp(f"{self._failures_in_a_row} engine steps failed in a row (the limit is "
+                    steps = f"{self._failures_in_a_row} engine step{'s' if self._failures_in_a_row > 1 else ''}"
+                    raise EngineGaveUp(f"{steps} failed in a row (the limit is "
                                        f"server.max_step_failures={self.max_step_failures}); the last one: "
                                        f"{type(e).__name__}: {e}") from e
             self._stats = core.stats()
@@ -221,13 +219,14 @@ class AsyncEngine:
             try:
                 self.core.add_request(message.request_id, message.prompt_ids, message.params)
             except Exception as e:  # refused (ParamError) or a bug: either way this request ends here
-                if not isinstance(e, ParamError):
-                    log.error("adding request %s failed\n%s", message.request_id, traceback.format_exc())
-                    self.core.abort_request(message.request_id)
-                    self.core.drain_outputs()
-                    e = f"internal error adding the request: {type(e).__name__}"
+                refused = isinstance(e, ParamError)
+                error = str(e) if refused else f"internal error adding the request: {type(e).__name__}"
                 self._deliver([RequestOutput(message.request_id, [], "", finished=True, finish_reason="error",
-                                             error=str(e))])
+                                             error=error)])
+                if not refused:
+                    log.error("adding request %s failed\n%s", message.request_id, traceback.format_exc())
+                    self.core.abort_request(message.request_id)  # whatever of it got in; its consumer has its error
+                    self._deliver(self.core.drain_outputs())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._lock:

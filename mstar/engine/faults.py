@@ -12,13 +12,16 @@ The spec is a comma-separated list of entries:
               error handling (a bug in the loop)
   nan:MARKER  the logits of every request whose prompt text contains MARKER are NaN (inf:MARKER: +inf)
 
+Tests may also `arm` an injector while the engine runs (fail the next step, crash the thread now).
+
 What the engine does about each (see AsyncEngine and README, "Operating the server"): a failed step
 ends every request in flight with an error and the engine goes on; `server.max_step_failures`
 failed steps in a row, or a crashed engine thread, stop the engine: requests in flight and new ones
 get errors, /health turns 503, and mstar-serve exits with status 3. Non-finite logits end only the
 affected request, with an error (EngineCore checks every sampled row).
 
-Tensor parallelism does not exist yet; killing a rank belongs to that work.
+mstar-serve runs tp_size 1 only so far: killing a tensor-parallel rank belongs to the tensor-parallel
+work (mstar/distributed), once mstar-serve runs it.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ class FaultInjector:
     injected: Counter = field(default_factory=Counter)  # "step", "crash", "poisoned_rows"
     _last_decl: object = None
     _prompt_text: dict[str, str] = field(default_factory=dict)
+    _armed_step_failures: int = 0
+    _armed_crash: bool = False
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> FaultInjector | None:
@@ -95,6 +100,19 @@ class FaultInjector:
     @classmethod
     def from_spec(cls, text: str) -> FaultInjector:
         return cls(parse_fault_spec(text))
+
+    def arm(self, *, step_failures: int = 0, crash: bool = False) -> None:
+        """From a test, while the engine runs: fail the next `step_failures` steps that run the
+        model, and/or crash the engine thread before its next step attempt."""
+        self._armed_step_failures += step_failures
+        self._armed_crash = self._armed_crash or crash
+
+    def _step_fails(self) -> bool:
+        if self._armed_step_failures > 0:
+            self._armed_step_failures -= 1
+            return True
+        plan = self.plan
+        return self.steps in plan.failing_steps or (plan.failing_from is not None and self.steps >= plan.failing_from)
 
     def install(self, core) -> None:
         forward, schedule = core.serving.forward, core.scheduler.schedule
@@ -106,8 +124,7 @@ class FaultInjector:
         def faulty_forward(plan, tap_layers=()):
             self.steps += 1
             logits, taps = forward(plan, tap_layers)
-            if self.steps in self.plan.failing_steps or (
-                    self.plan.failing_from is not None and self.steps >= self.plan.failing_from):
+            if self._step_fails():
                 self.injected["step"] += 1
                 raise InjectedFault(f"injected fault in engine step {self.steps}")
             if self.plan.poison:
@@ -120,7 +137,8 @@ class FaultInjector:
     def before_step(self) -> None:
         """Called by the engine loop before each step attempt, outside its error handling."""
         self.attempts += 1
-        if self.plan.crash_at is not None and self.attempts == self.plan.crash_at:
+        if self._armed_crash or (self.plan.crash_at is not None and self.attempts == self.plan.crash_at):
+            self._armed_crash = False
             self.injected["crash"] += 1
             raise InjectedFault(f"injected crash of the engine thread before step attempt {self.attempts}")
 

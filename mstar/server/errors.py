@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mstar.engine.async_engine import EngineDeadError
+from mstar.engine.errors import EngineDeadError
 from mstar.engine.params import ParamError
 from mstar.server.disconnect import ClientDisconnected
 

@@ -23,7 +23,7 @@ from pydantic.json_schema import models_json_schema
 
 from mstar.server import responses
 from mstar.server.options import ServerOptions
-from mstar.server.protocol import ChatCompletionRequest, CompletionRequest
+from mstar.server.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -76,7 +76,7 @@ def _sampling_fields(props: dict, options: ServerOptions, model_name: str, vocab
     props["n"] = {"type": "integer", "minimum": 1, "maximum": options.max_n, "default": 1}
     props["temperature"] = _nullable({"type": "number", "minimum": 0})
     props["top_p"] = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1})
-    props["top_k"] = _nullable({"type": "integer", "minimum": -1})
+    props["top_k"] = _nullable({"type": "integer", "minimum": -1, "maximum": INT64_MAX})
     props["min_p"] = _nullable({"type": "number", "minimum": 0, "maximum": 1})
     stop = {"type": "string", "minLength": 1}
     props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},

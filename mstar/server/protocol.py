@@ -2,10 +2,11 @@
 
 Types are strict (`"16"` is not an int, `1` is not a bool) so that a wrong type is a 400 rather than
 a silent coercion. An integral JSON number (`16.0`) is an integer, as JSON Schema (and so the
-OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are ignored, as OpenAI clients send fields this server has no use
-for (`user`, `parallel_tool_calls`, `metadata`, ...). Range checks of sampling values live in
-`SamplingParams`, so the engine and the server agree on them; here only what the server itself
-needs (n, logprob counts) is bounded.
+OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are ignored, as OpenAI
+clients send fields this server has no use for (`user`, `parallel_tool_calls`, `metadata`, ...).
+Range checks of sampling values live in `SamplingParams`, so the engine and the server agree on
+them; here only what the server itself needs (n, logprob counts) is bounded. The OpenAPI document
+(server/openapi.py) states all of these bounds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _integral(value: Any) -> Any:
 
 
 Int = Annotated[int, BeforeValidator(_integral)]
+# Bounds inside the annotated type, so that the JSON schema of `X | None` keeps them.
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_integral)]
+Seed = Annotated[int, Field(ge=-INT64_MAX, le=INT64_MAX - MAX_N), BeforeValidator(_integral)]
+# The sampler holds top_k in an int64 tensor: a larger value would fail the whole engine step (and
+# so every request in it), which is what the fuzz test found before this bound.
+TopK = Annotated[int, Field(le=INT64_MAX), BeforeValidator(_integral)]  # below -1: SamplingParams says why
 
 
 def parse_request(raw: bytes, model: type[Body]) -> Body:
@@ -57,9 +64,9 @@ class SamplingFields(_Body):
     n: Int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
-    top_k: Int | None = None
+    top_k: TopK | None = None  # -1 or 0: no limit
     min_p: float | None = None
-    seed: Int | None = Field(default=None, ge=-INT64_MAX, le=INT64_MAX - MAX_N)
+    seed: Seed | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[Int] | None = None
     stream: bool = False
@@ -87,7 +94,7 @@ class SamplingFields(_Body):
 class CompletionRequest(SamplingFields):
     prompt: str | list[Int] | list[str] | list[list[Int]]
     max_tokens: Int | None = None
-    logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Int | None = None
     suffix: str | None = None
@@ -169,7 +176,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: Int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: ResponseFormat | None = None
 

@@ -72,7 +72,10 @@ def install_expert_kernels(model: KimiK3ForCausalLM) -> int:
     """Route every latent MoE's experts through the MXFP4 kernels (bf16 models on a supported GPU).
     Returns how many layers were switched."""
     param = next(model.parameters())
-    if param.dtype != torch.bfloat16 or not moe_mxfp4.supported(param.device):
+    cfg = model.config
+    # The kernels tile the latent width and the expert width by whole 128-column scale words.
+    shapes_ok = cfg.moe_input_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
+    if param.dtype != torch.bfloat16 or not shapes_ok or not moe_mxfp4.supported(param.device):
         return 0
     count = 0
     for layer in model.model.layers:

@@ -9,6 +9,9 @@
     logits = lm_head(RMSNorm(AttnRes(blocks, P)))
 
 Kimi-Linear (`variant == "kimi_linear"`) is the same stack with plain residual adds.
+State between calls (KDA recurrent state and conv window, MLA cached latent rows) is explicit, so
+running a prefix and then its continuation gives the same logits as one pass. On request the
+forward also returns the DSpark taps: the raw prefix-sum stream after each named layer.
 
 Tensor parallelism enters through a `Communicator` (mstar/distributed): one rank's model is this
 class built from that rank's config (heads / tp, ...) with its `ExpertSharding`; the sublayers'
@@ -16,9 +19,6 @@ row-parallel outputs are all-reduced where they join the replicated stream (`Dec
 latent MoE reduces its own, before its norm), and the embedding and lm_head are vocabulary-parallel.
 On one rank the communicator is the null one, every collective is the identity, and the stack is
 exactly the single-rank reference. mstar/distributed/sharding.py says what is split how.
-State between calls (KDA recurrent state and conv window, MLA cached latent rows) is explicit, so
-running a prefix and then its continuation gives the same logits as one pass. On request the
-forward also returns the DSpark taps: the raw prefix-sum stream after each named layer.
 """
 
 from __future__ import annotations

@@ -75,9 +75,24 @@ class Router(nn.Module):
         return Routing(ids, weights * cfg.routed_scaling_factor)
 
 
+class HeldExperts(nn.ModuleDict):
+    """The routed experts a tensor-parallel rank holds (a slice of each), by global expert id:
+    `experts[e]` is expert e, iteration yields the held experts in id order (as the whole model's
+    ModuleList does), and the state_dict names stay the checkpoint's `experts.{e}.*`."""
+
+    def __getitem__(self, e: int | str) -> Expert:
+        return super().__getitem__(str(e))
+
+    def __contains__(self, e: object) -> bool:
+        return super().__contains__(str(e))
+
+    def __iter__(self):
+        return iter(self.values())
+
+
 class LatentMoE(nn.Module):
-    """`block_sparse_moe` of one layer. With `experts`, only the routed experts (and the slice of
-    each) that the sharding gives this rank; `experts` is then a ModuleDict keyed by global id."""
+    """`block_sparse_moe` of one layer. With `experts` (an ExpertSharding), only the routed experts
+    and the slice of each that this rank holds (`HeldExperts`)."""
 
     def __init__(self, config: KimiK3Config, comm: Communicator | None = None,
                  experts: ExpertSharding | None = None):
@@ -98,15 +113,13 @@ class LatentMoE(nn.Module):
             )
         else:
             width = self.sharding.local_intermediate_size
-            self.experts = nn.ModuleDict({str(e): Expert(config, latent, width) for e in self.sharding.local_experts})
+            self.experts = HeldExperts({str(e): Expert(config, latent, width) for e in self.sharding.local_experts})
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
 
     def local_expert(self, e: int) -> Expert | None:
         """Expert `e` (global id) as this rank holds it; None when another rank holds it."""
-        if self.sharding is None:
-            return self.experts[e]
-        return self.experts[str(e)] if self.sharding.owns(e) else None
+        return self.experts[e] if self.sharding is None or self.sharding.owns(e) else None
 
     def routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit (over the
