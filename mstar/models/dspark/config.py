@@ -8,13 +8,12 @@ and lm_head, so its geometry must match the target's (`check_matches_target`). E
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mstar.models.kimi_k3.config import ConfigError, _Keys
+from mstar.models.kimi_k3.config import ConfigError, _Keys, read_config_json
 
 MODEL_TYPE = "k3_dspark"
 ARCHITECTURE = "K3DSparkModel"
@@ -309,13 +308,4 @@ def parse_dspark_config(raw: dict[str, Any]) -> DSparkConfig:
 
 def load_dspark_config(path: str | Path) -> DSparkConfig:
     """Parse `path` (a config.json, or a draft checkpoint directory holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"no config.json at {p}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{p} is not valid JSON: {e}") from None
-    return parse_dspark_config(raw)
+    return parse_dspark_config(read_config_json(path))

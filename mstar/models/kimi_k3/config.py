@@ -349,16 +349,20 @@ def parse_config(raw: dict[str, Any]) -> KimiK3Config:
     return cfg
 
 
-def load_config(path: str | Path) -> KimiK3Config:
-    """Parse `path` (a config.json, or a checkpoint directory holding one)."""
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """The JSON object in `path` (a config.json, or a checkpoint directory holding one)."""
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
     try:
-        raw = json.loads(p.read_text())
+        return json.loads(p.read_text())
     except FileNotFoundError:
         raise ConfigError(f"no config.json at {p}") from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"{p} is not valid JSON: {e}") from None
-    return parse_config(raw)
+
+
+def load_config(path: str | Path) -> KimiK3Config:
+    """Parse `path` (a config.json, or a checkpoint directory holding one)."""
+    return parse_config(read_config_json(path))
 
