@@ -132,6 +132,12 @@ class ModelKwargs:
     speculative_schedule: DraftSchedule = ()
     mixed_prefill_decode: bool = True  # run prefill chunks and decode rows in the same step
     cuda_graphs: bool = True  # capture decode and prefill buckets as CUDA graphs (no effect on CPU)
+    # Expert-parallel groups among the tp_size ranks (>= 1; must divide tp_size and the checkpoint's
+    # num_experts). Group g of tp_size / moe_ep_size consecutive ranks owns experts g*E/ep .. (g+1)*E/ep - 1,
+    # split over its ranks by intermediate dim. 1: pure TP (every rank holds a slice of every expert);
+    # = tp_size: pure EP (whole experts). Per-rank expert memory is the same either way; see
+    # mstar/distributed/expert_sharding.py and docs/multi_node.md.
+    moe_ep_size: int = 1
 
     @property
     def max_drafts(self) -> int:
@@ -481,6 +487,7 @@ _AT_LEAST = {
     "scheduler.max_num_batched_tokens": 1,
     "scheduler.max_waiting": 1,
     "model_kwargs.speculative_tokens": 0,
+    "model_kwargs.moe_ep_size": 1,
     "server.max_body_bytes": 1024,
     "server.max_n": 1,
     "server.max_tokens": 0,
@@ -512,6 +519,26 @@ def validate(cfg: ServeConfig) -> None:
     _validate_scheduler(cfg)
     _validate_pools(cfg)
     _validate_speculation(cfg)
+    _validate_expert_parallel(cfg)
+
+
+def _validate_expert_parallel(cfg: ServeConfig) -> None:
+    ep = cfg.model_kwargs.moe_ep_size
+    if cfg.tp_size % ep:
+        raise ServeConfigError(
+            f"'model_kwargs.moe_ep_size' ({ep}) must divide 'tp_size' ({cfg.tp_size}): the ranks form moe_ep_size "
+            "expert-parallel groups of equal size"
+        )
+
+
+def check_expert_parallel(cfg: ServeConfig, num_experts: int) -> None:
+    """Raise ServeConfigError, naming the key, unless moe_ep_size splits the checkpoint's experts evenly."""
+    ep = cfg.model_kwargs.moe_ep_size
+    if num_experts % ep:
+        raise ServeConfigError(
+            f"'model_kwargs.moe_ep_size' ({ep}) must divide the checkpoint's num_experts ({num_experts}): "
+            "each expert-parallel group owns num_experts / moe_ep_size whole experts"
+        )
 
 
 def _validate_scheduler(cfg: ServeConfig) -> None:

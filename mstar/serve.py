@@ -30,6 +30,7 @@ from mstar.config import (
     ServeConfig,
     ServeConfigError,
     api_key_problem,
+    check_expert_parallel,
     check_paths,
     load_serve_config,
     resolve_device,
@@ -120,9 +121,12 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: Faul
     device = resolve_device(cfg)
     if cfg.tp_size > 1:  # one process per rank; this one is rank 0 and schedules
         from mstar.distributed.worker import build_tp_engine
+        from mstar.models.kimi_k3.config import load_config
 
+        check_expert_parallel(cfg, load_config(cfg.checkpoint).num_experts)
         return build_tp_engine(cfg, engine_config(cfg), device=device, tensor_comm_protocol=tensor_comm_protocol,
-                               max_step_failures=cfg.server.max_step_failures, faults=faults)
+                               ep_size=cfg.model_kwargs.moe_ep_size, max_step_failures=cfg.server.max_step_failures,
+                               faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
     model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)

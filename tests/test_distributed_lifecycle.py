@@ -21,6 +21,7 @@ from mstar.models.kimi_k3.generate import greedy_generate
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "kimi_k3_tiny_tp2.yaml"
+EP2_CONFIG = ROOT / "configs" / "kimi_k3_tiny_ep2.yaml"  # the same two ranks, routed experts split by expert
 SCRIPT = Path(__file__).resolve().parent / "tp_server.py"
 MODEL = "kimi_k3_tiny"
 
@@ -60,7 +61,7 @@ def _wait(condition, timeout: float) -> bool:
 
 
 class TPServer:
-    def __init__(self, tiny_dir: Path, log_path: Path, control_s: float = 10):
+    def __init__(self, tiny_dir: Path, log_path: Path, control_s: float = 10, config: Path = CONFIG):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -69,7 +70,7 @@ class TPServer:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TP_SERVER_CONTROL_S": str(control_s)}
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), str(CONFIG), str(self.port), f"checkpoint={tiny_dir}", "max_seq_len=512",
+                [sys.executable, str(SCRIPT), str(config), str(self.port), f"checkpoint={tiny_dir}", "max_seq_len=512",
                  "resources.mla_kv.max_num_pages=64", "scheduler.max_num_batched_tokens=128"],
                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
         self.followers: list[int] = []
@@ -157,6 +158,17 @@ def test_greedy_over_http_then_sigterm_drains_all_ranks(server, tiny_model):
     assert server.proc.wait(timeout=30) == 0, server.log()
     assert all(_gone(pid) for pid in server.followers)
     assert "rank 1 stopped" in server.log()
+
+
+@pytest.mark.parametrize("server", [{"config": EP2_CONFIG}], indirect=True, ids=["ep2"])
+def test_expert_parallel_ranks_serve_greedy_identical(server, tiny_model):
+    """kimi_k3_tiny_ep2.yaml: each rank holds half of the routed experts whole; the output is unchanged."""
+    assert "ep_size=2" in server.log()
+    prompt = list(range(7, 40))
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert choice["token_ids"] == greedy_generate(tiny_model, prompt, 10)
 
 
 def test_killing_a_follower_ends_rank0_within_seconds(server):

@@ -1,9 +1,9 @@
 """moe_mxfp4 (Triton W4A16 routed experts) against its torch reference, moe_mxfp4_reference.
 
-Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set below before triton is imported) runs
-the tiny-shape tests on the CPU. If triton was already imported in this process without it (a
-full-suite run where an earlier module imported the GPU ops), the interpreter cannot work here, so
-one test reruns this file in a fresh process with TRITON_INTERPRET=1. With CUDA the tiny tests run
+Without CUDA, Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py or below, before triton
+is imported) runs the tiny-shape tests on the CPU. If triton was imported in this process without
+it, the interpreter cannot work here, so one test reruns this file in a fresh process with
+TRITON_INTERPRET=1. With CUDA the tiny tests run
 compiled on the GPU, and so do the tests at the real per-rank shapes of pruned75 at TP8 (E=224,
 top-16, H_lat=3584, I=384), which skip elsewhere. Every run draws fresh weights, activations and
 routing (the seed is printed); outputs and buffers are poisoned before each call; errors are
@@ -20,9 +20,10 @@ import sys
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+if not torch.cuda.is_available() and "triton" not in sys.modules:
     # Before triton is imported: its own helpers, moe_mxfp4's kernels and the probe below must all be
-    # interpreted (the interpreter keeps consulting the variable, so it stays set).
+    # interpreted (the interpreter keeps consulting the variable, so it stays set). Once triton is
+    # imported, setting it would not help here and would only change modules imported later.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
@@ -31,7 +32,8 @@ from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
 from mstar.kernels.moe_mxfp4 import _dequant_mxfp4  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
 
-INTERPRET = moe._interpreted()
+# Interpreted only if triton's own helpers (tl.sum & co.) were defined under the interpreter too.
+INTERPRET = moe._interpreted() and type(tl.standard.sum).__name__ == "InterpretedFunction"
 # The kernels can run in this process: compiled on a GPU, or interpreted on the CPU.
 IN_PROCESS = INTERPRET or (torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1")
 TINY_DEVICE = "cpu" if INTERPRET else "cuda"

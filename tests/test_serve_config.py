@@ -10,6 +10,7 @@ import yaml
 from mstar.config import (
     ServeConfig,
     ServeConfigError,
+    check_expert_parallel,
     check_paths,
     known_keys,
     load_serve_config,
@@ -36,7 +37,7 @@ def write_yaml(tmp_path: Path, raw: dict, name: str = "serve.yaml") -> Path:
 
 def test_the_named_configs_ship():
     names = {p.name for p in SHIPPED}
-    for name in ("kimi_k3_tiny.yaml", "kimi_k3_tiny_tp2.yaml", "kimi_k3_tiny_dspark.yaml",
+    for name in ("kimi_k3_tiny.yaml", "kimi_k3_tiny_tp2.yaml", "kimi_k3_tiny_ep2.yaml", "kimi_k3_tiny_dspark.yaml",
                  "kimi_k3_pruned75_tp8.yaml", "kimi_k3_pruned75_tp8_dspark_sched.yaml"):
         assert name in names
 
@@ -61,6 +62,10 @@ def test_tiny_configs_point_at_the_tiny_checkpoints():
     assert (tiny.tp_size, tiny.dtype, tiny.device, tiny.max_seq_len) == (1, "float32", "auto", 2048)
     assert tiny.resources.kda_state.max_slots == 65 and tiny.scheduler.max_num_seqs == 64
     assert load_serve_config(CONFIGS / "kimi_k3_tiny_tp2.yaml").tp_size == 2
+    assert load_serve_config(CONFIGS / "kimi_k3_tiny_tp2.yaml").model_kwargs.moe_ep_size == 1
+    ep2 = load_serve_config(CONFIGS / "kimi_k3_tiny_ep2.yaml")
+    assert (ep2.tp_size, ep2.model_kwargs.moe_ep_size) == (2, 2)
+    assert ep2.checkpoint == tiny.checkpoint
     spec = load_serve_config(CONFIGS / "kimi_k3_tiny_dspark.yaml")
     assert spec.model_kwargs.speculative_tokens == 7
     assert spec.model_kwargs.speculative_draft == CONFIGS.parent / "checkpoints" / "kimi_k3_tiny_dspark"
@@ -169,6 +174,10 @@ BAD = [
       "scheduler": {"max_num_batched_tokens": 256}}, "scheduler.max_num_batched_tokens", "7 drafts"),
     ({"model_kwargs": {"cuda_graphs": 1}}, "model_kwargs.cuda_graphs", "true or false"),
     ({"model_kwargs": {"speculative_draft": 7}}, "model_kwargs.speculative_draft", "path"),
+    ({"model_kwargs": {"moe_ep_size": 0}}, "model_kwargs.moe_ep_size", ">= 1"),
+    ({"model_kwargs": {"moe_ep_size": 2}}, "model_kwargs.moe_ep_size", "divide 'tp_size' (1)"),
+    ({"tp_size": 4, "model_kwargs": {"moe_ep_size": 3}}, "model_kwargs.moe_ep_size", "divide 'tp_size' (4)"),
+    ({"model_kwargs": {"moe_ep_size": 2.0}}, "model_kwargs.moe_ep_size", "integer"),
     ({"max_seq_len": None}, "max_seq_len", "null"),
 ]
 
@@ -311,3 +320,11 @@ def test_config_is_immutable():
     with pytest.raises(AttributeError):
         cfg.scheduler.max_num_seqs = 2  # type: ignore[misc]
     assert isinstance(cfg, ServeConfig) and cfg.with_overrides("tp_size=2").tp_size == 2 and cfg.tp_size == 1
+
+
+def test_moe_ep_size_must_divide_the_checkpoints_experts():
+    cfg = parse_serve_config(minimal(tp_size=4, model_kwargs={"moe_ep_size": 4}))
+    check_expert_parallel(cfg, 16)
+    with pytest.raises(ServeConfigError) as err:
+        check_expert_parallel(cfg, 18)
+    assert "'model_kwargs.moe_ep_size' (4)" in str(err.value) and "num_experts (18)" in str(err.value)

@@ -72,17 +72,19 @@ def install_expert_kernels(model: KimiK3ForCausalLM) -> int:
     """Route every latent MoE's experts through the MXFP4 kernels (bf16 models on a supported GPU).
     Returns how many layers were switched."""
     param = next(model.parameters())
-    cfg = model.config
-    # The kernels tile the latent width and the expert width by whole 128-column scale words.
-    shapes_ok = cfg.moe_input_size % 128 == 0 and cfg.moe_intermediate_size % 128 == 0
-    if param.dtype != torch.bfloat16 or not shapes_ok or not moe_mxfp4.supported(param.device):
+    if param.dtype != torch.bfloat16 or not moe_mxfp4.supported(param.device):
         return 0
     count = 0
     for layer in model.model.layers:
         moe = getattr(layer, "block_sparse_moe", None)
-        if moe is not None:
-            moe.expert_kernel = MXFP4Experts(moe)
-            count += 1
+        if moe is None or len(moe.experts) != model.config.num_experts:
+            continue  # dense layer, or expert parallelism (the kernel indexes all experts by global id)
+        # The kernels tile both the latent and this rank's expert width by whole 128-column scale words.
+        inter, latent = next(iter(moe.experts)).w1.weight.shape
+        if inter % 128 or latent % 128:
+            continue
+        moe.expert_kernel = MXFP4Experts(moe)
+        count += 1
     return count
 
 
