@@ -81,6 +81,9 @@ def test_oracle_drafts_match_reference(tiny_model, tokenizer, draft, jobs, k, mi
 
 
 def test_schedule_switches_k_as_the_batch_grows_and_shrinks(tiny_model, tokenizer, draft, jobs):
+    # Staggered lengths (40..75 tokens) keep all 8 requests decoding together for a while, so the batch
+    # grows through every bucket, then shrinks through them again as requests finish.
+    jobs = [(p, mt, greedy_generate(tiny_model, p, mt)) for (p, _, _), mt in zip(jobs, range(40, 80, 5), strict=True)]
     schedule = ((2, 7), (4, 4), (6, 1), (8, 0))
     engine = oracle_engine(tiny_model, tokenizer, draft, jobs, 7, error_rate=0.1, schedule=schedule)
     seen = set()
@@ -90,15 +93,15 @@ def test_schedule_switches_k_as_the_batch_grows_and_shrinks(tiny_model, tokenize
         decl = real_schedule()
         if decl is not None:
             verify = [s for s in decl.seqs if s.verify]
-            if verify:
-                seen.add((len(verify), max(s.num_drafts for s in verify)))
+            if verify:  # the schedule's drafts for this batch (rows near max_tokens draft fewer)
+                seen.add((len(verify), engine.spec.schedule.drafts_for(len(verify))))
         return decl
 
     engine.scheduler.schedule = spy
     outputs, _ = run(engine, jobs)
     assert outputs == [ref for _, _, ref in jobs]
     drafts_used = {k for _, k in seen}
-    assert {7, 4}.issubset(drafts_used) and (1 in drafts_used or 0 in drafts_used), seen
+    assert {7, 4, 1, 0}.issubset(drafts_used), seen
     assert_pools_empty(engine)
 
 

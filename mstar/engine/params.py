@@ -33,7 +33,7 @@ class SamplingParams:
             (self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.temperature >= 0, "temperature", "must be >= 0"),
             (0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
-            (0 <= self.top_k < 2**31, "top_k", "must be >= 0 (and < 2**31), or -1 for no limit"),
+            (0 <= self.top_k < 2**63, "top_k", "must be >= 0 (and fit in int64), or -1 for no limit"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "entries must be non-empty strings"),
