@@ -235,6 +235,25 @@ def _with_greedy_rows(result: VerifyResult, target_logits: torch.Tensor, draft_t
 # Chain (Leviathan et al. 2023, Chen et al. 2023)
 
 
+
+def _prepare(rule: str, target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
+             batch: SamplingBatch, num_drafts, generator: torch.Generator | None):
+    """What both sampled rules start from: the greedy result when every row is greedy, else
+    (rows, L, device, num_drafts [B], target probs P, draft probs q, uniforms, Exp(1) noise)."""
+    _check_shapes(target_logits, draft_tokens, draft_probs, batch)
+    rows, width, vocab = target_logits.shape
+    drafts = width - 1
+    device = target_logits.device
+    num_drafts = _num_drafts_tensor(num_drafts, rows, drafts, device)
+    if batch.all_greedy:
+        return verify_greedy(target_logits, draft_tokens, num_drafts)
+    if draft_probs is None:
+        raise ValueError(f"{rule}: the batch has sampled rows, so pass draft_probs [B, L, V] "
+                         "(the distributions the drafts were drawn from)")
+    probs = target_probs(target_logits, batch)
+    uniforms, noise = _draw_randomness(batch, drafts, vocab, device, generator)
+    return rows, drafts, device, num_drafts, probs, draft_probs.float(), uniforms, noise
+
 def verify_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
                  batch: SamplingBatch, num_drafts: torch.Tensor | Sequence[int] | None = None,
                  generator: torch.Generator | None = None) -> VerifyResult:
@@ -254,19 +273,10 @@ def verify_chain(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_
         reach; the token is sampled from P_i so the output is always a valid target token.
     Greedy rows use `verify_greedy` on their raw logits; they may pass anything as their draft_probs.
     """
-    _check_shapes(target_logits, draft_tokens, draft_probs, batch)
-    rows, width, vocab = target_logits.shape
-    drafts = width - 1
-    device = target_logits.device
-    num_drafts = _num_drafts_tensor(num_drafts, rows, drafts, device)
-    if batch.all_greedy:
-        return verify_greedy(target_logits, draft_tokens, num_drafts)
-    if draft_probs is None:
-        raise ValueError("verify_chain: the batch has sampled rows, so pass draft_probs [B, L, V] "
-                         "(the distributions the drafts were drawn from)")
-    probs = target_probs(target_logits, batch)
-    draft_probs = draft_probs.float()
-    uniforms, noise = _draw_randomness(batch, drafts, vocab, device, generator)
+    prep = _prepare("verify_chain", target_logits, draft_tokens, draft_probs, batch, num_drafts, generator)
+    if isinstance(prep, VerifyResult):
+        return prep
+    rows, drafts, device, num_drafts, probs, draft_probs, uniforms, noise = prep
     target_at_draft, draft_at_draft = _draft_token_probs(probs, draft_probs, draft_tokens)
     accept = (uniforms * draft_at_draft < target_at_draft) & _valid_positions(num_drafts, drafts)
     num_accepted = accept.long().cumprod(dim=-1).sum(dim=-1)
@@ -354,19 +364,10 @@ def verify_block(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_
     tau = 0 with an all-zero residual (P_1 == q_1, which makes tau = 0 a probability-0 event) samples from
     P_1. Greedy rows use `verify_greedy` on their raw logits.
     """
-    _check_shapes(target_logits, draft_tokens, draft_probs, batch)
-    rows, width, vocab = target_logits.shape
-    drafts = width - 1
-    device = target_logits.device
-    num_drafts = _num_drafts_tensor(num_drafts, rows, drafts, device)
-    if batch.all_greedy:
-        return verify_greedy(target_logits, draft_tokens, num_drafts)
-    if draft_probs is None:
-        raise ValueError("verify_block: the batch has sampled rows, so pass draft_probs [B, L, V] "
-                         "(the distributions the drafts were drawn from)")
-    probs = target_probs(target_logits, batch)
-    draft_probs = draft_probs.float()
-    uniforms, noise = _draw_randomness(batch, drafts, vocab, device, generator)
+    prep = _prepare("verify_block", target_logits, draft_tokens, draft_probs, batch, num_drafts, generator)
+    if isinstance(prep, VerifyResult):
+        return prep
+    rows, drafts, device, num_drafts, probs, draft_probs, uniforms, noise = prep
     weights = _block_weights(*_draft_token_probs(probs, draft_probs, draft_tokens))
     stop_probs = _block_stop_probs(probs, draft_probs, weights, num_drafts)
     passing = torch.where(uniforms < stop_probs, torch.arange(1, drafts + 1, device=device), 0)
