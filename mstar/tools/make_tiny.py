@@ -42,6 +42,9 @@ from mstar.tools.train_bpe import train_tiny_tokenizer
 
 TINY_NUM_RANKS = 1024  # BPE ranks of the tiny tokenizer; its 256 special tokens follow
 TINY_SEED = 20261129
+# The tiny MLA geometry, shared by the target's MLA layers and the draft's.
+TINY_MLA = dict(num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
+                qk_rope_head_dim=16, v_head_dim=32)
 
 
 def k3_fixture(name: str = "kimi_k3_config.json") -> dict[str, Any]:
@@ -64,13 +67,7 @@ def tiny_k3_raw_config(num_ranks: int = TINY_NUM_RANKS) -> dict[str, Any]:
         vocab_size=num_ranks + 256,
         hidden_size=128,
         num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
+        **TINY_MLA,
         intermediate_size=256,
         moe_intermediate_size=64,
         num_experts=16,
@@ -98,13 +95,7 @@ def tiny_dspark_raw_config(target: KimiK3Config, num_ranks: int = TINY_NUM_RANKS
         hidden_size=target.hidden_size,
         intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
+        **TINY_MLA,
         vocab_size=target.vocab_size,
         draft_vocab_size=target.vocab_size,
         num_target_layers=len(taps),
