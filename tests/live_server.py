@@ -42,3 +42,34 @@ def wait_until(condition, timeout: float = 5.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def start_mstar_serve(args: list[str], extra_env: dict[str, str] | None = None, timeout: float = 120.0):
+    """`python -m mstar.serve ARGS --port <free port>` in a subprocess, waited on until /health is 200.
+    Returns (process, base url); the caller ends the process."""
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    proc = subprocess.Popen([sys.executable, "-m", "mstar.serve", *args, "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"mstar-serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("mstar-serve did not come up")
+        time.sleep(0.2)

@@ -16,17 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 import pytest
-from live_server import LiveServer, wait_until
+from live_server import LiveServer, start_mstar_serve, wait_until
 
 from mstar.config import load_serve_config
 from mstar.engine.faults import FaultInjector, FaultPlan, FaultSpecError, parse_fault_spec
@@ -233,25 +228,9 @@ def test_engine_thread_crash_fails_everyone_waiting(tiny_dir):
 
 
 def test_mstar_serve_exits_3_with_a_message_when_the_engine_stops(tiny_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MSTAR_FAULT_INJECT": "step:1+"}
-    proc = subprocess.Popen([sys.executable, "-m", "mstar.serve", "--config", str(CONFIG), "--port", str(port),
-                             f"checkpoint={tiny_dir}", *SMALL, "server.max_step_failures=1"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = start_mstar_serve(["--config", str(CONFIG), f"checkpoint={tiny_dir}", *SMALL,
+                                   "server.max_step_failures=1"], {"MSTAR_FAULT_INJECT": "step:1+"})
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mstar-serve did not come up"
-            time.sleep(0.2)
         r = httpx.post(url + "/v1/completions", json=body("def f():\n", 8), timeout=30)
         assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
         assert proc.wait(timeout=60) == EXIT_ENGINE_FAILED

@@ -4,17 +4,13 @@ disconnects, and `mstar-serve` itself (SIGTERM drains and exits 0)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from live_server import LiveServer, wait_until
+from live_server import LiveServer, start_mstar_serve, wait_until
 
 from mstar.config import load_serve_config
 from mstar.models.kimi_k3.generate import greedy_generate
@@ -150,27 +146,10 @@ def test_bad_input_is_a_400(server):
 
 def test_mstar_serve_drains_on_sigterm(tiny_dir, tmp_path):
     """The real entry point: start it, stream a request, SIGTERM mid-request: it finishes and exits 0."""
-    import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "mstar.serve", "--config", str(CONFIG), "--port", str(port),
-                             f"checkpoint={tiny_dir}", "max_seq_len=1024", "resources.mla_kv.max_num_pages=256"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, url = start_mstar_serve(["--config", str(CONFIG), f"checkpoint={tiny_dir}", "max_seq_len=1024",
+                                   "resources.mla_kv.max_num_pages=256"])
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "mstar-serve did not come up"
-            time.sleep(0.2)
         body = {"model": MODEL, "prompt": "class A:\n", "max_tokens": 64, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}
         got = 0
