@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from greedy_ties import assert_greedy_matches
 
 from mstar.distributed.worker import Timeouts, start_ranks
 from mstar.engine.core import EngineConfig
@@ -31,7 +32,7 @@ def workload(tiny_model):
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "ep2", "tp4-ep2-hybrid"])
-def test_parallel_greedy_equals_reference(tiny_dir, workload, tp, ep):
+def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep):
     # A small KV pool and token budget: chunked prefill, mixed steps and preemption all happen.
     engine = EngineConfig(max_seq_len=112, page_size=16, max_num_pages=8, max_kda_slots=9,
                           scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
@@ -48,8 +49,7 @@ def test_parallel_greedy_equals_reference(tiny_dir, workload, tp, ep):
                 assert out.error is None, out.error
             steps += 1
             assert steps < 500
-        for i, (prompt, _, expect) in enumerate(workload):
-            assert got[f"r{i}"] == expect, f"prompt of {len(prompt)} tokens"
+        assert_greedy_matches(tiny_model, workload, [got[f"r{i}"] for i in range(len(workload))], max_tied=1)
         assert core.scheduler.num_preemptions > 0
         assert ranks.failed is None
     finally:
