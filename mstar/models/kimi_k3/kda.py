@@ -311,6 +311,9 @@ class KimiDeltaAttention(nn.Module):
         self.conv_kernel = la.short_conv_kernel_size
         self.gate_lower_bound = la.gate_lower_bound
         self.use_full_rank_gate = la.use_full_rank_gate
+        # Chunk length of the chunked form. Training sets it shorter: the pairwise-decay tensor costs
+        # O(T * chunk * width), which dominates a small model's backward on CPU.
+        self.chunk_size = CHUNK_SIZE
         D, width, hd = config.hidden_size, la.width, la.head_dim
 
         self.q_proj = nn.Linear(D, width, bias=False)
@@ -372,8 +375,10 @@ class KimiDeltaAttention(nn.Module):
         g = kda_gate(self._heads(self.f_b_proj(self.f_a_proj(x))), self.A_log, self.dt_bias, self.gate_lower_bound)
         beta = torch.sigmoid(at_least_fp32(self.b_proj(x)))
 
-        core = kda_recurrent if x.shape[0] <= RECURRENT_MAX_TOKENS else kda_chunked
-        o, recurrent = core(q, k, v, g, beta, self.scale, state.recurrent)
+        if x.shape[0] <= RECURRENT_MAX_TOKENS:
+            o, recurrent = kda_recurrent(q, k, v, g, beta, self.scale, state.recurrent)
+        else:
+            o, recurrent = kda_chunked(q, k, v, g, beta, self.scale, state.recurrent, self.chunk_size)
 
         o = self.o_norm(o, self._heads(self._output_gate(x)))
         y = self.o_proj(o.reshape(x.shape[0], -1))
