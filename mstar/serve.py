@@ -119,12 +119,13 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: Faul
     ensure_tiny_checkpoint(cfg)
     check_paths(cfg)
     device = resolve_device(cfg)
-    if cfg.tp_size > 1:  # one process per rank; this one is rank 0 and schedules
+    if cfg.tp_size > 1:  # one process per rank; this one is rank 0: it schedules, and drafts with speculation
         from mstar.distributed.worker import build_tp_engine
         from mstar.models.kimi_k3.config import load_config
 
         check_expert_parallel(cfg, load_config(cfg.checkpoint).num_experts)
-        return build_tp_engine(cfg, engine_config(cfg), device=device, tensor_comm_protocol=tensor_comm_protocol,
+        engine = engine_config(cfg, speculative_config(cfg, _DTYPES[cfg.dtype], device))
+        return build_tp_engine(cfg, engine, device=device, tensor_comm_protocol=tensor_comm_protocol,
                                ep_size=cfg.model_kwargs.moe_ep_size, max_step_failures=cfg.server.max_step_failures,
                                faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)

@@ -13,6 +13,9 @@ K3's zero-padded `A_log` is read at the rank's heads only.
 
 Before reading, every name and full shape is checked against the whole model of the checkpoint's
 config (headers only), as the single-rank loader does.
+
+`load_vocab_heads` is the one exception to "only the rank's slices": the whole embedding and lm_head,
+which rank 0 reads for the DSpark draft when speculation is on.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from mstar.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from mstar.models.kimi_k3.config import KimiK3Config, load_config
@@ -53,6 +57,21 @@ def load_rank_model(checkpoint_dir: str | Path, plan: ShardingPlan, comm: Commun
         tensors = read_rank_tensors(reader, config, plan, shapes, what=str(checkpoint_dir))
     model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}, strict=True, assign=True)
     return model.eval()
+
+
+def load_vocab_heads(checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.float32,
+                     device: str | torch.device = "cpu") -> tuple[nn.Embedding, nn.Linear]:
+    """The checkpoint's whole embed_tokens and lm_head (every vocabulary row, not a rank's slice) as
+    plain modules: what rank 0's DSpark draft borrows (worker.py says why, and what it costs)."""
+    config = load_config(checkpoint_dir)
+    with torch.device("meta"):
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+    with CheckpointReader(checkpoint_dir) as reader:
+        for module, name in ((embed, "model.embed_tokens.weight"), (lm_head, "lm_head.weight")):
+            weight = reader.get(config.weight_prefix + name).to(device=device, dtype=dtype)
+            module.load_state_dict({"weight": weight}, strict=True, assign=True)
+    return embed.eval(), lm_head.eval()
 
 
 def read_rank_tensors(reader: Any, config: KimiK3Config, plan: ShardingPlan, shapes: dict[str, tuple[int, ...]],

@@ -9,6 +9,14 @@
                ServingModel.forward  <-- model collectives (Communicator) -->  ServingModel.forward
                sample, commit, stream            (nothing else: no request state)
 
+Speculative decoding (DSpark) runs on rank 0 alone, around the shared step: rank 0 drafts before
+it sends the step, then verifies the step's logits and writes the draft's context from the taps
+(the residual stream, complete on every rank after each all-reduce, so rank 0's are the whole
+model's). To the followers a verify step is an ordinary step: the plan marks its verify rows, which
+feed [anchor, drafts] and keep their KDA block pending, and the next step's prefix lengths say how
+many of those rows rank 0 accepted. Followers hold no draft, but their pools are sized for verify
+blocks of k + 1 rows as rank 0's are (`follower_engine_config`; the geometry check covers it).
+
 Startup: rank 0 opens a TCPStore, spawns the followers, and every rank joins three groups: the
 default gloo group (startup barrier), a gloo control group (step messages, control.py) and the data
 group the model's `Communicator` runs on (gloo on CPU, NCCL + symmetric memory on GPU, chosen in
@@ -39,7 +47,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -56,11 +64,12 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.spec.proposer import VocabHeads
 
 from .comm_choice import CommConfig, build_communicator
 from .communicator import Communicator
 from .control import GEOMETRY, HEARTBEAT, STEP, STOP, ControlChannel, Heartbeat, StepMessage, plan_on
-from .loader import load_rank_model
+from .loader import load_rank_model, load_vocab_heads
 from .sharding import ShardingPlan
 
 log = logging.getLogger("mstar.distributed")
@@ -89,7 +98,7 @@ class RankSetup:
     ep_size: int
     dtype: torch.dtype
     device_type: str  # "cpu" or "cuda"
-    engine: EngineConfig
+    engine: EngineConfig  # the followers' (`follower_engine_config`)
     comm: CommConfig
     store_port: int
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -148,6 +157,31 @@ def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: 
     (an EngineCore whose scheduler never runs), so rank 0's plans address the same slots and pages.
     The pools are also checked against rank 0's geometry at startup."""
     return EngineCore(model, tokenizer, engine).serving
+
+
+def follower_engine_config(engine: EngineConfig) -> EngineConfig:
+    """A follower's view of rank 0's engine config: speculation without the draft or its heads. A
+    follower never drafts (and is not sent the draft's weights), but it runs rank 0's verify blocks,
+    so its KDA pool keeps pending prefixes of k + 1 rows, as rank 0's does."""
+    spec = engine.speculative
+    if spec is None:
+        return engine
+    return replace(engine, speculative=replace(spec, draft=None, heads=None))
+
+
+def rank0_engine_config(engine: EngineConfig, setup: RankSetup) -> EngineConfig:
+    """Rank 0's engine config: with speculation, the draft gets whole-vocabulary heads of its own.
+
+    The rank's embedding and lm_head are vocabulary slices whose forward is a collective; the draft
+    runs on rank 0 alone, between steps, so it cannot use them (a gather per draft step would make
+    every follower take part in drafting). Rank 0 instead reads the whole embed_tokens and lm_head
+    from the checkpoint once. Cost, on rank 0 only: 2 x vocab x hidden x dtype bytes; for pruned75
+    (163,840 x 7,168, bf16) 2 x 2.19 GiB = 4.4 GiB beside its 1/8 slices. Followers pay nothing."""
+    spec = engine.speculative
+    if spec is None:
+        return engine
+    embed, lm_head = load_vocab_heads(setup.checkpoint, dtype=setup.dtype, device=setup.device(0))
+    return replace(engine, speculative=replace(spec, heads=VocabHeads(embed, lm_head)))
 
 
 def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]:
@@ -393,17 +427,15 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
                 comm: CommConfig | None = None, timeouts: Timeouts | None = None,
                 exit_on_failure: bool = False) -> tuple[EngineCore, Ranks]:
     """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
-    every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process."""
-    if engine_config.speculative is not None:
-        raise ValueError("speculative decoding with tp_size > 1 is not supported yet: set "
-                         "model_kwargs.speculative_tokens=0 or tp_size=1")
+    every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process.
+    With `engine_config.speculative`, rank 0 drafts and every rank verifies."""
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
     check_tp_checkpoint(checkpoint, tp_size, ep_size)
     store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
-    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config, comm or CommConfig(),
-                      store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel())
+    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, follower_engine_config(engine_config),
+                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel())
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
                  for rank in range(1, tp_size)]
@@ -415,7 +447,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
     try:
         runtime = ranks.runtime = _join(setup, 0, store)
         model = _load(setup, 0, runtime.comm)
-        core = EngineCore(model, tokenizer, engine_config)
+        core = EngineCore(model, tokenizer, rank0_engine_config(engine_config, setup))
         dist.barrier()  # every rank has loaded
         runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
         core.serving = LeaderServing(core.serving, ranks, runtime.control)
@@ -456,12 +488,14 @@ def build_tp_engine(cfg: Any, engine_config: EngineConfig, *, device: str, tenso
                     ep_size: int = 1, timeouts: Timeouts | None = None, **engine_kwargs: Any) -> TPEngine:
     """rank 0's engine for mstar-serve with `cfg.tp_size` ranks (a `ServeConfig`): spawns the
     followers, loads the slices, starts the engine thread. A rank that dies ends this process with
-    status EXIT_RANK_FAILED; `engine.shutdown()` (after the server drained) stops every rank."""
+    status EXIT_RANK_FAILED; `engine.shutdown()` (after the server drained) stops every rank.
+    With `cfg.speculative`, `engine_config.speculative` carries the loaded draft (serve.py's
+    `speculative_config`)."""
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
               "float64": torch.float64}
-    if cfg.speculative:
-        raise ValueError("model_kwargs.speculative_tokens > 0 with tp_size > 1: speculative decoding does not run "
-                         "on tensor-parallel ranks yet; set model_kwargs.speculative_tokens=0 or tp_size=1")
+    if cfg.speculative and engine_config.speculative is None:
+        raise ValueError("model_kwargs.speculative_tokens > 0 but the engine config has no draft: build it with "
+                         "engine_config(cfg, speculative_config(cfg, dtype, device)) from mstar.serve")
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
     core, ranks = start_ranks(cfg.checkpoint, tokenizer, engine_config, tp_size=cfg.tp_size, ep_size=ep_size,
                               dtype=dtypes[cfg.dtype], device_type=torch.device(device).type,

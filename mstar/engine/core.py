@@ -27,17 +27,18 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
-from mstar.spec.proposer import DSparkProposer
+from mstar.spec.proposer import DSparkProposer, VocabHeads
 from mstar.spec.schedule import DraftSchedule
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    draft: K3DSparkModel
+    draft: K3DSparkModel | None  # None on a tensor-parallel follower: its pools hold verify blocks, rank 0 drafts
     speculative_tokens: int  # k: drafts per verify at the smallest batches
     schedule: tuple[tuple[int, int], ...] = ()  # (max batch size, drafts); empty: k at every size
     verify_method: str = "block"  # rule for sampled requests ("chain" or "block"); greedy ones use greedy
     max_num_pages: int | None = None  # draft KV pages (default: as many as the target's)
+    heads: VocabHeads | None = None  # full-vocabulary embed/lm_head for the draft (default: the target's own)
 
 
 @dataclass(frozen=True)
@@ -79,9 +80,9 @@ class EngineCore:
         self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
-        if spec is not None:
+        if spec is not None and spec.draft is not None:
             proposer = DSparkProposer(spec.draft, model, num_pages=spec.max_num_pages or config.max_num_pages,
-                                      page_size=config.page_size)
+                                      page_size=config.page_size, heads=spec.heads)
             schedule = DraftSchedule.from_config(spec.speculative_tokens, spec.schedule)
             self.spec = Speculation(proposer, schedule, spec.verify_method)
             resources.append(proposer)
