@@ -7,7 +7,7 @@
     expert_sharding.py   `ExpertSharding`: which experts and which slice of each a rank holds
     sharding.py          `ShardingPlan`: the per-rank config and which checkpoint tensor is split how
     vocab_parallel.py    the vocabulary-parallel embedding and lm_head
-    loader.py            reads only a rank's slices from the safetensors shards
+    loader.py            reads a rank's slices from the safetensors shards; for rank 0's draft, the whole embed/lm_head
     control.py           rank 0's step messages to the followers, and the heartbeat
     worker.py            rank processes: spawn, follow, monitor, stop; `build_tp_engine` for mstar-serve
 """
