@@ -18,6 +18,8 @@ Block proposal (anchor = the last token the target emitted, at position p; k dra
     c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)                (confidence head, eq. 7; not used for verification)
 
 The block's own K/V rows are scratch: they are built, attended over and dropped, never written to the cache.
+Inference (`context_kv`, `block_hidden`: no autograd) and the trainer (mstar/training/draft.py, many blocks in
+one masked attention) run the same differentiable cores, `context_rows` and `block_forward`.
 
 The draft has no embedding or lm_head of its own: `propose` takes the *target's* `embed_tokens` and `lm_head`
 as arguments (any callables ids -> [k, D] and [k, D] -> [k, V]), so one draft object serves whatever target
@@ -235,14 +237,19 @@ class DSparkMLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
-    def forward(self, x: Tensor, positions: Tensor, context_rows: Tensor) -> Tensor:
-        """x [k, D] (the normed block) attends, with no mask, over context_rows [S, width] (exactly the rows it
-        may see) followed by its own k rows. Returns [k, D]; the block's rows are not kept."""
+    def forward(self, x: Tensor, positions: Tensor, context_rows: Tensor, visible: Tensor | None = None) -> Tensor:
+        """x [k, D] (the normed block) attends over context_rows [S, width] followed by its own k rows.
+
+        visible [k, S + k] (bool) says which of those rows each query sees; None: all of them (inference passes
+        exactly the rows one block may see; the trainer batches many blocks and masks). Returns [k, D]; the
+        block's rows are not kept."""
         rows = torch.cat([context_rows, self.latent_rows(x, positions)])
         q_nope, q_pe = self.queries(x, positions)
         w_uk, w_uv = self.kv_b_weights()
         q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
         scores = at_least_fp32(torch.einsum("thc,sc->ths", q_abs, rows)) * self.scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
         p = scores.softmax(dim=-1).to(x.dtype)
         o_latent = torch.einsum("ths,sr->thr", p, rows[:, : self.kv_lora_rank])
         o = torch.einsum("thr,hvr->thv", o_latent, w_uv)
@@ -272,8 +279,8 @@ class DSparkDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DSparkMLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x: Tensor, positions: Tensor, context_rows: Tensor) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows)
+    def forward(self, x: Tensor, positions: Tensor, context_rows: Tensor, visible: Tensor | None = None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, context_rows, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -296,14 +303,16 @@ class MarkovHead(nn.Module):
 
 
 class ConfidenceHead(nn.Module):
-    """c = sigmoid(proj(features)), features = [h ; W1[x_prev]] (or h alone without confidence_head_with_markov)."""
+    """The logit of c = sigmoid(proj(features)), features = [h ; W1[x_prev]] (or h alone without
+    confidence_head_with_markov). It returns the logit, not c: training's BCE takes logits, which stay exact
+    where the sigmoid saturates."""
 
     def __init__(self, input_size: int):
         super().__init__()
         self.proj = nn.Linear(input_size, 1)
 
     def forward(self, features: Tensor) -> Tensor:
-        return torch.sigmoid(at_least_fp32(self.proj(features)).squeeze(-1))
+        return at_least_fp32(self.proj(features)).squeeze(-1)
 
 
 # --- the draft -------------------------------------------------------------------------------------------
@@ -341,7 +350,12 @@ class K3DSparkModel(nn.Module):
     # --- context -------------------------------------------------------------------------------------
     @torch.no_grad()
     def context_kv(self, taps: Tensor, positions: Tensor) -> list[Tensor]:
-        """Target taps [T, m * D_target] at positions [T] -> per-layer latent rows [T, width].
+        """Target taps [T, m * D_target] at positions [T] -> per-layer latent rows [T, width] (`context_rows`
+        without autograd, as inference runs it)."""
+        return self.context_rows(taps, positions)
+
+    def context_rows(self, taps: Tensor, positions: Tensor) -> list[Tensor]:
+        """The differentiable context path: taps [T, m * D_target] at positions [T] -> per-layer rows [T, width].
 
         H_ctx = context_norm(context_proj(taps)) is shared by every layer, and each layer projects it with its
         own kv_a_proj_with_mqa, skipping its input_layernorm (DS-code Qwen3DSparkAttention; vLLM dspark_mla.py
@@ -393,8 +407,17 @@ class K3DSparkModel(nn.Module):
                 "(pass the target's embed_tokens in the draft's dtype)"
             )
         positions = anchor_pos + torch.arange(num_drafts, device=device)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cache.rows[i][:anchor_pos])
+        return self.block_forward(x, positions, [rows[:anchor_pos] for rows in cache.rows])
+
+    def block_forward(
+        self, x: Tensor, positions: Tensor, context_rows: Sequence[Tensor], visible: Tensor | None = None
+    ) -> Tensor:
+        """The differentiable block stack: embedded block inputs x [k, D] at positions [k] -> final-normed h [k, D].
+
+        context_rows: per draft layer, the [S, width] rows the queries may attend to; visible: the optional
+        [k, S + k] mask of `DSparkMLA.forward` (None: every context row and every block slot)."""
+        for layer, rows in zip(self.layers, context_rows, strict=True):
+            x = layer(x, positions, rows, visible)
         return self.final_norm(x)
 
     @torch.no_grad()
@@ -476,6 +499,11 @@ class K3DSparkModel(nn.Module):
 
     def confidence(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
         """c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b), or None without a confidence head."""
+        logits = self.confidence_logits(hidden, prev_tokens)
+        return None if logits is None else torch.sigmoid(logits)
+
+    def confidence_logits(self, hidden: Tensor, prev_tokens: Tensor) -> Tensor | None:
+        """w . [h_j ; W1[x_{j-1}]] + b (the logit of c_j) for hidden [..., D] and prev_tokens [...], or None."""
         if self.confidence_head is None:
             return None
         features = hidden
