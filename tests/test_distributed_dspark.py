@@ -132,7 +132,7 @@ def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draf
             assert torch.equal(ours, theirs)
 
     outputs = run(core, workload, mirror)
-    assert outputs == [ref for _, _, ref in workload]
+    assert_greedy_matches(tiny_model, workload, outputs, max_tied=1)
     assert 0 < core.spec.num_accepted < core.spec.num_drafted
     assert max(max(m.prefix_lens, default=0) for m in channel.messages) > 1  # accepted drafts replayed
     assert core.scheduler.num_preemptions > 0

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from greedy_ties import assert_greedy_matches
 from live_server import LiveServer, start_mstar_serve, wait_until
 
 from mstar.config import load_serve_config
@@ -191,7 +192,8 @@ def test_dspark_config_serves_greedy_identical_to_reference(tiny_dirs, tiny_mode
                 return await asyncio.gather(*(one(client, p) for p in prompts))
 
         got = asyncio.run(run_all())
-        assert got == [greedy_generate(tiny_model, p, 20) for p in prompts]
+        assert_greedy_matches(tiny_model, [(p, 20, greedy_generate(tiny_model, p, 20)) for p in prompts], got,
+                              max_tied=1)
         assert engine.core.spec.num_drafted > 0
         metrics = httpx.get(live.url + "/metrics").text
         assert "mstar_spec_mean_accepted_length" in metrics

@@ -51,6 +51,12 @@ class ServerMetrics:
         self.spec_position_acceptance = Gauge(
             "mstar_spec_position_acceptance_rate", "Fraction of verify rows that proposed draft `position` and "
             "had it accepted.", ["position"], registry=r)
+        self.spec_drafted_by_position = Gauge(
+            "mstar_spec_drafted_by_position", "Verify rows that proposed draft `position` (cumulative).",
+            ["position"], registry=r)
+        self.spec_accepted_by_position = Gauge(
+            "mstar_spec_accepted_by_position", "Verify rows whose draft `position` was accepted (cumulative).",
+            ["position"], registry=r)
         self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of started requests.", registry=r)
         self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated.", registry=r)
         self.request_success = Counter(
@@ -104,8 +110,11 @@ class ServerMetrics:
             self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)
             for i, (drafted, accepted) in enumerate(zip(stats.spec_drafted_by_position,
                                                         stats.spec_accepted_by_position, strict=True)):
+                position = str(i + 1)
+                self.spec_drafted_by_position.labels(position=position).set(drafted)
+                self.spec_accepted_by_position.labels(position=position).set(accepted)
                 if drafted:
-                    self.spec_position_acceptance.labels(position=str(i + 1)).set(accepted / drafted)
+                    self.spec_position_acceptance.labels(position=position).set(accepted / drafted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,8 +1,11 @@
 """`mstar-bench-serve`: a closed-loop serving sweep over HTTP, like any OpenAI client would drive it.
 
 For each concurrency C it keeps C streaming requests in flight until 8*C (by default) have finished,
-each with a random prompt of `--input-len` token ids and `--output-len` generated tokens
-(`ignore_eos`), and reports output tok/s, TTFT (mean, p50) and inter-token latency (mean, p99).
+each with a random prompt of `--input-len` token ids (or, with `--prompts FILE`, the file's text
+prompts in turn) and `--output-len` generated tokens (`ignore_eos`), and reports output tok/s, TTFT
+(mean, p50) and inter-token latency (mean, p99). When the server speculates, each level also reports
+the mean accepted length and the acceptance rate of each draft position, from the difference of the
+server's cumulative /metrics counters before and after the level.
 Writes a markdown table (and a PNG plot when matplotlib is installed) under `--out`.
 """
 
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -28,6 +32,48 @@ class RequestTiming:
     itls: list[float]
     output_tokens: int
     latency: float
+
+
+@dataclass
+class SpecCounters:
+    """The server's cumulative speculation counters (mstar_spec_* in /metrics)."""
+
+    verify_rows: float = 0.0
+    accepted: float = 0.0
+    drafted_by_position: dict[int, float] | None = None
+    accepted_by_position: dict[int, float] | None = None
+
+    def since(self, before: SpecCounters) -> SpecCounters:
+        def minus(a, b):
+            return {k: v - (b or {}).get(k, 0.0) for k, v in (a or {}).items()}
+
+        return SpecCounters(self.verify_rows - before.verify_rows, self.accepted - before.accepted,
+                            minus(self.drafted_by_position, before.drafted_by_position),
+                            minus(self.accepted_by_position, before.accepted_by_position))
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return (self.accepted + self.verify_rows) / self.verify_rows if self.verify_rows else float("nan")
+
+    def position_rates(self) -> list[float]:
+        drafted, accepted = self.drafted_by_position or {}, self.accepted_by_position or {}
+        return [accepted.get(p, 0.0) / drafted[p] for p in sorted(drafted) if drafted[p]]
+
+
+def read_spec_counters(url: str) -> SpecCounters:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    out = SpecCounters(drafted_by_position={}, accepted_by_position={})
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "mstar_spec_verify_rows":
+                out.verify_rows = sample.value
+            elif sample.name == "mstar_spec_accepted_tokens":
+                out.accepted = sample.value
+            elif sample.name == "mstar_spec_drafted_by_position":
+                out.drafted_by_position[int(sample.labels["position"])] = sample.value
+            elif sample.name == "mstar_spec_accepted_by_position":
+                out.accepted_by_position[int(sample.labels["position"])] = sample.value
+    return out
 
 
 @dataclass
@@ -40,6 +86,7 @@ class LevelResult:
     ttft_p50: float
     itl_mean: float
     itl_p99: float
+    spec: SpecCounters | None = None  # this level's speculation, when the server drafted
 
     @property
     def output_tok_s(self) -> float:
@@ -53,7 +100,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str, output_len: int,
                       extra: dict) -> RequestTiming:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "stream": True,
             "ignore_eos": True, "return_token_ids": True, **extra}
@@ -79,10 +126,17 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return RequestTiming(ttft=arrivals[0] - start, itls=itls, output_tokens=tokens, latency=end - start)
 
 
-async def run_level(url: str, model: str, concurrency: int, num_requests: int, input_len: int, output_len: int,
-                    vocab: int, extra: dict) -> LevelResult:
+def level_prompts(concurrency: int, num_requests: int, input_len: int, vocab: int,
+                  texts: list[str] | None) -> list[list[int] | str]:
+    """The file's text prompts in turn, or random token-id prompts of `input_len`."""
+    if texts:
+        return [texts[i % len(texts)] for i in range(num_requests)]
     rng = random.Random(concurrency)
-    prompts = [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
+    return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
+
+
+async def run_level(url: str, model: str, concurrency: int, prompts: list[list[int] | str], output_len: int,
+                    extra: dict) -> LevelResult:
     results: list[RequestTiming] = []
     queue = list(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4)
@@ -103,11 +157,19 @@ async def run_level(url: str, model: str, concurrency: int, num_requests: int, i
 
 
 def markdown(results: list[LevelResult], header: str) -> str:
-    lines = [header, "", "| C | requests | output tok/s | TTFT mean ms | TTFT p50 ms | ITL mean ms | ITL p99 ms |",
-             "|---|---|---|---|---|---|---|"]
+    spec = any(r.spec for r in results)
+    columns = "| C | requests | output tok/s | TTFT mean ms | TTFT p50 ms | ITL mean ms | ITL p99 ms |"
+    if spec:
+        columns += " accepted length | acceptance by draft position |"
+    lines = [header, "", columns, "|---" * (columns.count("|") - 1) + "|"]
     for r in results:
-        lines.append(f"| {r.concurrency} | {r.requests} | {r.output_tok_s:.1f} | {r.ttft_mean * 1e3:.1f} | "
-                     f"{r.ttft_p50 * 1e3:.1f} | {r.itl_mean * 1e3:.2f} | {r.itl_p99 * 1e3:.2f} |")
+        row = (f"| {r.concurrency} | {r.requests} | {r.output_tok_s:.1f} | {r.ttft_mean * 1e3:.1f} | "
+               f"{r.ttft_p50 * 1e3:.1f} | {r.itl_mean * 1e3:.2f} | {r.itl_p99 * 1e3:.2f} |")
+        if spec:
+            rates = " ".join(f"{x:.2f}" for x in r.spec.position_rates()) if r.spec else "—"
+            length = f"{r.spec.mean_accepted_length:.2f}" if r.spec else "—"
+            row += f" {length} | {rates} |"
+        lines.append(row)
     return "\n".join(lines) + "\n"
 
 
@@ -141,6 +203,14 @@ def plot(results: list[LevelResult], path: Path, title: str) -> bool:
     return True
 
 
+def load_prompts(path: Path) -> list[str]:
+    doc = json.loads(path.read_text())
+    texts = doc["prompts"] if isinstance(doc, dict) else doc
+    if not texts or not all(isinstance(t, str) and t for t in texts):
+        raise SystemExit(f"{path}: expected a non-empty list of non-empty strings (or {{\"prompts\": [...]}})")
+    return texts
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -159,19 +229,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("benchmarks"))
     p.add_argument("--name", default="sweep", help="file stem for the table and plot")
     p.add_argument("--label", default="", help="what was served (config, machine), for the table header")
+    p.add_argument("--prompts", type=Path, help="JSON file with text prompts ({\"prompts\": [...]} or a list); "
+                   "replaces the random token-id prompts and --input-len")
     args = p.parse_args(argv)
     models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]
     model = models[0]["id"]
     vocab = 1000  # prompt ids are drawn from the low ids, which every K3 tokenizer has as BPE ranks
+    texts = load_prompts(args.prompts) if args.prompts else None
     results = []
     for c in [int(x) for x in args.concurrency.split(",")]:
-        r = asyncio.run(run_level(args.url, model, c, args.requests_per_level * c, args.input_len, args.output_len,
-                                  vocab, {}))
+        before = read_spec_counters(args.url)
+        prompts = level_prompts(c, args.requests_per_level * c, args.input_len, vocab, texts)
+        r = asyncio.run(run_level(args.url, model, c, prompts, args.output_len, {}))
+        spec = read_spec_counters(args.url).since(before)
+        r.spec = spec if spec.verify_rows else None
+        accepted = f", accepted length {r.spec.mean_accepted_length:.2f}" if r.spec else ""
         print(f"C={c}: {r.output_tok_s:.1f} output tok/s, TTFT mean {r.ttft_mean * 1e3:.0f} ms, "
-              f"ITL mean {r.itl_mean * 1e3:.1f} ms", file=sys.stderr, flush=True)
+              f"ITL mean {r.itl_mean * 1e3:.1f} ms{accepted}", file=sys.stderr, flush=True)
         results.append(r)
     args.out.mkdir(parents=True, exist_ok=True)
-    header = (f"## {args.name}: {args.label or model} — {args.input_len} in / {args.output_len} out, "
+    shape = f"{len(texts)} text prompts" if texts else f"{args.input_len} in"
+    header = (f"## {args.name}: {args.label or model} — {shape} / {args.output_len} out, "
               f"{args.requests_per_level}·C requests per level (commit {git_commit()})\n\n"
               f"Command: `mstar-bench-serve {' '.join(argv if argv is not None else sys.argv[1:])}`")
     table = markdown(results, header)

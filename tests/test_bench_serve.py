@@ -1,0 +1,51 @@
+"""mstar-bench-serve against a live tiny DSpark server: text prompts, the table, per-level speculation stats."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from live_server import LiveServer
+
+from mstar.config import load_serve_config
+from mstar.serve import build_engine
+from mstar.server import build_app
+from mstar.tools import bench_serve
+from mstar.tools.bench_serve import SpecCounters
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny_dspark.yaml"
+PROMPTS = resources.files("mstar.training").joinpath("heldout_prompts.json")
+
+
+def test_spec_counters_of_a_level_are_the_difference():
+    before = SpecCounters(10, 4, {1: 10, 2: 6}, {1: 3, 2: 1})
+    after = SpecCounters(30, 24, {1: 30, 2: 20, 3: 5}, {1: 13, 2: 8, 3: 2})
+    level = after.since(before)
+    assert (level.verify_rows, level.accepted) == (20, 20)
+    assert level.mean_accepted_length == 2.0
+    assert level.position_rates() == [0.5, 0.5, 0.4]
+
+
+def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path):
+    target_dir, draft_dir = tiny_dirs
+    cfg = load_serve_config(CONFIG, [f"checkpoint={target_dir}", f"model_kwargs.speculative_draft={draft_dir}",
+                                     "max_seq_len=512", "resources.mla_kv.max_num_pages=256",
+                                     "resources.dspark_kv.max_num_pages=256"])
+    engine = build_engine(cfg)
+    live = LiveServer(build_app(engine, served_model_name="kimi_k3_tiny"))
+    live.start()
+    try:
+        bench_serve.main(["--url", live.url, "--concurrency", "1,2", "--requests-per-level", "1", "--output-len", "6",
+                          "--prompts", str(PROMPTS), "--out", str(tmp_path), "--name", "sweep"])
+    finally:
+        live.stop()
+        engine.shutdown()
+    table = (tmp_path / "sweep.md").read_text()
+    assert f"{len(json.loads(PROMPTS.read_text())['prompts'])} text prompts / 6 out" in table
+    rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 9 and float(cells[7]) >= 1.0  # accepted length: at least the bonus token
+        assert all(0.0 <= float(x) <= 1.0 for x in cells[8].split())
