@@ -42,6 +42,8 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path):
         live.stop()
         engine.shutdown()
     table = (tmp_path / "sweep.md").read_text()
+    levels = json.loads((tmp_path / "sweep.json").read_text())["levels"]
+    assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["mean_accepted_length"] >= 1 for lv in levels)
     assert f"{len(json.loads(PROMPTS.read_text())['prompts'])} text prompts / 6 out" in table
     rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2

@@ -203,6 +203,15 @@ def plot(results: list[LevelResult], path: Path, title: str) -> bool:
     return True
 
 
+def level_record(r: LevelResult) -> dict:
+    """One level as plain numbers, for tools that compare sweeps (mstar-spec-schedule)."""
+    out = {"concurrency": r.concurrency, "requests": r.requests, "output_tok_s": r.output_tok_s,
+           "ttft_mean_s": r.ttft_mean, "itl_mean_s": r.itl_mean, "itl_p99_s": r.itl_p99}
+    if r.spec:
+        out.update(mean_accepted_length=r.spec.mean_accepted_length, acceptance_by_position=r.spec.position_rates())
+    return out
+
+
 def load_prompts(path: Path) -> list[str]:
     doc = json.loads(path.read_text())
     texts = doc["prompts"] if isinstance(doc, dict) else doc
@@ -254,6 +263,9 @@ def main(argv: list[str] | None = None) -> None:
               f"Command: `mstar-bench-serve {' '.join(argv if argv is not None else sys.argv[1:])}`")
     table = markdown(results, header)
     (args.out / f"{args.name}.md").write_text(table)
+    (args.out / f"{args.name}.json").write_text(json.dumps(
+        {"label": args.label or model, "commit": git_commit(), "levels": [level_record(r) for r in results]},
+        indent=1) + "\n")
     if plot(results, args.out / f"{args.name}.png", f"{args.label or model}"):
         print(f"wrote {args.out / (args.name + '.png')}", file=sys.stderr)
     print(table)
