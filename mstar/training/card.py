@@ -1,0 +1,169 @@
+"""Model cards for the trained pair, written from the trainers' training.json files:
+
+    python -m mstar.training.card TARGET_DIR DRAFT_DIR
+
+writes TARGET_DIR/README.md (with sample completions), DRAFT_DIR/README.md and TARGET_DIR/loss.png
+(both loss curves), so the cards always carry the numbers of the weights next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from mstar.models.kimi_k3.config import parse_config
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.models.kimi_k3.weights import load_model
+
+SAMPLE_PROMPTS = ("def is_prime(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef main():\n")
+SAMPLE_TOKENS = 48
+
+
+def dir_megabytes(path: Path) -> float:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) / 1e6
+
+
+def samples(target_dir: Path) -> list[tuple[str, str]]:
+    model = load_model(target_dir, dtype=torch.float32)
+    tokenizer = KimiTokenizer.from_dir(target_dir)
+    out = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = greedy_generate(model, tokenizer.encode(prompt), SAMPLE_TOKENS, stop_ids=tokenizer.stop_ids)
+        out.append((prompt, tokenizer.decode([t for t in ids if not tokenizer.is_special(t)])))
+    return out
+
+
+def plot_losses(target: dict, draft: dict, path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, report, title in ((axes[0], target, "target: next-token CE"), (axes[1], draft, "draft: DSpark loss")):
+        ax.plot([h["step"] for h in report["history"]], [h["loss"] for h in report["history"]])
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: dict) -> str:
+    cfg = parse_config(json.loads((target_dir / "config.json").read_text()))
+    la = cfg.linear_attn
+    kda = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
+    mla = [i for i in range(cfg.num_hidden_layers) if i not in kda]
+    ppl = "\n".join(f"| {name} | {value:.3f} |" for name, value in report["held_out_perplexity"].items())
+    acc = draft_report["acceptance"]["trained"]
+    lines = [
+        "# kimi_k3_mini",
+        "",
+        "A small model with Kimi K3's architecture, trained by mstar on the Python standard library so that",
+        "the engine has something real to serve and DSpark something real to accelerate. It completes",
+        "Python code; it knows nothing else. Served by `mstar-serve --config configs/kimi_k3_mini.yaml`.",
+        "",
+        "## Architecture (config.json)",
+        "",
+        f"- {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}: KDA layers {kda} ({la.num_heads} heads x "
+        f"{la.head_dim}), MLA layers {mla} (0-based)",
+        f"- latent MoE: {cfg.num_experts} routed experts (top {cfg.num_experts_per_token}, SiTU, MXFP4 in the "
+        f"checkpoint) in a {cfg.routed_expert_hidden_size}-wide latent space + {cfg.num_shared_experts} shared expert",
+        f"- block attention residuals (blocks of {cfg.attn_res_block_size} layers)",
+        f"- {report['parameters']:,} parameters; vocabulary {cfg.vocab_size} (BPE ranks trained on the same text, "
+        "K3's tokenizer layout and special tokens)",
+        f"- files: {dir_megabytes(target_dir):.1f} MB (bf16 weights, MXFP4 routed experts, fp32 where K3 keeps fp32)",
+        "",
+        "## Training (`python -m mstar.training.target`)",
+        "",
+        f"- data: the standard library of Python {report.get('python', platform.python_version())} "
+        f"({report['files'][0]} files, {report['train_tokens']:,} tokens; {report['files'][1]} files, "
+        f"{report['held_out_tokens']:,} tokens held out by path hash)",
+        f"- {report['train']['steps']} steps of {report['train']['batch']} x {report['train']['seq_len']} tokens "
+        f"({report['tokens_seen']:,} tokens), AdamW lr {report['train']['lr']}, warmup + cosine; routing balanced by "
+        "the bias update (no auxiliary loss)",
+        f"- final training loss {report['history'][-1]['loss']:.3f}; {report['minutes']} min on {report['device']} "
+        f"(torch {report['torch']})",
+        "",
+        "Held-out perplexity (256-token windows):",
+        "",
+        "| weights | perplexity |",
+        "|---|---|",
+        ppl,
+        "",
+        "![loss curves](loss.png)",
+        "",
+        f"## Its DSpark draft: `{draft_dir.name}`",
+        "",
+        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify (offline, greedy, held-out); "
+        f"see {draft_dir.name}/README.md.",
+        "",
+        "## Samples (greedy, 48 tokens)",
+        "",
+    ]
+    for prompt, completion in samples(target_dir):
+        lines += ["```python", prompt + completion, "```", ""]
+    lines += ["Trained on CPython's standard library source (PSF license)."]
+    return "\n".join(lines) + "\n"
+
+
+def draft_card(draft_dir: Path, target_dir: Path, report: dict) -> str:
+    before, after = report["acceptance"]["untrained"], report["acceptance"]["trained"]
+    rates = " | ".join(f"{r:.2f}" for r in after["acceptance_per_position"])
+    positions = " | ".join(str(i + 1) for i in range(len(after["acceptance_per_position"])))
+    w = report["loss_weights"]
+    return "\n".join([
+        f"# {draft_dir.name}",
+        "",
+        f"A DSpark draft (K3DSparkModel layout) for `{target_dir.name}`: "
+        f"{report['draft_config']['num_hidden_layers']} MLA layers fed by the target's raw residual stream after "
+        f"layers {report['draft_config']['target_layer_ids']}, a block of {report['block_size']} "
+        f"(the anchor predicts the first draft), a rank-{report['draft_config']['markov_rank']} Markov head and a "
+        "confidence head. It borrows the target's embeddings and lm_head.",
+        "",
+        "## Training (`python -m mstar.training.draft`)",
+        "",
+        f"- frozen target, {report['train']['steps']} steps of {report['train']['batch']} windows x "
+        f"{report['train']['seq_len']} tokens, {report['train']['anchors']} random anchors per window "
+        f"({report['tokens_seen']:,} tokens)",
+        f"- loss {w['ce']} CE + {w['l1']} L1 to the target's distribution (decay {w['l1_decay']}) + "
+        f"{w['confidence']} confidence BCE; final "
+        f"{report['history'][-1]['loss']:.3f}",
+        f"- {report['parameters']:,} parameters; {report['minutes']} min on {report['device']}",
+        "",
+        "## Acceptance (offline: greedy drafts vs the target's greedy tokens, held-out windows)",
+        "",
+        f"Mean accepted length per verify (accepted drafts + 1): {before['mean_accepted_length']:.2f} untrained, "
+        f"**{after['mean_accepted_length']:.2f}** trained ({after['num_blocks']} blocks).",
+        "",
+        f"| draft position | {positions} |",
+        "|---" * (len(after["acceptance_per_position"]) + 1) + "|",
+        f"| P(accepted given the earlier ones were) | {rates} |",
+        "",
+        "Served acceptance and speed per concurrency: benchmarks/mini_pair/.",
+    ]) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m mstar.training.card", description=__doc__.split("\n\n")[0])
+    p.add_argument("target_dir", type=Path)
+    p.add_argument("draft_dir", type=Path)
+    args = p.parse_args(argv)
+    report = json.loads((args.target_dir / "training.json").read_text())
+    draft_report = json.loads((args.draft_dir / "training.json").read_text())
+    (args.target_dir / "README.md").write_text(target_card(args.target_dir, args.draft_dir, report, draft_report))
+    (args.draft_dir / "README.md").write_text(draft_card(args.draft_dir, args.target_dir, draft_report))
+    plot_losses(report, draft_report, args.target_dir / "loss.png")
+    print(f"wrote {args.target_dir / 'README.md'} and {args.draft_dir / 'README.md'}")
+
+
+if __name__ == "__main__":
+    main()
