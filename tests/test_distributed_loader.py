@@ -106,7 +106,9 @@ def test_mxfp4_w2_column_slices_keep_whole_scale_groups(tiny_dir):
         pieces = []
         for rank in (0, 1):  # the EP group of ranks 0 and 1 holds expert 3, 32 columns each
             plan = ShardingPlan(4, rank, 2)
-            pieces.append(read_rank_tensors(reader, config, plan, {name: (whole.shape[0], whole.shape[1] // 2)})[name])
+            got = read_rank_tensors(reader, config, plan, {name: (whole.shape[0], whole.shape[1] // 2)})
+            assert set(got) == {name + "_packed", name.removesuffix("weight") + "weight_scale"}  # kept packed
+            pieces.append(dequantize_mxfp4(got[name + "_packed"], got[name.removesuffix("weight") + "weight_scale"]))
     assert torch.equal(torch.cat(pieces, dim=1), whole)
 
 

@@ -16,7 +16,8 @@ from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
-from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
+from mstar.quant.mxfp4 import random_mxfp4
+from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.make_tiny import real_dims_raw_config
@@ -84,10 +85,11 @@ def test_expert_kernel_matches_torch_experts(cfg):
     with torch.device("cuda"):
         moe = LatentMoE(cfg).to(BF16)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
+    for e in moe.experts:  # held packed, as loaded from an MXFP4 checkpoint
+        for name in ("w1", "w3", "w2"):
+            dense = getattr(e, name)
+            setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
     with torch.no_grad():
-        for e in moe.experts:
-            for w in (e.w1, e.w3, e.w2):
-                w.weight.copy_(dequantize_mxfp4(*random_mxfp4(*w.weight.shape, gen), dtype=BF16))
         for tokens in (1, 8, 64, 300):
             x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=BF16)
             routing = moe.gate(x)

@@ -53,11 +53,14 @@ def test_save_load_round_trip_is_bit_identical(tiny_dir, tiny_model, tmp_path):
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-def test_experts_dequantized_exactly(tiny_dir, tiny_model):
+def test_experts_stay_packed_and_dequantize_exactly(tiny_dir, tiny_model):
     t = read_all(tiny_dir)
     stem = "language_model.model.layers.2.block_sparse_moe.experts.5.w2"
+    w2 = tiny_model.model.layers[2].block_sparse_moe.experts[5].w2
+    assert torch.equal(w2.weight_packed, t[stem + ".weight_packed"])
+    assert torch.equal(w2.weight_scale, t[stem + ".weight_scale"])
     w = dequantize_mxfp4(t[stem + ".weight_packed"], t[stem + ".weight_scale"])
-    assert torch.equal(tiny_model.model.layers[2].block_sparse_moe.experts[5].w2.weight, w)
+    assert torch.equal(w2.dequantized(torch.float32), w)
 
 
 def test_dense_expert_tensors_are_accepted_per_tensor(tiny_dir, tiny_model, tmp_path):

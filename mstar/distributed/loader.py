@@ -4,11 +4,12 @@ Every tensor is read through `CheckpointReader.get_slice(name)[index]`, which me
 safetensors shard and copies out just the indexed part; a rank never materialises a whole split
 tensor. Replicated tensors (norms, AttnRes, the router, the latent projections, ...) are read whole.
 
-MXFP4 routed experts are sliced in their packed form, consistently:
+MXFP4 routed experts are sliced in their packed form, consistently, and stay packed (the rank
+module holds them as `MXFP4Linear`s, `weights.assign_weights`):
 - w1/w3 (split by rows): the same rows of `weight_packed` [out, in/2] and `weight_scale` [out, in/32];
 - w2 (split by input columns c0..c1): `weight_packed[:, c0/2 : c1/2]` and `weight_scale[:, c0/32 : c1/32]`,
-  which needs c0 and c1 on 32-column scale-group boundaries (`ExpertSharding.check_mxfp4`);
-and dequantized after slicing. Experts other expert-parallel groups hold are not read at all.
+  which needs c0 and c1 on 32-column scale-group boundaries (`ExpertSharding.check_mxfp4`).
+Experts other expert-parallel groups hold are not read at all.
 K3's zero-padded `A_log` is read at the rank's heads only.
 
 Before reading, every name and full shape is checked against the whole model of the checkpoint's
@@ -29,12 +30,16 @@ from torch import nn
 from mstar.checkpoint.safetensors_io import CheckpointError, CheckpointReader
 from mstar.models.kimi_k3.config import KimiK3Config, load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.weights import check_checkpoint_layout, packed_names, read_a_log
-from mstar.quant.mxfp4 import dequantize_mxfp4
+from mstar.models.kimi_k3.weights import (
+    assign_weights,
+    check_checkpoint_layout,
+    packed_names,
+    packed_shapes,
+    read_a_log,
+)
 
 from .communicator import Communicator, NullCommunicator
-from .expert_sharding import MXFP4_GROUP
-from .sharding import ShardingPlan, Split, even_range
+from .sharding import ShardingPlan, even_range
 
 
 def rank_module(config: KimiK3Config, plan: ShardingPlan, comm: Communicator | None = None) -> KimiK3ForCausalLM:
@@ -55,8 +60,7 @@ def load_rank_model(checkpoint_dir: str | Path, plan: ShardingPlan, comm: Commun
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     with CheckpointReader(checkpoint_dir) as reader:
         tensors = read_rank_tensors(reader, config, plan, shapes, what=str(checkpoint_dir))
-    model.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in tensors.items()}, strict=True, assign=True)
-    return model.eval()
+    return assign_weights(model, tensors, dtype=dtype, device=device)
 
 
 def load_vocab_heads(checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -77,52 +81,38 @@ def load_vocab_heads(checkpoint_dir: str | Path, *, dtype: torch.dtype = torch.f
 def read_rank_tensors(reader: Any, config: KimiK3Config, plan: ShardingPlan, shapes: dict[str, tuple[int, ...]],
                       *, what: str = "checkpoint") -> dict[str, torch.Tensor]:
     """{module name: the rank's slice} for every name in `shapes` (the rank module's state_dict shapes),
-    in the checkpoint's dtypes (MXFP4 experts dequantized to fp32). `reader` is a CheckpointReader
-    (or anything with its `names`, `has`, `shape`, `get`, `get_slice`)."""
+    in the checkpoint's dtypes and forms: an expert projection `....wN.weight` that the checkpoint holds
+    as MXFP4 comes as its `weight_packed` and `weight_scale` slices (what `assign_weights` loads).
+    `reader` is a CheckpointReader (or anything with its `names`, `has`, `shape`, `get`, `get_slice`)."""
     with torch.device("meta"):
         whole_names = list(KimiK3ForCausalLM(config).state_dict())
     packed = check_checkpoint_layout(reader, config, whole_names, what=what)
     if packed and plan.tp_size > 1:
         plan.expert_sharding(config).check_mxfp4()
-    prefix = config.weight_prefix
     out: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
-        ck = prefix + name
-        split = plan.split_of(name, config)
-        if name in packed:
-            t = _read_mxfp4(reader, ck, split)
-        elif name.endswith(".A_log"):
-            t = _read_a_log_heads(reader, ck, config, plan)
-        elif split is None:
-            t = reader.get(ck)
-        else:
-            t = reader.get_slice(ck)[split.region(reader.shape(ck))]
-        if tuple(t.shape) != shape:
-            raise CheckpointError(
-                f"{ck}: rank {plan.rank} of {plan.tp_size} read a slice of shape {tuple(t.shape)} but its module "
-                f"needs {shape}; no sharding rule in mstar/distributed/sharding.py matches this tensor correctly"
-            )
-        out[name] = t
+        forms = dict(zip(packed_names(name), packed_shapes(shape), strict=True)) if name in packed else {name: shape}
+        for form, form_shape in forms.items():
+            out[form] = _read_rank_slice(reader, config, plan, form, form_shape)
     return out
 
 
-def _read_mxfp4(reader: Any, ck: str, split: Split | None) -> torch.Tensor:
-    w_packed, w_scale = packed_names(ck)
-    if split is None:
-        return dequantize_mxfp4(reader.get(w_packed), reader.get(w_scale), dtype=torch.float32)
-    rows, packed_cols = reader.shape(w_packed)
-    if split.dim == 0:
-        r0, r1 = split.range(rows)
-        packed = reader.get_slice(w_packed)[r0:r1]
-        scale = reader.get_slice(w_scale)[r0:r1]
+def _read_rank_slice(reader: Any, config: KimiK3Config, plan: ShardingPlan, name: str,
+                     shape: tuple[int, ...]) -> torch.Tensor:
+    ck = config.weight_prefix + name
+    split = plan.split_of(name, config)
+    if name.endswith(".A_log"):
+        t = _read_a_log_heads(reader, ck, config, plan)
+    elif split is None:
+        t = reader.get(ck)
     else:
-        c0, c1 = split.range(packed_cols * 2)
-        if c0 % MXFP4_GROUP or c1 % MXFP4_GROUP:
-            raise CheckpointError(f"{w_packed}: input columns {c0}..{c1} do not fall on {MXFP4_GROUP}-wide "
-                                  "scale groups; choose a split with whole groups per rank")
-        packed = reader.get_slice(w_packed)[:, c0 // 2 : c1 // 2]
-        scale = reader.get_slice(w_scale)[:, c0 // MXFP4_GROUP : c1 // MXFP4_GROUP]
-    return dequantize_mxfp4(packed, scale, dtype=torch.float32)
+        t = reader.get_slice(ck)[split.region(reader.shape(ck))]
+    if tuple(t.shape) != shape:
+        raise CheckpointError(
+            f"{ck}: rank {plan.rank} of {plan.tp_size} read a slice of shape {tuple(t.shape)} but its module "
+            f"needs {shape}; no sharding rule in mstar/distributed/sharding.py matches this tensor correctly"
+        )
+    return t
 
 
 def _read_a_log_heads(reader: Any, ck: str, config: KimiK3Config, plan: ShardingPlan) -> torch.Tensor:

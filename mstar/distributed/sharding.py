@@ -79,9 +79,10 @@ _RULES: tuple[tuple[re.Pattern[str], int, str], ...] = tuple((re.compile(p), dim
     # the dense MLP and the fused shared experts: intermediate dim split
     (r"\.(mlp|shared_experts)\.(gate|up)_proj\.weight$", 0, TP),
     (r"\.(mlp|shared_experts)\.down_proj\.weight$", 1, TP),
-    # routed experts: a group's ranks split each expert's intermediate dim
-    (r"\.experts\.\d+\.w[13]\.weight$", 0, EXPERT),
-    (r"\.experts\.\d+\.w2\.weight$", 1, EXPERT),
+    # routed experts: a group's ranks split each expert's intermediate dim, dense or MXFP4 alike
+    # (w2's packed bytes and scales split along their columns too: whole scale groups, check_mxfp4)
+    (r"\.experts\.\d+\.w[13]\.weight(_packed|_scale)?$", 0, EXPERT),
+    (r"\.experts\.\d+\.w2\.weight(_packed|_scale)?$", 1, EXPERT),
     # vocabulary
     (r"^model\.embed_tokens\.weight$", 0, TP),
     (r"^lm_head\.weight$", 0, TP),

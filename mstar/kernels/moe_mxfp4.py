@@ -6,6 +6,8 @@ and combine weights [T, k] (fp32), `moe_mxfp4` computes, in fp32,
     r[t] = sum_j w[t, j] * W2_e SiTU(W1_e z[t], W3_e z[t]),   e = ids[t, j],
 
 the routed part of `LatentMoE` (models/kimi_k3/moe.py); the norm and the up-projection stay outside.
+An id of -1 (`DROPPED`) marks a pair to skip: under expert parallelism, a token's expert that another
+rank holds (the stacked weights hold only this rank's experts, ids mapped to local ones); it adds nothing.
 `moe_mxfp4_reference` is the same function in torch on `dequantize_mxfp4`: the kernel must equal it.
 
 Weights (`stack_experts`) are the checkpoint's compressed-tensors MXFP4 tensors stacked over experts:
@@ -73,6 +75,7 @@ SITU_LINEAR_BETA = 25.0  # K3's activation_situ_linear_beta (the up branch's sof
 MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a finite bf16
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
+DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,6 +189,8 @@ def moe_mxfp4_reference(
     x_all = z.to(dtype)
     out = torch.zeros(z.shape, dtype=dtype, device=z.device)
     for e in expert_ids.unique().tolist():
+        if e == DROPPED:
+            continue
         rows, slot = (expert_ids == e).nonzero(as_tuple=True)
         w13 = dequantize_mxfp4(w13_packed[e], w13_scale[e], dtype)
         w2 = dequantize_mxfp4(w2_packed[e], w2_scale[e], dtype)
@@ -358,7 +363,7 @@ def moe_mxfp4(
 ) -> torch.Tensor:
     """The routed experts' combined output, fp32 [T, H] (written into `out` if given); see the module doc.
 
-    z: bf16 [T, H] with unit column stride; expert_ids: int32/int64 [T, k], values in [0, E);
+    z: bf16 [T, H] with unit column stride; expert_ids: int32/int64 [T, k], values in [0, E) or DROPPED;
     expert_weights: fp32 [T, k]. CUDA-graph capturable once compiled: call it once before capturing.
     """
     num_experts, hidden, inter = check_weights(w13_packed, w13_scale, w2_packed, w2_scale)
@@ -380,7 +385,7 @@ def moe_mxfp4(
     _launch_gate_up(z, w13_packed, w13_scale, out, top_k, config, workspace, situ_beta, situ_linear_beta)
     _launch_down(w2_packed, w2_scale, weights, out, top_k, config, workspace)
     if config.combine == "reduce":
-        _launch_combine(workspace.expert_out, weights, out, top_k)
+        _launch_combine(workspace.expert_out, expert_ids.contiguous(), weights, out, top_k)
     return out
 
 
@@ -479,10 +484,10 @@ def _launch_down(w2_packed, w2_scale, weights, out, top_k, config: MoEConfig, ws
     _launch(_down_kernel, (ws.num_blocks, hidden // tile.block_n), args, constexprs, tile)
 
 
-def _launch_combine(expert_out, weights, out, top_k) -> None:
+def _launch_combine(expert_out, ids, weights, out, top_k) -> None:
     num_tokens, hidden = out.shape
     _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
-        expert_out, weights, out, HIDDEN=hidden, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        expert_out, ids, weights, out, HIDDEN=hidden, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
         BLOCK_H=_COMBINE_BLOCK, num_warps=4,
     )
 
@@ -521,7 +526,8 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, nu
     """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the blocks.
 
     One program per CHUNK pairs and no communication between programs: each counts all pairs itself
-    (O(T*k) per program, small at decode sizes), so the whole step is one launch.
+    (O(T*k) per program, small at decode sizes), so the whole step is one launch. Dropped pairs (id < 0)
+    are neither counted nor placed: no block computes them.
     """
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -536,8 +542,9 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, nu
         offs = start + tl.arange(0, HIST)
         valid = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-        total += tl.histogram(e, E_PAD, mask=valid)
-        before += tl.histogram(e, E_PAD, mask=valid & (offs < chunk_start))
+        kept = valid & (e >= 0)
+        total += tl.histogram(e, E_PAD, mask=kept)
+        before += tl.histogram(e, E_PAD, mask=kept & (offs < chunk_start))
         start += HIST
 
     # Experts one after another, each padded to whole blocks.
@@ -557,7 +564,7 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, nu
         base = tl.sum(tl.where(onehot, next_row[None, :], 0), axis=1)
         earlier_same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-        tl.store(sorted_pair_ptr + base + rank, offs, mask=valid)
+        tl.store(sorted_pair_ptr + base + rank, offs, mask=valid & (e >= 0))
         next_row += tl.sum(onehot.to(tl.int32), axis=0)
         sub += SUB
 
@@ -773,15 +780,17 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, sorted_pair_ptr,
 
 
 @triton.jit
-def _combine_kernel(y_ptr, coef_ptr, out_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
-    """out[t] = sum_j coef[t, j] y[t k + j], in fp32 and always in the same order (deterministic)."""
+def _combine_kernel(y_ptr, ids_ptr, coef_ptr, out_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum_j coef[t, j] y[t k + j] over the pairs not dropped (no block wrote their y), in fp32
+    and always in the same order (deterministic)."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, K_PAD)
     slot_ok = slots < TOP_K
     col_ok = cols < HIDDEN
     pairs = token * TOP_K + slots
+    slot_ok = slot_ok & (tl.load(ids_ptr + pairs, mask=slot_ok, other=-1) >= 0)
     y = tl.load(y_ptr + pairs[:, None] * HIDDEN + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
     coef = tl.load(coef_ptr + pairs, mask=slot_ok, other=0.0)
     tl.store(out_ptr + token * HIDDEN + cols, tl.sum(y.to(tl.float32) * coef[:, None], axis=0), mask=col_ok)

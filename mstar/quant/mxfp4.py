@@ -98,7 +98,7 @@ def unpack_fp4_codes(packed: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 
-def _check_packed_pair(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> None:
+def check_packed_pair(weight_packed: torch.Tensor, weight_scale: torch.Tensor) -> None:
     """Raise unless weight_packed [out, in/2] and weight_scale [out, in/32] are consistent uint8."""
     shapes = f"weight_packed {tuple(weight_packed.shape)}, weight_scale {tuple(weight_scale.shape)}"
     if weight_packed.dtype != torch.uint8 or weight_scale.dtype != torch.uint8:
@@ -129,7 +129,7 @@ def dequantize_mxfp4(
     read as 2^128, like compressed-tensors does, not as the OCP E8M0 NaN; real checkpoints sit
     far below either.)
     """
-    _check_packed_pair(weight_packed, weight_scale)
+    check_packed_pair(weight_packed, weight_scale)
     # Products of a 2-significant-bit value and a power of two are exact in float32 down to
     # 0.5 * 2^-127 (a float32 subnormal), so float32 is wide enough for every output but float64.
     compute_dtype = torch.float64 if dtype == torch.float64 else torch.float32

@@ -4,8 +4,9 @@
 - MLA runs the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for bf16 models: new
   latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
-- Routed experts run the MXFP4 W4A16 Triton kernels (`mstar/kernels/moe_mxfp4.py`) for bf16 models,
-  on packed weights re-derived from the loaded ones (exact: the loaded experts are MXFP4 values).
+- Routed experts run the MXFP4 W4A16 Triton kernels (`mstar/kernels/moe_mxfp4.py`) for bf16 models
+  whose experts are held packed (`MXFP4Linear`, loaded from an MXFP4 checkpoint): their bytes are
+  stacked as they are, never dequantized or re-quantized. Dense experts keep the torch path.
 The torch path is the reference every kernel is tested against, and the fallback where a kernel
 does not support the device or dtype.
 """
@@ -13,9 +14,10 @@ does not support the device or dtype.
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from mstar.kernels import kda_fla, mla_attention, moe_mxfp4
-from mstar.quant.mxfp4 import quantize_mxfp4
+from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
@@ -54,38 +56,71 @@ class GpuMixerOps(TorchMixerOps):
         return attn.output(o, x)
 
 
+EXPERT_PROJECTIONS = ("w1", "w3", "w2")
+
+
 class MXFP4Experts:
-    """A `LatentMoE`'s routed experts as stacked MXFP4 tensors for the Triton kernels."""
+    """A `LatentMoE`'s held routed experts as stacked MXFP4 tensors for the Triton kernels.
+
+    The experts' packed buffers are stacked as they are; each expert's buffers then become views of
+    the stack, so the layer's expert bytes are held once. Under expert parallelism the stack holds
+    only this rank's experts: router ids are mapped to stack indices, and pairs routed to another
+    group's expert are dropped by the kernel (they add nothing here, as in `LatentMoE.routed`).
+    """
 
     def __init__(self, moe: LatentMoE):
-        pairs = {name: [quantize_mxfp4(getattr(e, name).weight.detach().float()) for e in moe.experts]
-                 for name in ("w1", "w3", "w2")}
-        device = moe.experts[0].w1.weight.device
-        stacked = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
-        self.weights = moe_mxfp4.StackedExperts(*(t.to(device) for t in stacked))
+        experts = list(moe.experts)  # the held experts, in global id order
+        pairs = {name: [_packed_pair(moe, e, name) for e in experts] for name in EXPERT_PROJECTIONS}
+        self.weights = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
+        _share_stacked_storage(experts, self.weights)
+        held_all = len(experts) == moe.config.num_experts
+        # [num_experts] global id -> stack index, DROPPED where another rank holds the expert
+        self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
 
     def __call__(self, z: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
+        if self.local_ids is not None:
+            expert_ids = self.local_ids[expert_ids]
         return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights)
 
 
+def _packed_pair(moe: LatentMoE, expert: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    proj = getattr(expert, name)
+    if not isinstance(proj, MXFP4Linear):
+        raise TypeError(f"MXFP4Experts needs experts held as MXFP4 (MXFP4Linear), but {name} of an expert of "
+                        f"{type(moe).__name__} is {type(proj).__name__}: load the model from an MXFP4 checkpoint")
+    return proj.weight_packed, proj.weight_scale
+
+
+def _share_stacked_storage(experts: list[nn.Module], stacked: moe_mxfp4.StackedExperts) -> None:
+    """Point each expert's buffers at its rows of the stack (w1 then w3 in w13), freeing the originals."""
+    inter = stacked.w13_packed.shape[1] // 2
+    for i, expert in enumerate(experts):
+        expert.w1.weight_packed, expert.w1.weight_scale = stacked.w13_packed[i, :inter], stacked.w13_scale[i, :inter]
+        expert.w3.weight_packed, expert.w3.weight_scale = stacked.w13_packed[i, inter:], stacked.w13_scale[i, inter:]
+        expert.w2.weight_packed, expert.w2.weight_scale = stacked.w2_packed[i], stacked.w2_scale[i]
+
+
 def install_expert_kernels(model: KimiK3ForCausalLM) -> int:
-    """Route every latent MoE's experts through the MXFP4 kernels (bf16 models on a supported GPU).
-    Returns how many layers were switched."""
+    """Route every latent MoE's packed experts through the MXFP4 kernels (bf16 models on a supported
+    GPU). Returns how many layers were switched."""
     param = next(model.parameters())
     if param.dtype != torch.bfloat16 or not moe_mxfp4.supported(param.device):
         return 0
-    count = 0
-    for layer in model.model.layers:
-        moe = getattr(layer, "block_sparse_moe", None)
-        if moe is None or len(moe.experts) != model.config.num_experts:
-            continue  # dense layer, or expert parallelism (the kernel indexes all experts by global id)
-        # The kernels tile both the latent and this rank's expert width by whole 128-column scale words.
-        inter, latent = next(iter(moe.experts)).w1.weight.shape
-        if inter % 128 or latent % 128:
-            continue
-        moe.expert_kernel = MXFP4Experts(moe)
-        count += 1
-    return count
+    return sum(install_layer_kernel(layer.block_sparse_moe) for layer in model.model.layers
+               if hasattr(layer, "block_sparse_moe"))
+
+
+def install_layer_kernel(moe: LatentMoE) -> bool:
+    """Set `moe.expert_kernel` where the kernel fits this layer's experts; whether it did."""
+    projections = [getattr(e, name) for e in moe.experts for name in EXPERT_PROJECTIONS]
+    if not all(isinstance(p, MXFP4Linear) for p in projections):
+        return False  # dense experts (an unquantized checkpoint): the kernel is MXFP4 only
+    # The kernels tile both the latent and this rank's expert width by whole 128-column scale words.
+    w1 = next(iter(moe.experts)).w1
+    if w1.out_features % moe_mxfp4.SCALE_WORD or w1.in_features % moe_mxfp4.SCALE_WORD:
+        return False
+    moe.expert_kernel = MXFP4Experts(moe)
+    return True
 
 
 def default_mixer_ops(device: torch.device) -> TorchMixerOps:

@@ -46,7 +46,9 @@ class GatedMLP(nn.Module):
 
 
 class Expert(nn.Module):
-    """One routed expert, named as the checkpoint: w1 (gate), w3 (up), w2 (down)."""
+    """One routed expert, named as the checkpoint: w1 (gate), w3 (up), w2 (down). Built with nn.Linear
+    projections; the loader swaps in an `MXFP4Linear` (same forward) for each one the checkpoint
+    holds as MXFP4, so that it stays packed."""
 
     def __init__(self, config: KimiK3Config, input_size: int, intermediate_size: int):
         super().__init__()

@@ -14,10 +14,15 @@ projections and the norm are replicated; a rank runs only the experts (and the s
 holds, and the shared experts' slice of the intermediate dim. Both give partial sums, reduced in ONE
 all-reduce of [routed latent | shared] before `routed_expert_norm`, which needs the whole latent
 vector; the norm and the up-projection then run on complete values (mstar/distributed/sharding.py).
+
+Each expert projection is an nn.Linear, or an `MXFP4Linear` where the checkpoint holds it as MXFP4
+(weights.py). `expert_kernel`, when set (gpu_ops.install_expert_kernels), computes the routed sum
+instead of the per-expert torch loop, over the same held experts.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -116,6 +121,8 @@ class LatentMoE(nn.Module):
             self.experts = HeldExperts({str(e): Expert(config, latent, width) for e in self.sharding.local_experts})
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
+        # (z, expert ids [T, k], combine weights [T, k]) -> the routed sum [T, latent]; None: torch loop
+        self.expert_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def local_expert(self, e: int) -> Expert | None:
         """Expert `e` (global id) as this rank holds it; None when another rank holds it."""
@@ -124,6 +131,8 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit (over the
         experts held here: a partial sum on a tensor-parallel rank)."""
+        if self.expert_kernel is not None:
+            return self.expert_kernel(z, routing.experts, routing.weights).to(z.dtype)
         out = torch.zeros(z.shape, dtype=routing.weights.dtype, device=z.device)
         for e in routing.experts.unique().tolist():
             expert = self.local_expert(e)

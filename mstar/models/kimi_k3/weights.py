@@ -5,7 +5,10 @@ multimodal wrapper). Three tensors differ in form between checkpoint and module:
 
 - routed-expert weights `...experts.E.wN.weight` may be stored as compressed-tensors MXFP4
   (`weight_packed` u8 [out, in/2] + `weight_scale` u8 [out, in/32]); this is decided per tensor by
-  what the checkpoint holds, never by name or config, and dequantized exactly on load;
+  what the checkpoint holds, never by name or config. Such a projection is loaded as an
+  `MXFP4Linear` holding those two tensors as they are (its state_dict names are the checkpoint's),
+  never as a dense weight: dense experts would take 3.76x the bytes. Saving writes them back as
+  they are, bit for bit;
 - `A_log` is zero-padded in K3 checkpoints ([128] for 96 heads) and [1, 1, H, 1] in Kimi-Linear;
   the module keeps [H];
 - vision-tower and projector tensors are skipped.
@@ -29,7 +32,8 @@ from mstar.checkpoint.safetensors_io import (
     check_tensor_names_and_shapes,
     write_checkpoint,
 )
-from mstar.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from mstar.quant.mxfp4 import GROUP_SIZE, quantize_mxfp4
+from mstar.quant.mxfp4_linear import use_mxfp4_linears
 
 from .config import KimiK3Config, load_config, parse_config
 from .model import KimiK3ForCausalLM
@@ -62,6 +66,12 @@ def packed_names(name: str) -> tuple[str, str]:
     return f"{stem}.weight_packed", f"{stem}.weight_scale"
 
 
+def packed_shapes(shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Shapes of (weight_packed, weight_scale) for a dense weight of `shape` [out, in]."""
+    out, inputs = shape
+    return (out, inputs // 2), (out, inputs // GROUP_SIZE)
+
+
 def _a_log_shape(config: KimiK3Config) -> tuple[int, ...]:
     h = config.linear_attn.num_heads
     if config.variant == "kimi_linear":
@@ -76,11 +86,8 @@ def expected_checkpoint_shapes(config: KimiK3Config, packed: set[str] = frozense
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in model.state_dict().items():
         ck = config.weight_prefix + name
-        out, *rest = param.shape
         if name in packed:
-            w_packed, w_scale = packed_names(ck)
-            shapes[w_packed] = (out, rest[0] // 2)
-            shapes[w_scale] = (out, rest[0] // 32)
+            shapes.update(zip(packed_names(ck), packed_shapes(tuple(param.shape)), strict=True))
         elif name.endswith(".A_log"):
             shapes[ck] = _a_log_shape(config)
         else:
@@ -131,25 +138,39 @@ def load_model(
         for name in _progress(module_names, progress, f"loading {Path(checkpoint_dir).name}"):
             ck = prefix + name
             if name in packed:
-                w_packed, w_scale = packed_names(ck)
-                t = dequantize_mxfp4(reader.get(w_packed), reader.get(w_scale), dtype=dtype)
+                for ck_packed, module_packed in zip(packed_names(ck), packed_names(name), strict=True):
+                    tensors[module_packed] = reader.get(ck_packed)
             elif name.endswith(".A_log"):
-                t = read_a_log(reader, ck, config.linear_attn.num_heads)
+                tensors[name] = read_a_log(reader, ck, config.linear_attn.num_heads)
             else:
-                t = reader.get(ck)
-            tensors[name] = t.to(device=device, dtype=dtype)
-    model.load_state_dict(tensors, strict=True, assign=True)
+                tensors[name] = reader.get(ck)
+    return assign_weights(model, tensors, dtype=dtype, device=device)
+
+
+def assign_weights(model: KimiK3ForCausalLM, tensors: Mapping[str, torch.Tensor], *, dtype: torch.dtype,
+                   device: str | torch.device) -> KimiK3ForCausalLM:
+    """Load `tensors` ({module name: tensor}, expert projections as `weight_packed`/`weight_scale` pairs
+    where the checkpoint holds them so) into `model` built on the meta device: those projections
+    become `MXFP4Linear`s keeping the uint8 tensors; every float tensor is cast to `dtype`."""
+    use_mxfp4_linears(model, {n.removesuffix("_packed") for n in tensors if n.endswith(".weight_packed")})
+    cast = {n: t.to(device=device, dtype=t.dtype if t.dtype == torch.uint8 else dtype) for n, t in tensors.items()}
+    model.load_state_dict(cast, strict=True, assign=True)
     return model.eval()
 
 
 def checkpoint_tensors(model: KimiK3ForCausalLM, *, quantize_experts: bool) -> dict[str, torch.Tensor]:
-    """The model's weights in checkpoint names, dtypes and forms (MXFP4 experts when asked)."""
+    """The model's weights in checkpoint names, dtypes and forms. Experts held as MXFP4 are written
+    as they are (uint8, bit for bit); dense experts are quantized to MXFP4 when asked."""
     config = model.config
     out: dict[str, torch.Tensor] = {}
     for name, t in model.state_dict().items():
         ck = config.weight_prefix + name
         t = t.detach().cpu()
-        if quantize_experts and is_expert_weight(name):
+        if t.dtype == torch.uint8:
+            # clone: held experts' buffers may be views into their layer's stacked kernel weights
+            # (gpu_ops.MXFP4Experts), and safetensors refuses tensors that share storage.
+            out[ck] = t.clone()
+        elif quantize_experts and is_expert_weight(name):
             w_packed, w_scale = packed_names(ck)
             out[w_packed], out[w_scale] = quantize_mxfp4(t.float())
         elif name.endswith(".A_log"):
