@@ -26,7 +26,7 @@ run() {  # run NAME CMD...: record pass/fail and wall time
     tail -n 5 "$OUT/$name.log"
 }
 
-run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py \
+run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
     $(ls tests/test_kernel_*.py 2>/dev/null)
 run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
 for bench in benchmarks/kernels/bench_*.py; do
