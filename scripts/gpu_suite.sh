@@ -11,7 +11,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-site .whl/*.whl \
         && export PYTHONPATH=/tmp/gpu-site:${PYTHONPATH:-}
 fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# The server's own dependencies (fastapi, uvicorn, pydantic, ...) are not on the image: .whl/serve/.
+if ls .whl/serve/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/serve/*.whl
+fi
+BASE_PYTHONPATH=$PWD:/tmp/serve-site
+export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# SUITE picks sections (default: all): kernels served benches mini
+SUITE=${SUITE:-kernels served benches mini}
+want() { [[ " $SUITE " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -26,12 +34,16 @@ run() {  # run NAME CMD...: record pass/fail and wall time
     tail -n 5 "$OUT/$name.log"
 }
 
-run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
+want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
     $(ls tests/test_kernel_*.py 2>/dev/null)
-run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
-for bench in benchmarks/kernels/bench_*.py; do
+want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
+want benches && for bench in benchmarks/kernels/bench_*.py; do
     [ -e "$bench" ] && run "$(basename "$bench" .py)" python3 "$bench"
 done
+# The trained mini pair served over HTTP at DSpark k=0 and 7 (bf16; MXFP4 experts through the Triton
+# kernel; KDA and MLA on the torch path: without fla-core, whose per-shape autotune costs minutes).
+want mini && run mini-pair-sweep env PYTHONPATH="$BASE_PYTHONPATH" KS="${MINI_KS:-0 7}" \
+    LEVELS="${MINI_LEVELS:-1,4,16,64}" OUTPUT_LEN=48 bash scripts/bench_mini_pair.sh "$OUT/mini_pair" cuda bfloat16
 
 echo
 echo "== summary =="

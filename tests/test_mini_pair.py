@@ -1,0 +1,74 @@
+"""The shipped trained pair (models/kimi_k3_mini + its DSpark draft): speculation changes speed, never
+tokens, and the draft keeps the acceptance it was shipped with on prompts it was not trained on."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+from greedy_ties import assert_greedy_matches
+
+from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.engine.params import SamplingParams
+from mstar.engine.scheduler import SchedulerConfig
+from mstar.models.dspark.model import K3DSparkModel
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.models.kimi_k3.weights import load_model
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+MAX_TOKENS = 48
+# Measured on the shipped pair with this test's setup: mean accepted length 2.36 (k=7, greedy, fp32).
+# The floor leaves room for fp32 noise across machines, not for a broken draft or verifier (~1.0).
+MIN_MEAN_ACCEPTED_LENGTH = 2.0
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = load_model(MODELS / "kimi_k3_mini", dtype=torch.float32)
+    draft = K3DSparkModel.from_checkpoint(MODELS / "kimi_k3_mini_dspark", dtype=torch.float32)
+    return target, draft, KimiTokenizer.from_dir(MODELS / "kimi_k3_mini")
+
+
+@pytest.fixture(scope="module")
+def jobs(pair):
+    target, _, tokenizer = pair
+    texts = json.loads(resources.files("mstar.training").joinpath("heldout_prompts.json").read_text())["prompts"]
+    prompts = [tokenizer.encode(t) for t in texts]
+    return [(p, MAX_TOKENS, greedy_generate(target, p, MAX_TOKENS)) for p in prompts]
+
+
+def serve(pair, jobs, k: int) -> tuple[list[list[int]], EngineCore]:
+    target, draft, tokenizer = pair
+    spec = SpeculativeConfig(draft=draft, speculative_tokens=k) if k else None
+    engine = EngineCore(target, tokenizer, EngineConfig(
+        max_seq_len=512, page_size=16, max_num_pages=512, max_kda_slots=9,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), speculative=spec))
+    for i, (prompt, max_tokens, _) in enumerate(jobs):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    got: dict[str, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return [got[f"r{i}"] for i in range(len(jobs))], engine
+
+
+def test_dspark_on_equals_off_and_keeps_its_acceptance(pair, jobs):
+    on, engine = serve(pair, jobs, k=7)
+    off, _ = serve(pair, jobs, k=0)
+    target = pair[0]
+    assert_greedy_matches(target, jobs, off, max_tied=1)
+    assert_greedy_matches(target, jobs, on, max_tied=1)
+    stats = engine.stats()
+    assert stats.spec_mean_accepted_length >= MIN_MEAN_ACCEPTED_LENGTH, stats
+
+
+def test_completions_are_python(pair):
+    """A smoke check that the shipped weights are the trained ones: a function opening continues as code."""
+    target, _, tokenizer = pair
+    prompt = tokenizer.encode("def is_prime(n):\n    if n < 2:\n        return False\n")
+    text = tokenizer.decode(greedy_generate(target, prompt, 40))
+    assert "return" in text or "for " in text or "if " in text, text
