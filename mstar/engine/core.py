@@ -6,6 +6,7 @@ thread only (the async front end hands requests over through a queue).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from dataclasses import dataclass, replace
 
@@ -15,6 +16,7 @@ from mstar.engine.client import EngineStats
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
 from mstar.engine.scheduler import Scheduler, SchedulerConfig
@@ -95,6 +97,7 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         self._poisoned: list[Request] = []
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
+        self.profiler = StepProfiler.from_env(device)
 
     # --- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -153,21 +156,26 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         decl = self.scheduler.schedule()
         if decl is not None:
-            drafts = self.spec.propose(decl, self.requests) if self.spec else {}
-            plan = self._plan(decl, drafts)
-            logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
-            new_tokens, decl = self._choose_tokens(decl, drafts, logits)
-            self.scheduler.commit(decl)
-            if self.spec:
-                self.spec.write_context(decl, taps, plan.seq_starts)
-            for s in decl.seqs:
-                self.requests[s.request_id].num_computed = s.committed_end
-            for request, tokens, logprobs in new_tokens:
-                self._append(request, tokens, logprobs)
-            for request in self._poisoned:
-                self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
-            self._poisoned.clear()
+            with self.profiler.step() if self.profiler else contextlib.nullcontext():
+                self._run(decl)
         return self.drain_outputs()
+
+    def _run(self, decl: StepDecl) -> None:
+        """One scheduled step: draft, forward, choose tokens, commit."""
+        drafts = self.spec.propose(decl, self.requests) if self.spec else {}
+        plan = self._plan(decl, drafts)
+        logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
+        new_tokens, decl = self._choose_tokens(decl, drafts, logits)
+        self.scheduler.commit(decl)
+        if self.spec:
+            self.spec.write_context(decl, taps, plan.seq_starts)
+        for s in decl.seqs:
+            self.requests[s.request_id].num_computed = s.committed_end
+        for request, tokens, logprobs in new_tokens:
+            self._append(request, tokens, logprobs)
+        for request in self._poisoned:
+            self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
+        self._poisoned.clear()
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
