@@ -10,8 +10,11 @@ Any other mismatch is a bug and fails with the margins that ruled a tie out.
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.moe import Router
 
@@ -20,6 +23,21 @@ from mstar.models.kimi_k3.moe import Router
 # checked over every routed token of the context: a loose one would excuse real bugs on long prompts.
 LOGIT_TIE = 1e-4  # relative to the largest logit
 ROUTER_TIE = 1e-5  # absolute, on scores in (0, 1)
+
+
+Job = tuple[list[int], int, list[int]]  # (prompt, max_tokens, reference greedy tokens)
+
+
+def random_jobs(model: KimiK3ForCausalLM, lengths, max_tokens: tuple[int, int]) -> list[Job]:
+    """(prompt, max_tokens, reference greedy tokens) for fresh random prompts of `lengths` (ordinary ids
+    only, below the 256 special slots) and output lengths drawn from the inclusive range `max_tokens`."""
+    rng = random.Random()
+    jobs = []
+    for n in lengths:
+        prompt = [rng.randrange(model.config.vocab_size - 256) for _ in range(n)]
+        count = rng.randint(*max_tokens)
+        jobs.append((prompt, count, greedy_generate(model, prompt, count)))
+    return jobs
 
 
 def _router_margins(model: KimiK3ForCausalLM, ids: list[int]) -> float:

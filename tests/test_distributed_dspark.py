@@ -10,13 +10,12 @@ heads), every rank verifies, and greedy output equals the single-rank reference.
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-from greedy_ties import assert_greedy_matches
+from greedy_ties import assert_greedy_matches, random_jobs
 from live_server import start_mstar_serve
 from test_distributed_sharding import _Healthy, _Recorder
 
@@ -58,13 +57,7 @@ def workload(tiny_model):
     """Prompts of 6 to 60 tokens, three just short of a page boundary, their output lengths and reference
     continuations. The first three alone outgrow the 7 pages of `small_engine` as they decode: preemption
     is certain."""
-    rng = random.Random()
-    jobs = []
-    for n in (15, 31, 47, 6, 60):
-        prompt = [rng.randrange(tiny_model.config.vocab_size - 256) for _ in range(n)]
-        max_tokens = rng.randint(20, 24)
-        jobs.append((prompt, max_tokens, greedy_generate(tiny_model, prompt, max_tokens)))
-    return jobs
+    return random_jobs(tiny_model, (15, 31, 47, 6, 60), max_tokens=(20, 24))
 
 
 def small_engine(draft: K3DSparkModel, **engine) -> EngineConfig:

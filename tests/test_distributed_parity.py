@@ -3,16 +3,13 @@ single-rank reference: real gloo processes, rank 0 in this process driving the e
 
 from __future__ import annotations
 
-import random
-
 import pytest
-from greedy_ties import assert_greedy_matches
+from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.distributed.worker import Timeouts, start_ranks
 from mstar.engine.core import EngineConfig
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
-from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
@@ -22,13 +19,7 @@ TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
 def workload(tiny_model):
     """Prompts of 6 to 60 tokens, three of them just short of a page boundary (so the decode rows of a
     full pool need new pages at once and preempt), their output lengths and reference continuations."""
-    rng = random.Random()
-    jobs = []
-    for n in (15, 31, 47, 6, 60):
-        prompt = [rng.randrange(tiny_model.config.vocab_size - 256) for _ in range(n)]
-        max_tokens = rng.randint(4, 10)
-        jobs.append((prompt, max_tokens, greedy_generate(tiny_model, prompt, max_tokens)))
-    return jobs
+    return random_jobs(tiny_model, (15, 31, 47, 6, 60), max_tokens=(4, 10))
 
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "ep2", "tp4-ep2-hybrid"])

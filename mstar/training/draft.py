@@ -34,14 +34,13 @@ from mstar.models.dspark.config import parse_dspark_config
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.dspark.weights import EMBED_TOKENS, random_dspark_tensors, save_dspark_checkpoint
 from mstar.models.kimi_k3.config import KimiK3Config
-from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.norm import at_least_fp32
 from mstar.models.kimi_k3.tokenizer import NUM_SPECIAL_SLOTS, KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
 from mstar.tools.make_tiny import tiny_dspark_raw_config
 from mstar.training.corpus import build_corpus, fixed_windows, random_windows
-from mstar.training.target import KDA_TRAINING_CHUNK, TrainConfig, lr_at, make_optimizer
+from mstar.training.target import TrainConfig, lr_at, make_optimizer, use_training_chunks
 
 BLOCK_SIZE = 7  # anchor + 6 masks -> 7 drafts, as Kimi-K3-DSpark is deployed (num_speculative_tokens 7)
 CE_WEIGHT, L1_WEIGHT, CONFIDENCE_WEIGHT = 0.1, 0.9, 1.0
@@ -96,9 +95,7 @@ def frozen_target(target_dir: Path, device: torch.device | str = "cpu") -> KimiK
     """The target in fp32 with no gradients. Its forward dominates a step, so KDA runs in the chunk size the
     target's own training uses (the same math, faster on CPU)."""
     target = load_model(target_dir, dtype=torch.float32, device=device).eval().requires_grad_(False)
-    for module in target.modules():
-        if isinstance(module, KimiDeltaAttention):
-            module.chunk_size = KDA_TRAINING_CHUNK
+    use_training_chunks(target)
     return target
 
 

@@ -73,6 +73,13 @@ class TrainConfig:
     eval_windows: int = 48
 
 
+def use_training_chunks(model: KimiK3ForCausalLM) -> None:
+    """Shorter KDA chunks for training passes: the same math, ~2x faster on CPU (KDA_TRAINING_CHUNK)."""
+    for m in model.modules():
+        if isinstance(m, KimiDeltaAttention):
+            m.chunk_size = KDA_TRAINING_CHUNK
+
+
 def sequence_logits(model: KimiK3ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """Differentiable logits [T, V] of one sequence from a fresh state (the reference forward is no-grad)."""
     hidden, _ = model.model(ids, dense_mixer(model.model, model.new_state(), absorbed=False))
@@ -144,9 +151,7 @@ def train(model: KimiK3ForCausalLM, corpus: Corpus, cfg: TrainConfig, device: to
     gen = torch.Generator().manual_seed(cfg.seed)
     opt = make_optimizer(model, cfg)
     balance = RouterBalance(model)
-    for m in model.modules():
-        if isinstance(m, KimiDeltaAttention):
-            m.chunk_size = KDA_TRAINING_CHUNK
+    use_training_chunks(model)
     history = []
     start = time.monotonic()
     for step in range(cfg.steps):
@@ -191,7 +196,8 @@ def main(argv: list[str] | None = None) -> None:
     raw = mini_k3_raw_config()
     torch.manual_seed(cfg.seed)
     model = KimiK3ForCausalLM(parse_config(raw)).to(device).train()
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+    num_parameters = sum(p.numel() for p in model.parameters())
+    print(f"model: {num_parameters:,} parameters")
     history = train(model, corpus, cfg, device)
     model.eval()
 
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
                                                         eval_windows)
     report = dict(
         train=asdict(cfg), device=str(device), torch=torch.__version__,
-        parameters=sum(p.numel() for p in model.parameters()),
+        parameters=num_parameters,
         train_tokens=corpus.train.numel(), held_out_tokens=corpus.held_out.numel(), files=corpus.num_files,
         tokens_seen=cfg.steps * cfg.batch * cfg.seq_len, history=history,
         held_out_perplexity={k: round(v, 3) for k, v in ppl.items()},
