@@ -131,7 +131,9 @@ class ModelKwargs:
     # scheduler.max_num_seqs. Empty: speculative_tokens drafts at every batch size.
     speculative_schedule: DraftSchedule = ()
     mixed_prefill_decode: bool = True  # run prefill chunks and decode rows in the same step
-    cuda_graphs: bool = True  # capture decode and prefill buckets as CUDA graphs (no effect on CPU)
+    # Decode steps of 1..64 rows replay CUDA graphs (no effect on CPU). Startup fails, naming what is in the
+    # way, when the model's decode step cannot be captured (engine/cuda_graphs.py): set it false there.
+    cuda_graphs: bool = True
     # Expert-parallel groups among the tp_size ranks (>= 1; must divide tp_size and the checkpoint's
     # num_experts). Group g of tp_size / moe_ep_size consecutive ranks owns experts g*E/ep .. (g+1)*E/ep - 1,
     # split over its ranks by intermediate dim. 1: pure TP (every rank holds a slice of every expert);

@@ -88,6 +88,7 @@ def engine_config(cfg: ServeConfig, speculative: SpeculativeConfig | None = None
             mixed_prefill_decode=cfg.model_kwargs.mixed_prefill_decode,
         ),
         speculative=speculative,
+        cuda_graphs=cfg.model_kwargs.cuda_graphs,
     )
 
 

@@ -78,3 +78,29 @@ def test_kda_step_matches_torch(dtype, tol, shape):
         assert float((a - b).norm() / b.norm()) < tol, name
     for slot, n in ((5, 1), (6, 8)):
         torch.testing.assert_close(pool.prefix_x[0, slot, :n], ref_pool.prefix_x[0, slot, :n])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("shape", [(4, 32, 128), (12, 128, 1024)])
+def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape):
+    """One row per sequence, slots out of order: state and conv windows written in place by slot
+    (fla's state-indexed recurrent kernel); the other slots are untouched."""
+    heads, head_dim, hidden = shape
+    attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
+    slots = torch.tensor([7, 2, 5, 1], device="cuda")
+    x = torch.randn(4, hidden, device="cuda", dtype=dtype)
+    plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None, kda_slots=slots,
+                     sample_rows=None, decode=True)
+    ref_pool = clone_pool(pool)
+    untouched = [s for s in range(pool.max_slots) if s not in slots.tolist()]
+    before = pool.state[0, untouched].clone(), pool.conv[0, untouched].clone()
+    with torch.no_grad():
+        expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
+        y = kda_fla.kda_decode(attn, 0, x, slots, pool)
+    assert torch.isfinite(y).all()
+    err = float((y.float() - expect.float()).norm() / expect.float().norm())
+    assert err < tol, err
+    for name in ("state", "conv"):
+        a, b = getattr(pool, name)[0, slots].float(), getattr(ref_pool, name)[0, slots].float()
+        assert float((a - b).norm() / b.norm()) < tol, name
+    assert torch.equal(pool.state[0, untouched], before[0]) and torch.equal(pool.conv[0, untouched], before[1])

@@ -87,6 +87,7 @@ class ChoosingCommunicator(Communicator):
         first = next(iter(implementations.values()))
         super().__init__(first.rank, first.world_size)
         self.implementations = implementations
+        self.graph_capturable = all(c.graph_capturable for c in implementations.values())
         self.config = config
         self.symm_mem_dtype = symm_mem_dtype
 

@@ -25,6 +25,8 @@ class Communicator(ABC):
     """Collectives over the ranks that hold one model (the tensor-parallel group)."""
 
     name: str = "abstract"
+    # Whether its collectives can be recorded into a CUDA graph (decode graphs need every one to be).
+    graph_capturable: bool = False
 
     def __init__(self, rank: int, world_size: int):
         if not 0 <= rank < world_size:
@@ -55,6 +57,7 @@ class NullCommunicator(Communicator):
     """
 
     name = "null"
+    graph_capturable = True
 
     def __init__(self, world_size: int = 1, rank: int = 0):
         super().__init__(rank, world_size)

@@ -45,6 +45,7 @@ class NcclCommunicator(_ProcessGroupCommunicator):
     """NCCL between GPUs (NVLink inside a node, the network across nodes): large messages and all-gathers."""
 
     name = "nccl"
+    graph_capturable = True  # NCCL collectives on the current stream are captured by CUDA graphs
 
     def _check_device(self, x: torch.Tensor) -> None:
         if not x.is_cuda:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mstar.engine.client import EngineStats
+from mstar.engine.cuda_graphs import DecodeGraphs, GraphedServing
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
@@ -43,6 +44,9 @@ class SpeculativeConfig:
     heads: VocabHeads | None = None  # full-vocabulary embed/lm_head for the draft (default: the target's own)
 
 
+MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_seq_len: int = 4096
@@ -52,6 +56,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
     kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
+    cuda_graphs: bool = False  # decode steps of up to MAX_GRAPH_BATCH rows replay CUDA graphs (CUDA only)
 
 
 class EngineCore:
@@ -90,6 +95,13 @@ class EngineCore:
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and device.type == "cuda":
+            self.graphs = DecodeGraphs(self.serving, max_batch=min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH),
+                                       max_seq_len=config.max_seq_len,
+                                       tap_layers=self.spec.tap_layers if self.spec else ())
+            self.graphs.capture()
+            self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
         self.device = device
         self.requests: dict[str, Request] = {}
@@ -201,6 +213,7 @@ class EngineCore:
             kda_slots=self.pool.plan(decl),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             verify=tuple(s.verify for s in decl.seqs),
+            decode=all(s.num_tokens == 1 and not s.verify for s in decl.seqs) and not self.pool.has_pending(decl),
         )
 
     def _choose_tokens(self, decl: StepDecl, drafts: dict[int, DraftProposal], logits: torch.Tensor

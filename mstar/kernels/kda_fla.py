@@ -16,6 +16,11 @@ Speculative verify rows follow the pool's checkpoint + pending prefix rule (recu
 each slot's accepted pending prefix is first replayed from the checkpoint (folded), then the verify
 block runs from there without being folded; its layer inputs become the next pending prefix.
 
+Decode steps (`kda_decode`: one row per sequence, no pending prefix) skip all host-side logic: the
+conv windows are updated by slot index, and fla's recurrent kernel reads and writes each sequence's
+state in the pool in place (its continuous-batching mode, `ssm_state_indices`), so no state is
+gathered or scattered and the step is CUDA-graph capturable.
+
 The torch path (serving.TorchMixerOps.kda) is the oracle this is tested against.
 """
 
@@ -74,6 +79,41 @@ def _row_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, 
     starts = torch.tensor([0, *lengths[:-1]]).cumsum(0)
     pos = torch.arange(int(sum(lengths))) - starts[seq]
     return seq.to(device), pos.to(device)
+
+
+def decode_conv(attn: KimiDeltaAttention, x: torch.Tensor, windows: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU(short conv) of one new row per sequence for q, k and v at once.
+
+    x [B, D]; windows [B, 3, W-1, width] (the last W-1 pre-conv rows of q, k, v, oldest first). Returns
+    the conv outputs [B, 3, width] and the new windows [B, 3, W-1, width] (in the windows' dtype).
+    """
+    rows = torch.stack([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=1)  # [B, 3, width]
+    full = torch.cat([windows.to(x.dtype), rows[:, :, None]], dim=2)  # [B, 3, W, width]
+    weight = torch.stack([c.weight[:, 0].T for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)])  # [3, W, width]
+    xf = full.float() if x.dtype in (torch.bfloat16, torch.float16) else full
+    out = F.silu((xf * weight.to(xf.dtype)).sum(2)).to(x.dtype)
+    return out, full[:, :, 1:].to(windows.dtype)
+
+
+def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: torch.Tensor,
+               pool: RecurrentStatePool) -> torch.Tensor:
+    """One KDA layer for a decode step: row b of `x` [B, D] continues slot `slots[b]`, whose state and
+    conv window are updated in place (the caller guarantees no slot has a pending prefix)."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    B, (H, K) = x.shape[0], (attn.num_heads, attn.head_dim)
+    qkv, pool.conv[layer, slots] = decode_conv(attn, x, pool.conv[layer, slots])
+    q, k, v = (t.reshape(B, 1, H, K) for t in qkv.unbind(1))
+    o, _ = fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=attn.f_b_proj(attn.f_a_proj(x)).view(B, 1, H, K), beta=attn.b_proj(x).view(B, 1, H).float(),
+        A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(), scale=attn.scale,
+        initial_state=pool.state[layer], inplace_final_state=True, ssm_state_indices=slots,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=attn.gate_lower_bound,
+    )
+    o = attn.o_norm(o.view(B, H, K).to(x.dtype), attn._output_gate(x).view(B, H, K))
+    return attn.o_proj(o.reshape(B, -1))
 
 
 def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: torch.Tensor,

@@ -71,6 +71,10 @@ class RecurrentStatePool:
         return torch.tensor([self.slots[s.request_id] for s in decl.seqs], dtype=torch.long,
                             device=self.state.device)
 
+    def has_pending(self, decl: StepDecl) -> bool:
+        """Whether some request of the step has a pending prefix to replay first."""
+        return any(self.prefix_len[self.slots[s.request_id]] for s in decl.seqs)
+
     def commit(self, decl: StepDecl) -> None:
         """Ordinary rows were folded into the state by the forward; a verify block's accepted rows
         become the pending prefix."""

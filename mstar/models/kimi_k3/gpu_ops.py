@@ -31,11 +31,18 @@ from .serving import BatchPlan, TorchMixerOps
 class GpuMixerOps(TorchMixerOps):
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
+        if plan.decode:
+            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool)
         return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.kda_slots, plan.verify, pool)
 
+    @staticmethod
+    def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the Triton MLA kernels run this layer; else the torch path (not graph-capturable).
+        They are built for bf16 and K3's latent row: 64 k_pe columns after the latent (512 in K3)."""
+        return dtype == torch.bfloat16 and attn.rope == 64 and mla_attention.supported(device)
+
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
-        # The kernels are built for K3's latent row: 64 k_pe columns after the latent (512 in K3).
-        if x.dtype != torch.bfloat16 or attn.rope != 64 or not mla_attention.supported(x.device):
+        if not self.mla_kernel_fits(attn, x.dtype, x.device):
             return super().mla(attn, layer, x, plan, kv)
         c_kv, k_pe = attn.latent_rows(x)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))

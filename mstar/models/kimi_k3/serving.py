@@ -34,6 +34,9 @@ class BatchPlan:
     kda_slots: torch.Tensor  # [B]
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled
     verify: tuple[bool, ...] = ()  # [B] speculative rows: their KDA block stays pending
+    # Every sequence has one row, none verifies and no KDA slot has a pending prefix: the KDA state is
+    # read and written in place by slot, with no host-side logic (what a CUDA graph replays).
+    decode: bool = False
 
 
 class TorchMixerOps:

@@ -1,0 +1,186 @@
+"""CUDA graphs of the decode step: the whole forward of B sequences x one row, captured per batch bucket.
+
+Eagerly, a K3 decode step is thousands of small launches (93 layers of norms, AttnRes, projections,
+kernels), so the host's launch pace, not HBM, sets its time. A captured step replays them all with
+one launch. Everything a decode step reads sits in fixed buffers (token ids, page table, slot
+mapping, context lengths, KDA slots) that `run` fills before each replay; the kernels take their
+shapes from the bucket and their lengths from those buffers, so one capture serves any contexts:
+
+- KDA: state and conv windows read and written in place by slot (kda_fla.kda_decode);
+- MLA: the paged decode kernel with a split count fixed for `max_seq_len` (a shorter context
+  uses fewer of the splits);
+- MoE: the MXFP4 kernels, whose workspaces depend only on the token count.
+
+A batch of n sequences runs in the smallest bucket >= n; the rows past n are padding that point at
+the sinks (page 0, KDA slot 0) and whose outputs are never read. Graphs are captured largest
+bucket first into one memory pool, so the smaller ones reuse its memory.
+
+What cannot be captured is refused before anything is captured (`capture_blockers`): the torch
+paths of the mixers and experts take lengths and expert ids from the host. A failed capture is an
+error, never a silent eager fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.mla import GatedMLA
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.resources.latent_kv import LatentKVPlan
+
+log = logging.getLogger(__name__)
+
+SINK = 0  # page 0 and KDA slot 0 are never handed to a request: padding rows write there
+
+
+def decode_buckets(max_batch: int) -> tuple[int, ...]:
+    """Batch sizes captured: every size up to 8 (small batches are the latency-bound ones, and
+    padding them doubles the expert bytes a step reads), then steps of 8."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch={max_batch}: need at least 1")
+    return tuple(sorted({*range(1, min(8, max_batch) + 1), *range(8, max_batch + 1, 8), max_batch}))
+
+
+def capture_blockers(serving: ServingModel) -> list[str]:
+    """Why the decode step of this model cannot be captured (empty: it can)."""
+    model = serving.model
+    param = next(model.parameters())
+    if param.device.type != "cuda":
+        return [f"the model is on {param.device}, CUDA graphs need a CUDA device"]
+    problems = []
+    if not isinstance(serving.ops, GpuMixerOps):
+        problems.append("the token mixers run the torch path (kernels=torch, or fla-core is not installed)")
+    if not model.comm.graph_capturable:
+        problems.append(f"the {model.comm.name} communicator's collectives cannot be captured")
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if isinstance(attn, GatedMLA) and not GpuMixerOps.mla_kernel_fits(attn, param.dtype, param.device):
+            problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and a 64-wide rope "
+                            f"part; the model is {param.dtype} with rope {attn.rope})")
+        moe = getattr(layer, "block_sparse_moe", None)
+        if moe is not None and moe.expert_kernel is None:
+            problems.append(f"the routed experts of layer {i} run the torch loop (the MXFP4 kernel needs a bf16 "
+                            "model with MXFP4 experts whose widths are multiples of 128)")
+    return problems
+
+
+class DecodeGraphs:
+    """Captured decode steps of one `ServingModel` for batch sizes 1..max_batch (see the module doc)."""
+
+    def __init__(self, serving: ServingModel, *, max_batch: int, max_seq_len: int, tap_layers: tuple[int, ...] = ()):
+        self.serving = serving
+        self.max_seq_len = max_seq_len
+        self.tap_layers = tuple(tap_layers)
+        self.buckets = decode_buckets(max_batch)
+        device = serving.kv.cache.device
+        long = {"dtype": torch.long, "device": device}
+        pages = math.ceil(max_seq_len / serving.kv.page_size)
+        self.input_ids = torch.zeros(max_batch, **long)
+        self.page_table = torch.zeros(max_batch, pages, **long)
+        self.slot_mapping = torch.zeros(max_batch, **long)
+        self.context_lens = torch.ones(max_batch, **long)
+        self.kda_slots = torch.zeros(max_batch, **long)
+        self.rows = torch.arange(max_batch, **long)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, torch.Tensor | None]]] = {}
+        self.replays = 0
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket_for(self, batch: int) -> int:
+        return next(b for b in self.buckets if b >= batch)
+
+    def _plan(self, batch: int) -> BatchPlan:
+        """The static buffers' first `batch` rows as a decode plan."""
+        kv = LatentKVPlan(self.page_table[:batch], self.slot_mapping[:batch], self.context_lens[:batch])
+        # num_computed only sizes the MLA split count: the longest context any replay may see.
+        return BatchPlan(input_ids=self.input_ids[:batch], seq_starts=tuple(range(batch + 1)),
+                         num_computed=(self.max_seq_len - 1,) * batch, kv=kv, kda_slots=self.kda_slots[:batch],
+                         sample_rows=self.rows[:batch], decode=True)
+
+    def capture(self) -> None:
+        """Capture every bucket (largest first). Raises, naming the bucket, if any capture fails."""
+        blockers = capture_blockers(self.serving)
+        if blockers:
+            raise RuntimeError("CUDA graphs cannot capture this model's decode step: " + "; ".join(blockers)
+                               + ". Set model_kwargs.cuda_graphs=false to serve it eagerly.")
+        self._pad(0, self.max_batch)
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        start = time.perf_counter()
+        for n, bucket in enumerate(reversed(self.buckets), 1):
+            plan = self._plan(bucket)
+            try:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # compile and autotune outside the capture
+                    self.serving.forward(plan, self.tap_layers)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs = self.serving.forward(plan, self.tap_layers)
+            except Exception as e:
+                raise RuntimeError(f"capturing the decode step at batch {bucket} failed: {e}. Set "
+                                   "model_kwargs.cuda_graphs=false to serve eagerly.") from e
+            self.graphs[bucket] = (graph, outputs)
+            log.info("captured decode graph for batch %d (%d/%d, %.1f s)", bucket, n, len(self.buckets),
+                     time.perf_counter() - start)
+        torch.cuda.synchronize()
+
+    def can_run(self, plan: BatchPlan) -> bool:
+        """A decode plan within the captured sizes, sampling every row (what the graphs compute)."""
+        batch = len(plan.seq_starts) - 1
+        return (plan.decode and batch <= self.max_batch and plan.sample_rows.numel() == batch
+                and plan.kv.page_table.shape[1] <= self.page_table.shape[1])
+
+    def run(self, plan: BatchPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`ServingModel.forward(plan, tap_layers)` by replay. The outputs are views of the graph's
+        buffers: valid until the next replay."""
+        if not self.can_run(plan):
+            raise ValueError("DecodeGraphs.run takes decode plans of at most "
+                             f"{self.max_batch} sequences that sample every row (check can_run first)")
+        batch = len(plan.seq_starts) - 1
+        bucket = self.bucket_for(batch)
+        width = plan.kv.page_table.shape[1]
+        self.input_ids[:batch].copy_(plan.input_ids)
+        self.page_table[:batch, :width].copy_(plan.kv.page_table)
+        self.page_table[:batch, width:].zero_()
+        self.slot_mapping[:batch].copy_(plan.kv.slot_mapping)
+        self.context_lens[:batch].copy_(plan.kv.context_lens)
+        self.kda_slots[:batch].copy_(plan.kda_slots)
+        self._pad(batch, bucket)
+        graph, (logits, taps) = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return logits[:batch], (taps[:batch] if taps is not None else None)
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start..end-1 become padding: token 0 at position 0 of the sink page and slot."""
+        if start == end:
+            return
+        for buffer in (self.input_ids, self.slot_mapping, self.kda_slots):
+            buffer[start:end] = SINK
+        self.page_table[start:end] = SINK
+        self.context_lens[start:end] = 1
+
+
+class GraphedServing:
+    """A `ServingModel` whose decode steps replay the captured graphs; every other step runs eagerly.
+
+    Tensor-parallel ranks wrap their own ServingModel the same way, and each takes the same branch
+    for the same plan, so their collectives stay in step."""
+
+    def __init__(self, serving: ServingModel, graphs: DecodeGraphs):
+        self.serving = serving
+        self.graphs = graphs
+        self.model, self.pool, self.kv = serving.model, serving.pool, serving.kv
+
+    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if tuple(tap_layers) == self.graphs.tap_layers and self.graphs.can_run(plan):
+            return self.graphs.run(plan)
+        return self.serving.forward(plan, tap_layers)
