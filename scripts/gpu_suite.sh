@@ -17,8 +17,8 @@ if ls .whl/serve/*.whl >/dev/null 2>&1; then
 fi
 BASE_PYTHONPATH=$PWD:/tmp/serve-site
 export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
-# SUITE picks sections (default: all): kernels served benches mini
-SUITE=${SUITE:-kernels served benches mini}
+# SUITE picks sections (default: all): kernels served emulate benches mini
+SUITE=${SUITE:-kernels served emulate benches mini}
 want() { [[ " $SUITE " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
@@ -35,8 +35,11 @@ run() {  # run NAME CMD...: record pass/fail and wall time
 }
 
 want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
-    $(ls tests/test_kernel_*.py 2>/dev/null)
+    tests/test_gpu_cuda_graphs.py $(ls tests/test_kernel_*.py 2>/dev/null)
 want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
+# One TP8 rank of pruned75 (93 layers, random weights) on this GPU: decode (CUDA graphs), verify and
+# prefill step times against their floors. EMULATE_ARGS narrows it (e.g. "--steps decode").
+want emulate && run emulate-pruned75-rank python3 -m mstar.tools.emulate_rank --out "$OUT/emulate" ${EMULATE_ARGS:-}
 want benches && for bench in benchmarks/kernels/bench_*.py; do
     [ -e "$bench" ] && run "$(basename "$bench" .py)" python3 "$bench"
 done

@@ -129,10 +129,12 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
     for name, engine in (("graphs", core), ("eager", eager)):
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-        got = {}
+        got, errors = {}, []
         while engine.has_work():
             for out in engine.step():
                 got.setdefault(out.request_id, []).extend(out.new_token_ids)
+                errors += [out.error] if out.error else []
+        assert not errors, (name, errors)
         outputs[name] = got
         assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
     assert core.graphs.replays >= 10

@@ -104,7 +104,7 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
 
     B, (H, K) = x.shape[0], (attn.num_heads, attn.head_dim)
     qkv, pool.conv[layer, slots] = decode_conv(attn, x, pool.conv[layer, slots])
-    q, k, v = (t.reshape(B, 1, H, K) for t in qkv.unbind(1))
+    q, k, v = (t.view(B, 1, H, K) for t in qkv.transpose(0, 1).contiguous())  # fla wants contiguous rows
     o, _ = fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=attn.f_b_proj(attn.f_a_proj(x)).view(B, 1, H, K), beta=attn.b_proj(x).view(B, 1, H).float(),
         A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(), scale=attn.scale,

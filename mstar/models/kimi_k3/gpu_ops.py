@@ -118,7 +118,11 @@ def install_expert_kernels(model: KimiK3ForCausalLM) -> int:
 
 
 def install_layer_kernel(moe: LatentMoE) -> bool:
-    """Set `moe.expert_kernel` where the kernel fits this layer's experts; whether it did."""
+    """Set `moe.expert_kernel` where the kernel fits this layer's experts; whether it did.
+    Idempotent: a layer that has its kernel keeps it, because re-stacking would free the stack that
+    captured CUDA graphs of another engine over the same model still read."""
+    if moe.expert_kernel is not None:
+        return True
     projections = [getattr(e, name) for e in moe.experts for name in EXPERT_PROJECTIONS]
     if not all(isinstance(p, MXFP4Linear) for p in projections):
         return False  # dense experts (an unquantized checkpoint): the kernel is MXFP4 only

@@ -1,0 +1,542 @@
+"""`mstar-emulate-rank`: one tensor-parallel rank of Kimi K3 on one GPU, timed against its roofline floor.
+
+    python -m mstar.tools.emulate_rank --out benchmarks/emulate     (pruned75, rank 0 of TP8, 93 layers)
+
+It builds rank 0's model at the rank's real shapes (`rank_module`: heads / tp, each routed expert's
+intermediate width / tp held as MXFP4, the vocabulary-parallel embedding and lm_head) with random
+weights made on the device, replaces the all-reduces by the null communicator (every collective is
+the identity, so no other rank is needed and the numbers are not the model's), fills the paged
+latent KV cache and the KDA state pool with random context, and times the serving forward that
+`EngineCore` runs (`ServingModel.forward` with the GPU mixers and MXFP4 expert kernels):
+
+- decode: B sequences of one new row each after `--context` cached tokens, replayed through the
+  decode CUDA graphs (`mstar.engine.cuda_graphs`, captured for `--max-seq-len` tokens as the served
+  config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
+- verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled (eager);
+- prefill: one fresh sequence of T tokens, its last row sampled (eager).
+Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
+the ratio measured / floor. Timings are medians over `--reps` steps (CUDA events on the GPU) after
+`--warmup` untimed ones; repeating a step rewrites the same cache rows and slots, so the context is
+the same every time. A verify step never commits, so no slot carries a pending prefix.
+
+Weights are never made on the host (one pruned75 rank holds ~64 GiB): the model is built on the meta
+device, moved with `to_empty` and filled in place, every tensor by a rule for the module that owns it
+(an unknown module is an error, so nothing stays uninitialised). The values are scaled like
+make_tiny's (linear weights N(0, 1/fan_in), unit norms, MXFP4 experts from `random_mxfp4`) so that the
+activations stay in range through every layer (one eager decode step must give finite logits) and the
+router spreads tokens over the experts about evenly, as the roofline's expert count assumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+from mstar.distributed.loader import rank_module
+from mstar.distributed.sharding import ShardingPlan
+from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
+from mstar.models.kimi_k3.config import KimiK3Config
+from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels
+from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
+from mstar.models.kimi_k3.model import KimiK3ForCausalLM
+from mstar.models.kimi_k3.moe import Router
+from mstar.models.kimi_k3.norm import RMSNorm
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.weights import is_expert_weight
+from mstar.quant.mxfp4 import random_mxfp4
+from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
+from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.tools.bench_serve import git_commit
+from mstar.tools.roofline import (
+    BF16_FLOPS_PER_S,
+    HBM_BYTES_PER_S,
+    Floor,
+    RankModel,
+    _ints,
+    decode_floor,
+    prefill_floor,
+    rank_model,
+    resolve_config,
+    verify_floor,
+)
+
+GIB, GB, MS = 2**30, 1e9, 1e-3
+STEP_KINDS = ("decode", "verify", "prefill")
+_T0 = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f} s] {message}", file=sys.stderr, flush=True)
+
+
+# --- the config and the steps -------------------------------------------------------------------
+
+
+def first_layers(config: KimiK3Config, num_layers: int | None) -> KimiK3Config:
+    """`config` cut to its first `num_layers` layers, each keeping its kind (KDA or MLA)."""
+    if num_layers is None:
+        return config
+    if not 1 <= num_layers <= config.num_hidden_layers:
+        raise ValueError(f"--layers {num_layers}: the config has 1..{config.num_hidden_layers} layers")
+    la = config.linear_attn
+    return config.with_overrides(num_hidden_layers=num_layers, linear_attn=replace(
+        la, kda_layers=tuple(i for i in la.kda_layers if i < num_layers),
+        full_attn_layers=tuple(i for i in la.full_attn_layers if i < num_layers)))
+
+
+@dataclass(frozen=True)
+class Step:
+    """One timed step: `batch` sequences of `rows` new rows each after `context` cached tokens."""
+
+    kind: str  # "decode", "verify" or "prefill"
+    batch: int
+    rows: int
+    context: int
+
+    @property
+    def name(self) -> str:
+        return f"verify k={self.rows - 1}" if self.kind == "verify" else self.kind
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.rows
+
+    def floor(self, rank: RankModel) -> Floor:
+        if self.kind == "decode":
+            return decode_floor(rank, self.batch, self.context)
+        if self.kind == "verify":
+            return verify_floor(rank, self.batch, self.rows - 1, self.context)
+        return prefill_floor(rank, self.rows, self.batch)
+
+
+def steps_to_run(args: argparse.Namespace) -> list[Step]:
+    steps: list[Step] = []
+    if "decode" in args.steps:
+        steps += [Step("decode", b, 1, args.context) for b in args.batch]
+    if "verify" in args.steps:
+        steps += [Step("verify", b, k + 1, args.context) for k in args.drafts for b in args.verify_batch]
+    if "prefill" in args.steps:
+        steps += [Step("prefill", 1, t, 0) for t in args.prefill]
+    if not steps:
+        raise ValueError("no steps to run: --steps and the batch/draft/prefill lists leave nothing")
+    if min(min(s.batch, s.rows) for s in steps) < 1:
+        raise ValueError("batch sizes, draft counts + 1 and prefill lengths must be >= 1")
+    return steps
+
+
+# --- the model ----------------------------------------------------------------------------------
+
+
+def build_model(config: KimiK3Config, plan: ShardingPlan, dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> KimiK3ForCausalLM:
+    """Rank `plan.rank`'s model with random weights made on `device`, routed experts held as MXFP4
+    (as `load_rank_model` holds them from the real checkpoint)."""
+    model = rank_module(config, plan)  # meta device, NullCommunicator(tp, rank)
+    use_mxfp4_linears(model, {name for name in model.state_dict() if is_expert_weight(name)})
+    model.to(dtype)  # still on meta: float tensors only, the MXFP4 bytes stay uint8
+    model.to_empty(device=device)
+    model.requires_grad_(False)
+    fill_random_(model, generator)
+    return model.eval()
+
+
+@torch.no_grad()
+def fill_random_(model: nn.Module, generator: torch.Generator) -> None:
+    """Overwrite every parameter and buffer of `model` in place, by the type of the module that owns it."""
+    for name, module in model.named_modules():
+        own = {n for n, _ in (*module.named_parameters(recurse=False), *module.named_buffers(recurse=False))}
+        if not own:
+            continue
+        filled = _fill_module(module, generator)
+        if filled != own:
+            raise TypeError(f"emulate_rank: no random init for {name or 'the model'} ({type(module).__name__}) "
+                            f"tensors {sorted(own - filled)}: add a rule to _fill_module")
+
+
+def _fill_module(module: nn.Module, gen: torch.Generator) -> set[str]:
+    """Fill the tensors `module` owns itself (not its children's); the names filled."""
+    if isinstance(module, MXFP4Linear):
+        # random_mxfp4 scales each weight to rms ~ 1/sqrt(in_features): scale bytes ~120, below the
+        # kernel's limit of 128 (moe_mxfp4.stack_experts checks it)
+        packed, scale = random_mxfp4(module.out_features, module.in_features, gen)
+        module.weight_packed.copy_(packed)
+        module.weight_scale.copy_(scale)
+        return {"weight_packed", "weight_scale"}
+    if isinstance(module, (RMSNorm, GatedHeadNorm)):
+        module.weight.fill_(1.0)
+        return {"weight"}
+    if isinstance(module, (nn.Linear, VocabParallelLMHead, Router)):  # weights [out, in]; the AttnRes queries too
+        module.weight.normal_(0.0, module.weight.shape[1] ** -0.5, generator=gen)
+        if isinstance(module, Router):
+            module.e_score_correction_bias.zero_()  # random router weights already spread tokens evenly
+            return {"weight", "e_score_correction_bias"}
+        return {"weight"}
+    if isinstance(module, (nn.Embedding, VocabParallelEmbedding)):
+        module.weight.normal_(0.0, 1.0, generator=gen)
+        return {"weight"}
+    if isinstance(module, ShortConv):  # nn.Conv1d's default for a depthwise kernel
+        bound = module.weight.shape[-1] ** -0.5
+        module.weight.uniform_(-bound, bound, generator=gen)
+        return {"weight"}
+    if isinstance(module, KimiDeltaAttention):
+        # fla's init: exp(A_log) ~ U(1, 16); dt log-uniform in [1e-3, 1e-1], stored as softplus^-1(dt)
+        module.A_log.uniform_(1.0, 16.0, generator=gen).log_()
+        dt = torch.empty_like(module.dt_bias, dtype=torch.float32)
+        dt.uniform_(math.log(1e-3), math.log(1e-1), generator=gen).exp_()
+        module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+        return {"A_log", "dt_bias"}
+    return set()
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --- the pools and the plans --------------------------------------------------------------------
+
+
+def pages_per_sequence(step: Step, page_size: int) -> int:
+    return -(-(step.context + step.rows) // page_size)
+
+
+def build_pools(config: KimiK3Config, steps: list[Step], page_size: int, dtype: torch.dtype, device: torch.device,
+                generator: torch.Generator) -> tuple[PagedLatentKV, RecurrentStatePool]:
+    """Pools as EngineCore makes them for a rank of `config`, large enough for the largest step, filled
+    with random context: no step reads zeros (a cached latent row is unit-scale after its norm; the KDA
+    state is small)."""
+    kinds, la = config.layer_kinds, config.linear_attn
+    num_pages = 1 + max(s.batch * pages_per_sequence(s, page_size) for s in steps)  # page 0: the sink
+    kv = PagedLatentKV(kinds.count("mla"), num_pages, page_size, config.kv_cache_width, dtype, device)
+    pool = RecurrentStatePool(kinds.count("kda"), 1 + max(s.batch for s in steps), la.num_heads, la.head_dim,
+                              la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32), dtype, device,
+                              hidden_size=config.hidden_size,
+                              max_block=max((s.rows for s in steps if s.kind == "verify"), default=0))
+    kv.cache.normal_(0.0, 1.0, generator=generator)
+    pool.state.normal_(0.0, 0.01, generator=generator)
+    pool.conv.normal_(0.0, 1.0, generator=generator)
+    pool.prefix_x.normal_(0.0, 1.0, generator=generator)
+    return kv, pool
+
+
+def batch_plan(step: Step, page_size: int, vocab_slice: int, device: torch.device,
+               generator: torch.Generator) -> BatchPlan:
+    """The plan the engine would make for `step`, without a scheduler: sequence b holds its own run of
+    pages from page 1 on and KDA slot b + 1 (page 0 and slot 0 are the padding sinks). Token ids are
+    drawn from `vocab_slice` (rank 0's embedding rows), so each token reads a real row."""
+    pages = pages_per_sequence(step, page_size)
+    table = 1 + torch.arange(step.batch * pages).view(step.batch, pages)
+    positions = torch.arange(step.context, step.context + step.rows)
+    slots = table[:, positions // page_size] * page_size + positions % page_size  # [B, rows]
+    starts = tuple(range(0, step.tokens + 1, step.rows))
+    verify = step.kind == "verify"
+    sample = range(step.tokens) if verify or step.kind == "decode" else [s - 1 for s in starts[1:]]
+    return BatchPlan(
+        input_ids=torch.randint(0, vocab_slice, (step.tokens,), generator=generator, device=device),
+        seq_starts=starts,
+        num_computed=(step.context,) * step.batch,
+        kv=LatentKVPlan(table.to(device), slots.flatten().to(device),
+                        torch.full((step.batch,), step.context + step.rows, device=device)),
+        kda_slots=torch.arange(1, step.batch + 1, device=device),
+        sample_rows=torch.tensor(list(sample), dtype=torch.long, device=device),
+        verify=(verify,) * step.batch,
+        decode=step.kind == "decode",
+    )
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Median wall time of `fn` over `reps` calls: CUDA events on the GPU (calls queue back to back, as
+    served steps do), perf_counter on the CPU."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) * MS for start, end in events)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Result:
+    step: Step
+    mode: str  # "graph" or "eager"
+    floor: Floor
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds / self.floor.floor_s
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.step.batch / self.seconds if self.step.kind == "decode" else None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step.name, "batch": self.step.batch, "rows": self.step.tokens,
+                "context": self.step.context, "mode": self.mode, "measured_s": self.seconds, "ratio": self.ratio,
+                "tokens_per_s": self.tokens_per_s, "floor": self.floor.as_dict()}
+
+
+# --- one emulation ------------------------------------------------------------------------------
+
+
+@dataclass
+class Emulation:
+    """One rank's model, pools and serving forward, ready to time."""
+
+    config: KimiK3Config
+    plan: ShardingPlan
+    serving: ServingModel
+    device: torch.device
+    generator: torch.Generator
+    page_size: int
+    expert_kernel_layers: int
+
+    @property
+    def vocab_slice(self) -> int:
+        return self.config.vocab_size // self.plan.tp_size
+
+    def plan_for(self, step: Step) -> BatchPlan:
+        return batch_plan(step, self.page_size, self.vocab_slice, self.device, self.generator)
+
+    def weight_bytes(self) -> int:
+        model = self.serving.model
+        return tensor_bytes([*model.parameters(), *model.buffers()])
+
+    def pool_bytes(self) -> int:
+        kv, pool = self.serving.kv, self.serving.pool
+        return tensor_bytes([kv.cache, pool.state, pool.conv, pool.prefix_x])
+
+
+def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype: torch.dtype,
+          device: torch.device, page_size: int, seed: int) -> Emulation:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
+             f"random {str(dtype).removeprefix('torch.')} weights on {device}")
+    model = build_model(config, plan, dtype, device, generator)
+    kernels = install_expert_kernels(model)
+    if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
+        torch.cuda.empty_cache()
+    progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers")
+    kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
+    emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
+                          page_size, kernels)
+    synchronize(device)
+    progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
+             f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")
+    check_finite(emulation, steps[0].context)
+    return emulation
+
+
+def check_finite(emulation: Emulation, context: int) -> None:
+    """One eager decode step of one sequence: random weights must still give finite logits."""
+    logits, _ = emulation.serving.forward(emulation.plan_for(Step("decode", 1, 1, context)))
+    if not bool(torch.isfinite(logits).all()):
+        raise RuntimeError("emulate_rank: the random model gives non-finite logits on one decode step; "
+                           "the random init (fill_random_) no longer keeps activations in range")
+
+
+def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
+            graph_seq_len: int | None) -> tuple[list[Result], dict[int, Callable[[], object]]]:
+    """Time every step, decode through CUDA graphs captured for `graph_seq_len` tokens (None: eager);
+    also return the decode steps' callables by batch (for the profile)."""
+    serving, device = emulation.serving, emulation.device
+    decode_graphs = None
+    decode_batches = [s.batch for s in steps if s.kind == "decode"]
+    if graph_seq_len is not None and decode_batches:
+        from mstar.engine.cuda_graphs import DecodeGraphs  # CUDA only: the CPU path never needs it
+
+        decode_graphs = DecodeGraphs(serving, max_batch=max(decode_batches), max_seq_len=graph_seq_len,
+                                     tap_layers=())
+        progress(f"capturing decode CUDA graphs up to batch {max(decode_batches)}")
+        decode_graphs.capture()
+    results, decode_fns = [], {}
+    for step in steps:
+        plan = emulation.plan_for(step)
+        if step.kind == "decode" and decode_graphs is not None:
+            mode, fn = "graph", (lambda plan=plan: decode_graphs.run(plan))
+        else:
+            mode, fn = "eager", (lambda plan=plan: serving.forward(plan))
+        slow = step.kind == "prefill" and device.type == "cuda"
+        note = " (the first call at a new length autotunes fla's chunk_kda: minutes)" if slow else ""
+        progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
+        for _ in range(warmup):
+            fn()
+        synchronize(device)
+        seconds = median_seconds(fn, reps, device)
+        results.append(Result(step, mode, step.floor(rank), seconds))
+        progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor)")
+        if step.kind == "decode":
+            decode_fns[step.batch] = fn
+    return results, decode_fns
+
+
+def profile_decode(fns: dict[int, Callable[[], object]], device: torch.device, top: int = 25) -> str:
+    """Markdown: the kernels of one decode step at the smallest and largest batch, by total time."""
+    cuda = device.type == "cuda"
+    sections = []
+    for batch in sorted({min(fns), max(fns)}):
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=activities) as prof:
+            fns[batch]()
+            synchronize(device)
+        # kernels on the GPU; torch operators (self time) on the CPU
+        events = [e for e in prof.key_averages()
+                  if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+        total = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+        events = [e for e in events if total(e) > 0]
+        step_us = sum(total(e) for e in events)
+        events.sort(key=total, reverse=True)
+        what = "CUDA kernels" if cuda else "torch operators (CPU self time)"
+        if not events:
+            sections.append(f"### decode batch {batch}: the profiler recorded no {what}")
+            continue
+        lines = [f"### decode batch {batch}: {len(events)} distinct {what}, {step_us / 1e3:.3f} ms in all",
+                 "", "| name | calls | total µs | mean µs | share |", "|---|--:|--:|--:|--:|"]
+        for e in events[:top]:
+            name = e.key if len(e.key) <= 100 else e.key[:97] + "..."
+            lines.append(f"| `{name.replace('|', '/')}` | {e.count} | {total(e):,.1f} | {total(e) / e.count:,.2f} "
+                         f"| {total(e) / step_us:.1%} |")
+        sections.append("\n".join(lines))
+    return "## Profile of one decode step\n\n" + "\n\n".join(sections)
+
+
+# --- the report ---------------------------------------------------------------------------------
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = ["| step | batch | rows | mode | floor GB | floor GFLOP | floor ms | bound | measured ms | measured/floor "
+             "| tok/s |", "|---|--:|--:|---|--:|--:|--:|---|--:|--:|--:|"]
+    for r in results:
+        f = r.floor
+        tok_s = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else ""
+        lines.append(f"| {r.step.name} | {r.step.batch} | {r.step.tokens} | {r.mode} | {f.bytes / GB:.4g} "
+                     f"| {f.flops / 1e9:.4g} | {f.floor_s / MS:.4g} | {f.bound} | {r.seconds / MS:.4g} "
+                     f"| {r.ratio:,.2f} | {tok_s} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="mstar-emulate-rank", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="kimi_k3_pruned75_config.json",
+                   help="a config.json, a checkpoint directory or a bundled fixture name")
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (rank 0 is emulated)")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
+    p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
+    p.add_argument("--steps", default="decode,verify,prefill", help="which of decode,verify,prefill to time")
+    p.add_argument("--context", type=int, default=1024, help="tokens cached per sequence (decode, verify)")
+    p.add_argument("--batch", type=_ints, default=[1, 8, 16, 32, 64], help="decode batch sizes")
+    p.add_argument("--drafts", type=_ints, default=[4, 7], help="drafts k of the verify steps (k+1 rows each)")
+    p.add_argument("--verify-batch", type=_ints, default=[1, 16], help="batch sizes of the verify steps")
+    p.add_argument("--prefill", type=_ints, default=[1024, 8192], help="prompt lengths of the prefill steps")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (configs/*pruned75*: 64)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--reps", type=int, default=20, help="timed steps per row (the median is reported)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before each row")
+    p.add_argument("--eager", action="store_true", help="run decode eagerly too (no CUDA graphs)")
+    p.add_argument("--max-seq-len", type=int, default=32768,
+                   help="the decode graphs' capacity, which fixes their MLA split count (the served config's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one decode step at the smallest and largest batch: top kernels by time")
+    p.add_argument("--out", type=Path, default=None, help="write emulate_rank.md and emulate_rank.json here")
+    args = p.parse_args(argv)
+    args.steps = [s for s in args.steps.split(",") if s]
+    unknown = sorted(set(args.steps) - set(STEP_KINDS))
+    if unknown:
+        p.error(f"--steps: unknown {unknown}; choose from {','.join(STEP_KINDS)}")
+    if args.reps < 1 or args.warmup < 0:
+        p.error("--reps must be >= 1 and --warmup >= 0")
+    if args.profile and ("decode" not in args.steps or not args.batch):
+        p.error("--profile profiles decode steps: keep decode in --steps and a --batch")
+    return args
+
+
+def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Build, time and report: (the JSON report, the markdown)."""
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    graph_seq_len = args.max_seq_len if device.type == "cuda" and not args.eager else None
+    try:
+        if graph_seq_len is not None and graph_seq_len <= args.context:
+            raise ValueError(f"--max-seq-len {graph_seq_len} leaves the decode graphs no room for a row after "
+                             f"--context {args.context}")
+        config = first_layers(resolve_config(args.config), args.layers)
+        plan = ShardingPlan(args.tp, 0, args.ep)
+        steps = steps_to_run(args)
+        rank = rank_model(config, plan, dtype)
+    except ValueError as e:
+        raise SystemExit(f"mstar-emulate-rank: {e}") from None
+    emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed)
+    results, decode_fns = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
+                                  graph_seq_len=graph_seq_len)
+    profile_md = profile_decode(decode_fns, device) if args.profile and decode_fns else ""
+
+    header = {
+        "config": args.config, "tp": args.tp, "ep": args.ep, "rank": 0, "layers": config.num_hidden_layers,
+        "context": args.context, "page_size": args.page_size, "dtype": args.dtype, "device": device_name(device),
+        "graph_max_seq_len": graph_seq_len, "torch": torch.__version__, "commit": git_commit(), "reps": args.reps,
+        "warmup": args.warmup,
+        "weight_bytes": emulation.weight_bytes(), "pool_bytes": emulation.pool_bytes(),
+        "expert_kernel_layers": emulation.expert_kernel_layers,
+        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
+    }
+    title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}, "
+             f"{config.num_hidden_layers} layers\n\n"
+             f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
+             f"{args.context}, page size {args.page_size}; median of {args.reps} steps; decode graphs "
+             f"{f'captured for {graph_seq_len} tokens' if graph_seq_len else 'off'}. Weights "
+             f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; all-reduces "
+             f"are the identity (null communicator). Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
+             f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.")
+    # the table last, so that it ends what the tool prints
+    markdown = "\n\n".join(part for part in (title, profile_md, markdown_table(results)) if part) + "\n"
+    return header | {"rows": [r.as_dict() for r in results]}, markdown
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    report, markdown = run(args)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "emulate_rank.md").write_text(markdown)
+        (args.out / "emulate_rank.json").write_text(json.dumps(report, indent=1) + "\n")
+        progress(f"wrote {args.out / 'emulate_rank.md'} and emulate_rank.json")
+    print(markdown, end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""mstar-emulate-rank on the tiny K3 (CPU, fp32, eager): the rank's model is filled completely at the
+rank's shapes, the plans address the pools as the engine would, and the report has every step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from mstar.distributed.loader import rank_module
+from mstar.distributed.sharding import ShardingPlan
+from mstar.distributed.weight_bytes import rank_weight_bytes
+from mstar.models.kimi_k3.config import parse_config
+from mstar.models.kimi_k3.kda import GatedHeadNorm
+from mstar.models.kimi_k3.norm import RMSNorm
+from mstar.models.kimi_k3.weights import is_expert_weight, packed_names, packed_shapes
+from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
+from mstar.tools.emulate_rank import (
+    Step,
+    batch_plan,
+    build,
+    build_model,
+    build_pools,
+    check_finite,
+    fill_random_,
+    first_layers,
+    main,
+    pages_per_sequence,
+)
+from mstar.tools.make_tiny import tiny_k3_raw_config
+
+TP, LAYERS = 2, 4
+
+
+@pytest.fixture(scope="module")
+def tiny_config_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("emulate") / "config.json"
+    path.write_text(json.dumps(tiny_k3_raw_config()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def config():
+    return first_layers(parse_config(tiny_k3_raw_config()), LAYERS)
+
+
+def test_first_layers_keeps_each_layers_kind(config):
+    whole = parse_config(tiny_k3_raw_config())
+    assert config.num_hidden_layers == LAYERS
+    assert config.layer_kinds == whole.layer_kinds[:LAYERS]
+    assert set(config.layer_kinds) == {"kda", "mla"}
+    for bad in (0, whole.num_hidden_layers + 1):
+        with pytest.raises(ValueError, match="--layers"):
+            first_layers(whole, bad)
+
+
+def test_model_at_the_rank_shapes_with_mxfp4_experts(config):
+    plan = ShardingPlan(TP)
+    model = build_model(config, plan, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    expected = {}
+    for name, t in rank_module(config, plan).state_dict().items():
+        if is_expert_weight(name):
+            expected.update(zip(packed_names(name), packed_shapes(tuple(t.shape)), strict=True))
+        else:
+            expected[name] = tuple(t.shape)
+    got = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    assert got == expected
+    assert any(isinstance(m, MXFP4Linear) for m in model.modules())
+    # what the roofline counts is what the emulation holds
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert held == rank_weight_bytes(config, plan, dtype=torch.float32).total
+
+
+def test_fill_overwrites_every_tensor(config):
+    model = rank_module(config, ShardingPlan(TP))
+    use_mxfp4_linears(model, {n for n in model.state_dict() if is_expert_weight(n)})
+    model.to_empty(device="cpu").requires_grad_(False)
+    for t in model.state_dict().values():  # garbage that no rule leaves in place unnoticed
+        t.fill_(255 if t.dtype == torch.uint8 else float("nan"))
+    fill_random_(model, torch.Generator().manual_seed(0))
+    for name, t in model.state_dict().items():
+        if t.dtype == torch.uint8:
+            if name.endswith("weight_scale"):
+                assert int(t.max()) <= 128, name  # the MXFP4 kernel's limit
+        else:
+            assert bool(torch.isfinite(t).all()), name
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, GatedHeadNorm)):
+            assert bool((m.weight == 1).all())
+        if isinstance(m, nn.Linear):
+            assert 0 < float(m.weight.std()) < 1
+
+
+def test_fill_refuses_tensors_without_a_rule():
+    with pytest.raises(TypeError, match="no random init"):
+        fill_random_(nn.Sequential(nn.Linear(4, 4, bias=True)), torch.Generator())
+
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.zeros(3))
+
+    with pytest.raises(TypeError, match="scale"):
+        fill_random_(nn.Sequential(Odd()), torch.Generator())
+
+
+@pytest.mark.parametrize("step", [Step("decode", 3, 1, 100), Step("verify", 2, 5, 60), Step("prefill", 1, 40, 0)],
+                         ids=lambda s: s.name)
+def test_plan_addresses_pages_and_slots(step):
+    page_size = 16
+    plan = batch_plan(step, page_size, vocab_slice=50, device=torch.device("cpu"), generator=torch.Generator())
+    pages = pages_per_sequence(step, page_size)
+    table = plan.kv.page_table
+    assert table.shape == (step.batch, pages)
+    assert table.min() >= 1  # page 0 is the sink
+    assert len(set(table.flatten().tolist())) == table.numel()  # no page shared between sequences
+    assert plan.seq_starts == tuple(range(0, step.tokens + 1, step.rows))
+    assert plan.num_computed == (step.context,) * step.batch
+    assert plan.kv.context_lens.tolist() == [step.context + step.rows] * step.batch
+    assert plan.kda_slots.tolist() == list(range(1, step.batch + 1))  # slot 0 is the sink
+    slots = plan.kv.slot_mapping.view(step.batch, step.rows)
+    for b in range(step.batch):
+        for i in range(step.rows):
+            position = step.context + i
+            assert int(slots[b, i]) == int(table[b, position // page_size]) * page_size + position % page_size
+    assert plan.input_ids.shape == (step.tokens,) and plan.input_ids.min() >= 0 and plan.input_ids.max() < 50
+    assert plan.decode == (step.kind == "decode")
+    assert plan.verify == (step.kind == "verify",) * step.batch
+    last_rows = [s - 1 for s in plan.seq_starts[1:]]
+    assert plan.sample_rows.tolist() == (last_rows if step.kind == "prefill" else list(range(step.tokens)))
+
+
+def test_pools_hold_every_step_with_random_context(config):
+    steps = [Step("decode", 3, 1, 100), Step("verify", 2, 5, 60), Step("prefill", 1, 40, 0)]
+    kv, pool = build_pools(config, steps, 16, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    assert kv.cache.shape[1] == 1 + max(s.batch * pages_per_sequence(s, 16) for s in steps)
+    assert pool.max_slots == 4 and pool.prefix_x.shape[2] == 5
+    assert float(kv.cache.std()) > 0.5 and 0 < float(pool.state.std()) < 0.1 and float(pool.conv.std()) > 0.5
+    assert pool.prefix_len == [0] * pool.max_slots
+
+
+def test_check_finite_names_a_broken_init(config):
+    emulation = build(config, ShardingPlan(TP), [Step("decode", 1, 1, 8)], dtype=torch.float32,
+                      device=torch.device("cpu"), page_size=16, seed=0)
+    with torch.no_grad():
+        emulation.serving.model.model.embed_tokens.weight.fill_(float("nan"))
+    with pytest.raises(RuntimeError, match="non-finite logits"):
+        check_finite(emulation, 8)
+
+
+def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, capsys):
+    main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
+          "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "1,2",
+          "--drafts", "2", "--verify-batch", "1", "--prefill", "16", "--reps", "1", "--warmup", "1", "--profile",
+          "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "emulate_rank.json").read_text())
+    assert (report["tp"], report["layers"], report["context"]) == (TP, LAYERS, 40)
+    assert [(r["step"], r["batch"], r["rows"]) for r in report["rows"]] == [
+        ("decode", 1, 1), ("decode", 2, 2), ("verify k=2", 1, 3), ("prefill", 1, 16)]
+    for r in report["rows"]:
+        assert r["mode"] == "eager"
+        assert r["floor"]["floor_s"] > 0 and r["floor"]["bytes"] > 0 and r["floor"]["flops"] > 0
+        assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["floor"]["floor_s"])
+        assert (r["tokens_per_s"] is not None) == (r["step"] == "decode")
+    markdown = (tmp_path / "emulate_rank.md").read_text()
+    assert "Profile of one decode step" in markdown and "| verify k=2 | 1 | 3 | eager |" in markdown
+    printed = capsys.readouterr().out
+    assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 1 | 16 |")
