@@ -48,7 +48,7 @@ def test_attn_res_against_formula():
 def test_attn_res_block_schedule_matches_k3():
     """Attention at layer l sees ceil(l/B) stored blocks; the FFN one more at l % B == 0; output ceil(N/B)."""
     block, layers = 12, 93
-    stream = ResidualStream(torch.zeros(1, 2), block)
+    stream = ResidualStream(torch.zeros(1, 2), block, layers)
     for l in range(layers):
         assert len(stream.blocks) == math.ceil(l / block)
         stream.maybe_close_block(l)

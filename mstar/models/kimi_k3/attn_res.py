@@ -14,9 +14,15 @@ All of it in at least fp32, cast back to the stream dtype at the end.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from .norm import at_least_fp32
+from .norm import RMSNorm, at_least_fp32, rms_norm
+
+# (sources [n, T, D], proj weight [1, D], res norm weight, res eps, out norm weight, out eps) -> [T, D]:
+# the input of the next sublayer, out_norm(AttnRes(sources)). GPU models plug a fused kernel in here.
+MixNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, float], torch.Tensor]
 
 
 def attn_res_mix(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -29,29 +35,59 @@ def attn_res_mix(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_we
     return (alpha.unsqueeze(-1) * v).sum(0).to(sources[-1].dtype)
 
 
-class ResidualStream:
-    """The AttnRes residual state of one forward pass: stored blocks plus the live partial sum."""
+def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
+                  out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
+    """The reference `MixNorm`: the AttnRes mix of the stacked sources [n, T, D], then the sublayer's RMSNorm."""
+    mixed = attn_res_mix(list(sources.unbind(0)), proj_weight, res_norm_weight, res_eps)
+    return rms_norm(mixed, out_norm_weight, out_eps)
 
-    def __init__(self, embedding: torch.Tensor, block_size: int):
+
+class ResidualStream:
+    """The AttnRes residual state of one forward pass: stored blocks plus the live partial sum.
+
+    All sources live in one buffer [max blocks + 1, T, D] (block j at index j, the partial sum after
+    the last block), so the mix reads them without stacking copies, and sublayer outputs are added
+    to the partial sum in place."""
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, num_layers: int, mix_norm: MixNorm = attn_res_norm):
         self.block_size = block_size
-        self.blocks: list[torch.Tensor] = []
-        self.partial = embedding
+        self.mix_norm = mix_norm
+        max_blocks = -(-num_layers // block_size)  # a block closes at layers 0, B, 2B, ...
+        self._buffer = embedding.new_empty(max_blocks + 1, *embedding.shape)
+        self._buffer[0] = embedding
+        self.num_blocks = 0
+
+    @property
+    def partial(self) -> torch.Tensor:
+        return self._buffer[self.num_blocks]
+
+    @property
+    def blocks(self) -> list[torch.Tensor]:
+        return list(self._buffer[: self.num_blocks].unbind(0))
+
+    def stacked(self) -> torch.Tensor:
+        """[blocks..., partial] as one [n, T, D] view."""
+        return self._buffer[: self.num_blocks + 1]
 
     def sources(self) -> list[torch.Tensor]:
-        return [*self.blocks, self.partial]
+        return list(self.stacked().unbind(0))
+
+    def normed_input(self, proj: torch.nn.Linear, res_norm: RMSNorm, out_norm: RMSNorm) -> torch.Tensor:
+        """out_norm(AttnRes(sources)): what the next sublayer (or the output head) reads."""
+        return self.mix_norm(self.stacked(), proj.weight, res_norm.weight, res_norm.eps, out_norm.weight, out_norm.eps)
 
     def maybe_close_block(self, layer: int) -> None:
         """At the first layer of each block the partial sum is stored and a new one starts at 0."""
         if layer % self.block_size == 0:
-            self.blocks.append(self.partial)
-            self.partial = torch.zeros_like(self.partial)
+            self.num_blocks += 1
+            self._buffer[self.num_blocks].zero_()
 
     def add(self, output: torch.Tensor) -> None:
-        self.partial = self.partial + output
+        self.partial.add_(output)
 
     def raw_sum(self) -> torch.Tensor:
         """The raw prefix-sum stream (embedding + every output so far): what DSpark taps."""
-        total = self.partial
+        total = self.partial.clone()  # a copy: the partial sum is updated in place later
         for block in self.blocks:
-            total = total + block
+            total += block
         return total

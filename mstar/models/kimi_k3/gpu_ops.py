@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels import kda_fla, mla_attention, moe_mxfp4
+from mstar.kernels import attn_res_norm, kda_fla, mla_attention, moe_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -25,6 +25,7 @@ from .kda import KimiDeltaAttention
 from .mla import GatedMLA
 from .model import KimiK3ForCausalLM
 from .moe import LatentMoE
+from .norm import RMSNorm
 from .serving import BatchPlan, TorchMixerOps
 
 
@@ -131,6 +132,21 @@ def install_layer_kernel(moe: LatentMoE) -> bool:
     if w1.out_features % moe_mxfp4.SCALE_WORD or w1.in_features % moe_mxfp4.SCALE_WORD:
         return False
     moe.expert_kernel = MXFP4Experts(moe)
+    return True
+
+
+def install_fused_norms(model: KimiK3ForCausalLM) -> bool:
+    """One-launch Triton kernels for every RMSNorm and every AttnRes mix + norm of a bf16/fp16 model
+    on CUDA (mstar/kernels/attn_res_norm.py); whether they were installed. fp32/fp64 models keep the
+    torch path, whose exact summation order the CPU reference shares."""
+    param = next(model.parameters())
+    if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
+        return False
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.kernel = attn_res_norm.rms_norm_rows
+    if model.config.attn_res_block_size is not None:
+        model.model.mix_norm = attn_res_norm.attn_res_norm
     return True
 
 

@@ -33,7 +33,7 @@ from mstar.distributed.communicator import Communicator, NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
-from .attn_res import ResidualStream, attn_res_mix
+from .attn_res import MixNorm, ResidualStream, attn_res_norm
 from .config import KimiK3Config
 from .kda import KDAState, KimiDeltaAttention
 from .mla import GatedMLA, MLACache
@@ -95,22 +95,17 @@ class DecoderLayer(nn.Module):
         return self.comm.all_reduce(mix(self.layer_idx, x))
 
     def forward_attn_res(self, stream: ResidualStream, mix: Mixer) -> None:
-        eps = self.config.rms_norm_eps
-        a_in = stream.partial
-        if stream.blocks:
-            a_in = _mix(stream.sources(), self.self_attention_res_proj, self.self_attention_res_norm, eps)
+        if stream.num_blocks:
+            x = stream.normed_input(self.self_attention_res_proj, self.self_attention_res_norm, self.input_layernorm)
+        else:  # before the first block closes, the input is the embedding itself
+            x = self.input_layernorm(stream.partial)
         stream.maybe_close_block(self.layer_idx)
-        stream.add(self.mixer(mix, self.input_layernorm(a_in)))
-        m_in = _mix(stream.sources(), self.mlp_res_proj, self.mlp_res_norm, eps)
-        stream.add(self.ffn(self.post_attention_layernorm(m_in)))
+        stream.add(self.mixer(mix, x))
+        stream.add(self.ffn(stream.normed_input(self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)))
 
     def forward_plain(self, h: torch.Tensor, mix: Mixer) -> torch.Tensor:
         h = h + self.mixer(mix, self.input_layernorm(h))
         return h + self.ffn(self.post_attention_layernorm(h))
-
-
-def _mix(sources: list[torch.Tensor], proj: nn.Linear, norm: RMSNorm, eps: float) -> torch.Tensor:
-    return attn_res_mix(sources, proj.weight, norm.weight, eps)
 
 
 class KimiK3Model(nn.Module):
@@ -130,6 +125,8 @@ class KimiK3Model(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # every sublayer's input: out_norm(AttnRes(sources)); gpu_ops installs a fused kernel
+        self.mix_norm: MixNorm = attn_res_norm
 
     def forward(self, input_ids: torch.Tensor, mix: Mixer,
                 tap_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -143,13 +140,12 @@ class KimiK3Model(nn.Module):
                 if i in tap_layers:
                     taps.append(h)
             return self.norm(h), taps
-        stream = ResidualStream(h, cfg.attn_res_block_size)
+        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.num_hidden_layers, self.mix_norm)
         for i, layer in enumerate(self.layers):
             layer.forward_attn_res(stream, mix)
             if i in tap_layers:
                 taps.append(stream.raw_sum())
-        out = _mix(stream.sources(), self.output_attn_res_proj, self.output_attn_res_norm, cfg.rms_norm_eps)
-        return self.norm(out), taps
+        return stream.normed_input(self.output_attn_res_proj, self.output_attn_res_norm, self.norm), taps
 
 
 def dense_mixer(model: KimiK3Model, state: ModelState, absorbed: bool) -> Mixer:

@@ -1,0 +1,63 @@
+"""The fused AttnRes + RMSNorm kernel and the one-launch RMSNorm (mstar/kernels/attn_res_norm.py) against
+the torch reference. Without CUDA through Triton's interpreter (fp32); on the GPU in bf16 at K3's width."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from mstar.kernels import attn_res_norm as k  # noqa: E402
+from mstar.models.kimi_k3.attn_res import attn_res_norm as reference  # noqa: E402
+from mstar.models.kimi_k3.norm import rms_norm  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (dtype, width, relative bound): fp32 differs from torch only in summation order; bf16 by a rounding
+# of the mix or of the normalised value where the two orders land on either side of a bf16 step.
+CASES = [(torch.float32, 160, 1e-5)] + ([(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def weights(d, dtype):
+    proj = torch.randn(1, d, device=DEVICE).to(dtype) * d**-0.5
+    res_w, out_w = ((1 + 0.2 * torch.randn(d, device=DEVICE)).to(dtype) for _ in range(2))
+    return proj, res_w, out_w
+
+
+@pytest.mark.parametrize("dtype, d, tol", CASES)
+@pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 5), (16, 2)])
+def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t):
+    # sources of very different scales (as blocks of a deep stream are) and a strided view of a larger buffer
+    buffer = torch.randn(n + 2, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 2, device=DEVICE)[:, None, None]
+    sources = buffer.to(dtype)[:n]
+    proj, res_w, out_w = weights(d, dtype)
+    expect = reference(sources, proj, res_w, 1e-6, out_w, 1e-5)
+    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")))
+    assert got.dtype == expect.dtype and got.shape == expect.shape and torch.isfinite(got).all()
+    assert rel(got, expect) < tol, rel(got, expect)
+
+
+@pytest.mark.parametrize("dtype, d, tol", CASES)
+def test_rms_norm_rows_equals_torch_on_strided_rows(dtype, d, tol):
+    wide = torch.randn(7, d + 64, device=DEVICE).to(dtype) * 3
+    x = wide[:, :d]  # rows with a stride, as the latent part of kv_a's output
+    w = (1 + 0.2 * torch.randn(d, device=DEVICE)).to(dtype)
+    got = k.rms_norm_rows(x, w, 1e-6, out=torch.full(x.shape, float("nan"), device=DEVICE, dtype=dtype))
+    assert rel(got, rms_norm(x, w, 1e-6)) < tol
+    x3 = torch.randn(3, 4, d, device=DEVICE).to(dtype)
+    assert rel(k.rms_norm_rows(x3, w, 1e-6), rms_norm(x3, w, 1e-6)) < tol
+
+
+def test_too_many_sources_is_refused():
+    proj, res_w, out_w = weights(8, torch.float32)
+    with pytest.raises(ValueError, match="1..16 sources"):
+        k.attn_res_norm(torch.randn(17, 1, 8, device=DEVICE), proj, res_w, 1e-6, out_w, 1e-6)
