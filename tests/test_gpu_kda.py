@@ -96,7 +96,7 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape):
     before = pool.state[0, untouched].clone(), pool.conv[0, untouched].clone()
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = kda_fla.kda_decode(attn, 0, x, slots, pool)
+        y = kda_fla.kda_decode(attn, 0, x, slots, pool, kda_fla.DecodeConstants.of(attn))
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err

@@ -24,7 +24,7 @@ from mstar.engine.scheduler import Scheduler, SchedulerConfig
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
-from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_norms
+from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -84,7 +84,7 @@ class EngineCore:
         if config.kernels == "auto":
             ops = default_mixer_ops(device)
             install_expert_kernels(model)
-            install_fused_norms(model)
+            install_fused_kernels(model)
         self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]

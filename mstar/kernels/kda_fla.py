@@ -26,9 +26,12 @@ The torch path (serving.TorchMixerOps.kda) is the oracle this is tested against.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
+from mstar.kernels import kda_decode as kda_decode_kernels
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
@@ -81,33 +84,33 @@ def _row_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, 
     return seq.to(device), pos.to(device)
 
 
-def decode_conv(attn: KimiDeltaAttention, x: torch.Tensor, windows: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU(short conv) of one new row per sequence for q, k and v at once.
+@dataclass(frozen=True)
+class DecodeConstants:
+    """A KDA layer's parameters as the decode kernels take them, converted once (not every step)."""
 
-    x [B, D]; windows [B, 3, W-1, width] (the last W-1 pre-conv rows of q, k, v, oldest first). Returns
-    the conv outputs [B, 3, width] and the new windows [B, 3, W-1, width] (in the windows' dtype).
-    """
-    rows = torch.stack([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=1)  # [B, 3, width]
-    full = torch.cat([windows.to(x.dtype), rows[:, :, None]], dim=2)  # [B, 3, W, width]
-    weight = torch.stack([c.weight[:, 0].T for c in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)])  # [3, W, width]
-    xf = full.float() if x.dtype in (torch.bfloat16, torch.float16) else full
-    out = F.silu((xf * weight.to(xf.dtype)).sum(2)).to(x.dtype)
-    return out, full[:, :, 1:].to(windows.dtype)
+    conv_weight: torch.Tensor  # fp32 [3, W, width]: the q, k, v depthwise kernels, taps oldest first
+    a_log: torch.Tensor  # fp32 [H]
+    dt_bias: torch.Tensor  # fp32 [width]
+
+    @classmethod
+    def of(cls, attn: KimiDeltaAttention) -> DecodeConstants:
+        convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
+        return cls(torch.stack([c.weight[:, 0].T.float() for c in convs]).contiguous(), attn.A_log.float(),
+                   attn.dt_bias.float())
 
 
 def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: torch.Tensor,
-               pool: RecurrentStatePool) -> torch.Tensor:
+               pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
     """One KDA layer for a decode step: row b of `x` [B, D] continues slot `slots[b]`, whose state and
     conv window are updated in place (the caller guarantees no slot has a pending prefix)."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     B, (H, K) = x.shape[0], (attn.num_heads, attn.head_dim)
-    qkv, pool.conv[layer, slots] = decode_conv(attn, x, pool.conv[layer, slots])
-    q, k, v = (t.view(B, 1, H, K) for t in qkv.transpose(0, 1).contiguous())  # fla wants contiguous rows
+    q, k, v = kda_decode_kernels.decode_conv(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), pool.conv[layer],
+                                             slots, consts.conv_weight).view(3, B, 1, H, K)
     o, _ = fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=attn.f_b_proj(attn.f_a_proj(x)).view(B, 1, H, K), beta=attn.b_proj(x).view(B, 1, H).float(),
-        A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(), scale=attn.scale,
+        A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
         initial_state=pool.state[layer], inplace_final_state=True, ssm_state_indices=slots,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=attn.gate_lower_bound,

@@ -16,24 +16,31 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels import attn_res_norm, kda_fla, mla_attention, moe_mxfp4
+from mstar.kernels import attn_res_norm, kda_decode, kda_fla, mla_attention, moe_mxfp4, router_topk
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
-from .kda import KimiDeltaAttention
+from .kda import GatedHeadNorm, KimiDeltaAttention
 from .mla import GatedMLA
 from .model import KimiK3ForCausalLM
-from .moe import LatentMoE
+from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
 from .serving import BatchPlan, TorchMixerOps
 
 
 class GpuMixerOps(TorchMixerOps):
+    def __init__(self):
+        # per KDA layer (pool index): its parameters converted for the decode kernels on first use,
+        # which is an eager step (CUDA-graph capture warms up eagerly first)
+        self.kda_constants: dict[int, kda_fla.DecodeConstants] = {}
+
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
         if plan.decode:
-            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool)
+            if layer not in self.kda_constants:
+                self.kda_constants[layer] = kda_fla.DecodeConstants.of(attn)
+            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, self.kda_constants[layer])
         return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.kda_slots, plan.verify, pool)
 
     @staticmethod
@@ -135,19 +142,35 @@ def install_layer_kernel(moe: LatentMoE) -> bool:
     return True
 
 
-def install_fused_norms(model: KimiK3ForCausalLM) -> bool:
-    """One-launch Triton kernels for every RMSNorm and every AttnRes mix + norm of a bf16/fp16 model
-    on CUDA (mstar/kernels/attn_res_norm.py); whether they were installed. fp32/fp64 models keep the
-    torch path, whose exact summation order the CPU reference shares."""
+def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
+    """One-launch Triton kernels for the small operations of a bf16/fp16 model on CUDA: every RMSNorm,
+    every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py)
+    and the routers' selection (kernels/router_topk.py); whether they were installed. fp32/fp64
+    models keep the torch path, whose exact summation order the CPU reference shares."""
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
         return False
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = attn_res_norm.rms_norm_rows
+        elif isinstance(module, GatedHeadNorm):
+            module.kernel = kda_decode.gated_head_norm
+        elif isinstance(module, Router) and module.config.num_expert_group == 1:
+            module.kernel = _router_kernel(module)
     if model.config.attn_res_block_size is not None:
         model.model.mix_norm = attn_res_norm.attn_res_norm
     return True
+
+
+def _router_kernel(router: Router):
+    cfg = router.config
+
+    def run(x: torch.Tensor) -> Routing:
+        ids, weights = router_topk.route(x, router.weight, router.e_score_correction_bias, cfg.num_experts_per_token,
+                                         cfg.moe_renormalize, cfg.routed_scaling_factor)
+        return Routing(ids, weights)
+
+    return run
 
 
 def default_mixer_ops(device: torch.device) -> TorchMixerOps:

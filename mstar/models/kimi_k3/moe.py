@@ -67,8 +67,12 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
         nn.init.normal_(self.weight, std=config.hidden_size**-0.5)
+        # x -> Routing in two launches on the GPU (gpu_ops); None: the torch lines below
+        self.kernel: Callable[[torch.Tensor], Routing] | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
+        if self.kernel is not None:
+            return self.kernel(x)
         cfg = self.config
         logits = at_least_fp32(x) @ at_least_fp32(self.weight).T
         scores = torch.sigmoid(logits)

@@ -1,0 +1,70 @@
+"""K3's router on the GPU in two launches: the logits GEMM (bf16 in, fp32 out), then one Triton kernel
+for sigmoid, the bias-for-selection top-k, the gather, the renormalisation and the scaling.
+
+The torch router (models/kimi_k3/moe.py, `Router`) upcasts the weight to fp32 on every call and
+spends about a dozen launches after the GEMM; at decode that is more time than its 3 MB of weights.
+The products of bf16 operands are exact in fp32 and both GEMMs accumulate in fp32, so the logits
+differ from the torch path only in summation order. Ungrouped selection only (K3: one expert
+group); `Router.kernel` stays unset where grouping is on.
+
+Per token row (one program): s = sigmoid(logit); pick k times the largest s + bias among the
+experts not yet picked (ids in pick order; torch's topk(sorted=False) order is unspecified, and
+the experts' sum does not depend on it); w_j = s[id_j], renormalised over the k picks when asked,
+times the scaling factor.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(expert ids int64 [T, k], combine weights fp32 [T, k]) for x [T, D] (bf16/fp16, or fp32)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
+        logits = torch.mm(x, weight.T, out_dtype=torch.float32)
+    else:  # fp32 models and the interpreter: the torch router's own arithmetic
+        logits = x.float() @ weight.float().T
+    return select(logits, bias, top_k, renormalize, scale)
+
+
+def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The post-GEMM part alone: logits fp32 [T, E] -> (ids [T, k], weights [T, k])."""
+    T, E = logits.shape
+    if not 1 <= top_k <= E:
+        raise ValueError(f"top_k={top_k} must be in 1..{E}")
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
+    _select_kernel[(T,)](logits.contiguous(), bias.float().contiguous(), ids, weights, E, scale,
+                         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+                         RENORM=renormalize and top_k > 1, num_warps=4)
+    return ids, weights
+
+
+@triton.jit
+def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                   E_PAD: tl.constexpr, RENORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    experts = tl.arange(0, E_PAD)
+    live = experts < E
+    s = tl.sigmoid(tl.load(logits_ptr + t * E + experts, mask=live, other=0.0))
+    choice = tl.where(live, s + tl.load(bias_ptr + experts, mask=live, other=0.0), float("-inf"))
+    slots = tl.arange(0, K_PAD)
+    picked = tl.zeros([K_PAD], dtype=tl.int64)
+    w = tl.zeros([K_PAD], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(choice, axis=0)
+        # the lowest id among equal maxima
+        idx = tl.min(tl.where(choice == best, experts, E_PAD), axis=0)
+        hit = experts == idx
+        picked = tl.where(slots == j, idx.to(tl.int64), picked)
+        w = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), w)
+        choice = tl.where(hit, float("-inf"), choice)
+    if RENORM:
+        w = w / (tl.sum(w, axis=0) + 1e-20)
+    ok = slots < TOP_K
+    tl.store(ids_ptr + t * TOP_K + slots, picked, mask=ok)
+    tl.store(weights_ptr + t * TOP_K + slots, w * scale, mask=ok)

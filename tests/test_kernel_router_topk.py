@@ -1,0 +1,49 @@
+"""The router's selection kernel (mstar/kernels/router_topk.py) against the torch `Router`: the same
+experts and weights. Without CUDA through Triton's interpreter; on the GPU with the bf16 GEMM."""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import resources
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from mstar.kernels import router_topk  # noqa: E402
+from mstar.models.kimi_k3.config import parse_config  # noqa: E402
+from mstar.models.kimi_k3.moe import Router  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def router_config(experts, top_k, renormalize, scale):
+    raw = json.loads(resources.files("mstar.models.kimi_k3").joinpath("fixtures", "kimi_k3_config.json").read_text())
+    raw["text_config"].update(hidden_size=256, num_experts=experts, num_experts_per_token=top_k,
+                              moe_renormalize=renormalize, routed_scaling_factor=scale, num_expert_group=1,
+                              topk_group=1)
+    return parse_config(raw)
+
+
+@pytest.mark.parametrize("experts, top_k, renormalize, scale", [(224, 16, True, 1.0), (20, 3, False, 2.5),
+                                                                 (16, 1, True, 1.0)])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_selection_equals_the_torch_router(experts, top_k, renormalize, scale, dtype):
+    router = Router(router_config(experts, top_k, renormalize, scale)).to(DEVICE)
+    with torch.no_grad():
+        router.e_score_correction_bias.normal_(0, 0.05)
+    router = router.to(dtype)
+    x = torch.randn(9, 256, device=DEVICE).to(dtype)
+    expect = router(x)
+    ids, weights = router_topk.route(x, router.weight, router.e_score_correction_bias, top_k, renormalize, scale)
+    # the same set of experts per token (order is free), with the same weights
+    order, expect_order = ids.sort(-1), expect.experts.sort(-1)
+    assert torch.equal(order.values, expect_order.values)
+    got_w = weights.gather(1, order.indices)
+    want_w = expect.weights.gather(1, expect_order.indices)
+    torch.testing.assert_close(got_w, want_w.float(), rtol=1e-5, atol=1e-6)
