@@ -49,7 +49,7 @@ from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 from mstar.models.kimi_k3.config import KimiK3Config
-from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels
+from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.moe import Router
@@ -343,9 +343,10 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
     model = build_model(config, plan, dtype, device, generator)
     kernels = install_expert_kernels(model)
+    fused = install_fused_kernels(model)  # as EngineCore does: norms, AttnRes, router, KDA gated norm
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
-    progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers")
+    progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
     kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
     emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
                           page_size, kernels)
