@@ -15,7 +15,7 @@ from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
-from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -49,6 +49,7 @@ def model(tokenizer):
                 dense = getattr(e, name)
                 setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
     assert install_expert_kernels(m) == 3
+    assert install_fused_kernels(m)  # as EngineCore installs them
     return m
 
 
@@ -92,8 +93,15 @@ def test_every_bucket_replays_like_the_eager_step(model):
         slots = torch.randperm(MAX_BATCH + 1)[:batch].add(1).tolist()  # never the sink
         contexts = torch.randint(0, MAX_SEQ - 1, (batch,)).tolist()
         plan = decode_plan(cfg, contexts, slots)
+        # The eager reference runs the very step the replay runs (the staged bucket plan, same shapes, so
+        # the same GEMM kernels and MLA splits): only the experts' atomic sums may differ in order. An
+        # eager step of the unpadded plan can pick other cuBLAS kernels, whose bf16 rounding flips
+        # near-tied router choices now and then (measured: 2.1% on one batch of 11).
         ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
-        expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(plan)
+        graphs.stage(plan)
+        expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(
+            graphs.bucket_plan(graphs.bucket_for(batch)))
+        expect = expect[:batch]
         for _, (_, (logits, _)) in graphs.graphs.items():
             logits.fill_(float("nan"))  # poisoned: the replay must write every row read
         got, _ = graphs.run(plan)

@@ -96,7 +96,7 @@ class DecodeGraphs:
     def bucket_for(self, batch: int) -> int:
         return next(b for b in self.buckets if b >= batch)
 
-    def _plan(self, batch: int) -> BatchPlan:
+    def bucket_plan(self, batch: int) -> BatchPlan:
         """The static buffers' first `batch` rows as a decode plan."""
         kv = LatentKVPlan(self.page_table[:batch], self.slot_mapping[:batch], self.context_lens[:batch])
         # num_computed only sizes the MLA split count: the longest context any replay may see.
@@ -115,7 +115,7 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         start = time.perf_counter()
         for n, bucket in enumerate(reversed(self.buckets), 1):
-            plan = self._plan(bucket)
+            plan = self.bucket_plan(bucket)
             try:
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):  # compile and autotune outside the capture
@@ -144,6 +144,15 @@ class DecodeGraphs:
         if not self.can_run(plan):
             raise ValueError("DecodeGraphs.run takes decode plans of at most "
                              f"{self.max_batch} sequences that sample every row (check can_run first)")
+        batch, bucket = self.stage(plan)
+        graph, (logits, taps) = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return logits[:batch], (taps[:batch] if taps is not None else None)
+
+    def stage(self, plan: BatchPlan) -> tuple[int, int]:
+        """Copy `plan` into the step buffers, padding up to its bucket; (batch, bucket). After this,
+        `bucket_plan(bucket)` is the step a replay runs."""
         batch = len(plan.seq_starts) - 1
         bucket = self.bucket_for(batch)
         width = plan.kv.page_table.shape[1]
@@ -154,10 +163,7 @@ class DecodeGraphs:
         self.context_lens[:batch].copy_(plan.kv.context_lens)
         self.kda_slots[:batch].copy_(plan.kda_slots)
         self._pad(batch, bucket)
-        graph, (logits, taps) = self.graphs[bucket]
-        graph.replay()
-        self.replays += 1
-        return logits[:batch], (taps[:batch] if taps is not None else None)
+        return batch, bucket
 
     def _pad(self, start: int, end: int) -> None:
         """Rows start..end-1 become padding: token 0 at position 0 of the sink page and slot."""
