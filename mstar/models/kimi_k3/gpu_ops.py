@@ -16,13 +16,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels import attn_res_norm, kda_decode, kda_fla, mla_attention, moe_mxfp4, router_topk
+from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, kda_fla, mla_attention, moe_mxfp4, router_topk
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 from .kda import GatedHeadNorm, KimiDeltaAttention
 from .mla import GatedMLA
+from .mlp import GatedMLP
 from .model import KimiK3ForCausalLM
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
@@ -144,8 +145,9 @@ def install_layer_kernel(moe: LatentMoE) -> bool:
 
 def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
     """One-launch Triton kernels for the small operations of a bf16/fp16 model on CUDA: every RMSNorm,
-    every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py)
-    and the routers' selection (kernels/router_topk.py); whether they were installed. fp32/fp64
+    every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py),
+    the routers' selection (kernels/router_topk.py) and the dense SiTU MLPs (kernels/gated_mlp.py);
+    whether they were installed. fp32/fp64
     models keep the torch path, whose exact summation order the CPU reference shares."""
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
@@ -157,6 +159,8 @@ def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
             module.kernel = kda_decode.gated_head_norm
         elif isinstance(module, Router) and module.config.num_expert_group == 1:
             module.kernel = _router_kernel(module)
+        elif isinstance(module, GatedMLP) and module.config.hidden_act == "situ" and module.kernel is None:
+            module.kernel = gated_mlp.fused_forward(module)  # once: it restacks the weights
     if model.config.attn_res_block_size is not None:
         model.model.mix_norm = attn_res_norm.attn_res_norm
     return True

@@ -1,0 +1,68 @@
+"""The dense gated MLPs (layer 0's MLP, the shared experts) on the GPU: gate and up projections as one
+GEMM over their stacked weights, then SiTU(gate) * up in one Triton launch.
+
+Torch runs two GEMMs and ~8 elementwise launches (casts, tanh, sigmoid, products) per MLP; at decode
+each costs a launch, not bandwidth. The stacked weight [2I, D] is one tensor whose halves become
+the modules' gate_proj and up_proj weights (views), so nothing is held twice.
+
+`situ_and_mul` equals `models/kimi_k3/mlp.situ` (fp32 arithmetic, one rounding at the end).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from mstar.models.kimi_k3.mlp import GatedMLP
+
+
+def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """gate_up [T, 2I] (gate columns first, unit column stride) -> SiTU(gate, up) [T, I] in its dtype."""
+    T, two_i = gate_up.shape
+    inter = two_i // 2
+    out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _situ_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), inter, beta, linear_beta,
+                                                 BLOCK=block, num_warps=4)
+    return out
+
+
+@triton.jit
+def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    a = tl.load(gu_ptr + t * stride + cols, mask=ok, other=0).to(tl.float32)
+    b = tl.load(gu_ptr + t * stride + inter + cols, mask=ok, other=0).to(tl.float32)
+    y = beta * _tanh(a / beta) * tl.sigmoid(a) * (linear_beta * _tanh(b / linear_beta))
+    tl.store(out_ptr + t * inter + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _tanh(u):
+    # tanh(u) = 1 - 2 / (exp(2u) + 1): finite for any u (exp overflows to inf, giving 1)
+    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
+
+
+def stack_gate_up(mlp: GatedMLP) -> torch.Tensor:
+    """Stack gate_proj and up_proj into one [2I, D] weight and make the modules' weights its halves."""
+    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
+    stacked = torch.cat([gate.detach(), up.detach()])
+    mlp.gate_proj.weight = nn.Parameter(stacked[: gate.shape[0]], requires_grad=False)
+    mlp.up_proj.weight = nn.Parameter(stacked[gate.shape[0]:], requires_grad=False)
+    return stacked
+
+
+def fused_forward(mlp: GatedMLP):
+    """The GPU forward of a SiTU `GatedMLP`: x -> down(SiTU(stacked gate/up GEMM))."""
+    stacked = stack_gate_up(mlp)
+    cfg = mlp.config
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        act = situ_and_mul(F.linear(x, stacked), cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        return mlp.down_proj(act)
+
+    return forward
