@@ -82,11 +82,15 @@ def test_kda_step_matches_torch(dtype, tol, shape):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shape", [(4, 32, 128), (12, 128, 1024)])
-def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stacked):
     """One row per sequence, slots out of order: state and conv windows written in place by slot
-    (fla's state-indexed recurrent kernel); the other slots are untouched."""
+    (fla's state-indexed recurrent kernel); the other slots are untouched. With `stacked`, x's
+    projections run as one GEMM (the torch reference reads the same weights, now views)."""
     heads, head_dim, hidden = shape
     attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
+    if stacked:
+        kda_fla.stack_input_projections(attn)
     slots = torch.tensor([7, 2, 5, 1], device="cuda")
     x = torch.randn(4, hidden, device="cuda", dtype=dtype)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None, kda_slots=slots,

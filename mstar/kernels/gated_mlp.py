@@ -2,8 +2,7 @@
 GEMM over their stacked weights, then SiTU(gate) * up in one Triton launch.
 
 Torch runs two GEMMs and ~8 elementwise launches (casts, tanh, sigmoid, products) per MLP; at decode
-each costs a launch, not bandwidth. The stacked weight [2I, D] is one tensor whose halves become
-the modules' gate_proj and up_proj weights (views), so nothing is held twice.
+each costs a launch, not bandwidth. The gate and up weights are stacked (`StackedLinear`).
 
 `situ_and_mul` equals `models/kimi_k3/mlp.situ` (fp32 arithmetic, one rounding at the end).
 """
@@ -14,8 +13,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from torch import nn
 
+from mstar.kernels.stacked_linear import StackedLinear
 from mstar.models.kimi_k3.mlp import GatedMLP
 
 
@@ -47,22 +46,13 @@ def _tanh(u):
     return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
 
 
-def stack_gate_up(mlp: GatedMLP) -> torch.Tensor:
-    """Stack gate_proj and up_proj into one [2I, D] weight and make the modules' weights its halves."""
-    gate, up = mlp.gate_proj.weight, mlp.up_proj.weight
-    stacked = torch.cat([gate.detach(), up.detach()])
-    mlp.gate_proj.weight = nn.Parameter(stacked[: gate.shape[0]], requires_grad=False)
-    mlp.up_proj.weight = nn.Parameter(stacked[gate.shape[0]:], requires_grad=False)
-    return stacked
-
-
 def fused_forward(mlp: GatedMLP):
     """The GPU forward of a SiTU `GatedMLP`: x -> down(SiTU(stacked gate/up GEMM))."""
-    stacked = stack_gate_up(mlp)
+    gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
     cfg = mlp.config
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        act = situ_and_mul(F.linear(x, stacked), cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
+        act = situ_and_mul(F.linear(x, gate_up.weight), cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
         return mlp.down_proj(act)
 
     return forward

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import kda_decode as kda_decode_kernels
+from mstar.kernels.stacked_linear import StackedLinear
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
@@ -84,6 +85,25 @@ def _row_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, 
     return seq.to(device), pos.to(device)
 
 
+def stack_input_projections(attn: KimiDeltaAttention) -> None:
+    """Make x's projections one GEMM (q, k, v, f_a, b and the gate's first stage; `StackedLinear`)."""
+    gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
+    attn.stacked_inputs = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj, gate])
+
+
+def input_projections(attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(q, k, v pre-conv, the gate f before the kernel's activation, beta before its sigmoid, the output
+    gate) of rows x, through the stacked GEMM when the layer has one."""
+    first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
+    stacked = attn.stacked_inputs
+    if stacked is not None:
+        q, k, v, f_a, beta, g = stacked(x)
+    else:
+        q, k, v, f_a, beta, g = (p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj,
+                                                first_gate))
+    return q, k, v, attn.f_b_proj(f_a), beta, g if attn.use_full_rank_gate else attn.g_b_proj(g)
+
+
 @dataclass(frozen=True)
 class DecodeConstants:
     """A KDA layer's parameters as the decode kernels take them, converted once (not every step)."""
@@ -106,16 +126,16 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     B, (H, K) = x.shape[0], (attn.num_heads, attn.head_dim)
-    q, k, v = kda_decode_kernels.decode_conv(attn.q_proj(x), attn.k_proj(x), attn.v_proj(x), pool.conv[layer],
-                                             slots, consts.conv_weight).view(3, B, 1, H, K)
+    q, k, v, f, beta, gate = input_projections(attn, x)
+    q, k, v = kda_decode_kernels.decode_conv(q, k, v, pool.conv[layer], slots, consts.conv_weight).view(3, B, 1, H, K)
     o, _ = fused_recurrent_kda_fwd(
-        q=q, k=k, v=v, g=attn.f_b_proj(attn.f_a_proj(x)).view(B, 1, H, K), beta=attn.b_proj(x).view(B, 1, H).float(),
+        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.view(B, 1, H).float(),
         A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
         initial_state=pool.state[layer], inplace_final_state=True, ssm_state_indices=slots,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=attn.gate_lower_bound,
     )
-    o = attn.o_norm(o.view(B, H, K).to(x.dtype), attn._output_gate(x).view(B, H, K))
+    o = attn.o_norm(o.view(B, H, K).to(x.dtype), gate.view(B, H, K))
     return attn.o_proj(o.reshape(B, -1))
 
 
@@ -128,11 +148,10 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
 
     H, K = attn.num_heads, attn.head_dim
     windows = pool.conv[layer, slots]  # [B, 3, W-1, width]
-    q, q_win = varlen_short_conv(attn.q_proj(x), attn.q_conv1d.weight, windows[:, 0], lengths)
-    k, k_win = varlen_short_conv(attn.k_proj(x), attn.k_conv1d.weight, windows[:, 1], lengths)
-    v, v_win = varlen_short_conv(attn.v_proj(x), attn.v_conv1d.weight, windows[:, 2], lengths)
-    f = attn.f_b_proj(attn.f_a_proj(x))
-    beta = attn.b_proj(x)
+    q, k, v, f, beta, gate = input_projections(attn, x)
+    q, q_win = varlen_short_conv(q, attn.q_conv1d.weight, windows[:, 0], lengths)
+    k, k_win = varlen_short_conv(k, attn.k_conv1d.weight, windows[:, 1], lengths)
+    v, v_win = varlen_short_conv(v, attn.v_conv1d.weight, windows[:, 2], lengths)
     cu = torch.tensor([0, *lengths], device=x.device).cumsum(0)
     state = pool.state[layer, slots].float().contiguous()  # [B, H, K, V]
     args = dict(
@@ -151,7 +170,7 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
         kept = slots[keep]
         pool.state[layer, kept] = final[keep].to(pool.state.dtype)
         pool.conv[layer, kept] = torch.stack([q_win, k_win, v_win], dim=1)[keep].to(pool.conv.dtype)
-    o = attn.o_norm(o.view(-1, H, K).to(x.dtype), attn._output_gate(x).view(-1, H, K))
+    o = attn.o_norm(o.view(-1, H, K).to(x.dtype), gate.reshape(-1, H, K))
     return attn.o_proj(o.reshape(x.shape[0], -1))
 
 

@@ -147,7 +147,7 @@ def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
     """One-launch Triton kernels for the small operations of a bf16/fp16 model on CUDA: every RMSNorm,
     every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py),
     the routers' selection (kernels/router_topk.py) and the dense SiTU MLPs (kernels/gated_mlp.py);
-    whether they were installed. fp32/fp64
+    KDA's input projections become one GEMM (kernels/stacked_linear.py). Whether they were installed. fp32/fp64
     models keep the torch path, whose exact summation order the CPU reference shares."""
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
@@ -161,6 +161,8 @@ def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
             module.kernel = _router_kernel(module)
         elif isinstance(module, GatedMLP) and module.config.hidden_act == "situ" and module.kernel is None:
             module.kernel = gated_mlp.fused_forward(module)  # once: it restacks the weights
+        elif isinstance(module, KimiDeltaAttention) and module.stacked_inputs is None:
+            kda_fla.stack_input_projections(module)
     if model.config.attn_res_block_size is not None:
         model.model.mix_norm = attn_res_norm.attn_res_norm
     return True

@@ -339,6 +339,9 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(hd, width, bias=False)
         self.o_norm = GatedHeadNorm(hd, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, D, bias=False)
+        # The projections of x stacked into one GEMM on the GPU (kda_fla.stack_input_projections); the
+        # modules above then hold views of it. None: one GEMM per projection.
+        self.stacked_inputs = None
 
     @property
     def scale(self) -> float:
