@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -51,6 +52,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET,
 RANK_E, RANK_K, RANK_H, RANK_I = 224, 16, 3584, 384
 # Tiny shapes for the interpreter (H and I must be multiples of 128).
 TINY_E, TINY_K, TINY_H, TINY_I = 4, 2, 128, 128
+# The decode path (no alignment) at K3's top-16, over few enough experts that tokens share them.
+DIRECT_E, DIRECT_K = 24, 16
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,11 +67,12 @@ def new_generator(device) -> torch.Generator:
     return generator
 
 
-def tiny_experts(gen: torch.Generator) -> moe.StackedExperts:
+def tiny_experts(gen: torch.Generator, num_experts: int = TINY_E, hidden: int = TINY_H,
+                 inter: int = TINY_I) -> moe.StackedExperts:
     """Per-expert checkpoint-style tensors, stacked by stack_experts."""
-    w1 = [random_mxfp4(TINY_I, TINY_H, gen) for _ in range(TINY_E)]
-    w3 = [random_mxfp4(TINY_I, TINY_H, gen) for _ in range(TINY_E)]
-    w2 = [random_mxfp4(TINY_H, TINY_I, gen) for _ in range(TINY_E)]
+    w1 = [random_mxfp4(inter, hidden, gen) for _ in range(num_experts)]
+    w3 = [random_mxfp4(inter, hidden, gen) for _ in range(num_experts)]
+    w2 = [random_mxfp4(hidden, inter, gen) for _ in range(num_experts)]
     return moe.stack_experts(w1, w3, w2)
 
 
@@ -108,6 +112,18 @@ def routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Generator,
     return ids, weights / weights.sum(dim=1, keepdim=True)
 
 
+def drop_some(ids: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """ids with about a quarter of the pairs DROPPED (experts other ranks hold): always the second pair
+    and, with several tokens, all of the last token's pairs; never token 0's first and last slot (the
+    pair that "repeat_in_token" repeats stays repeated)."""
+    dropped = torch.rand(ids.shape, generator=gen, device=ids.device) < 0.25
+    if ids.shape[0] > 1:
+        dropped[-1] = True
+    dropped[0, 1] = True
+    dropped[0, 0] = dropped[0, -1] = False
+    return ids.masked_fill(dropped, moe.DROPPED)
+
+
 def poisoned_workspace(num_tokens, top_k, stacked, config) -> moe.MoEWorkspace:
     """A workspace whose every entry is wrong until the kernels write it (NaN, or a wrong index)."""
     e, h, i = moe.check_weights(*stacked)
@@ -141,7 +157,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_alignment(ws: moe.MoEWorkspace, ids: torch.Tensor) -> None:
     """Experts in order, each with whole blocks but its last, holding exactly its pairs in pair order;
-    unused blocks (expert -1, no rows) only at the end."""
+    unused blocks (expert -1, no rows) only at the end; DROPPED pairs nowhere. Without alignment: no
+    blocks at all."""
+    if ws.num_blocks == 0:
+        assert ws.sorted_pair.numel() == 0 and ws.block_rows.numel() == 0
+        return
     flat = ids.reshape(-1).cpu()
     block_expert, block_rows = ws.block_expert.cpu().tolist(), ws.block_rows.cpu().tolist()
     sorted_pair = ws.sorted_pair.cpu().view(-1, ws.block_m)
@@ -158,6 +178,8 @@ def check_alignment(ws: moe.MoEWorkspace, ids: torch.Tensor) -> None:
             assert expert not in placed and (b == 0 or block_expert[b - 1] < expert), f"expert {expert} out of order"
         placed.setdefault(expert, []).extend(sorted_pair[b, :rows].tolist())
     for expert in flat.unique().tolist():
+        if expert == moe.DROPPED:
+            continue
         expected = (flat == expert).nonzero().flatten().tolist()
         assert placed.pop(expert, None) == expected, f"expert {expert}: wrong pairs or order"
     assert not placed, f"blocks for unused experts {sorted(placed)}"
@@ -207,6 +229,80 @@ def test_tiny_repeated_and_unused_experts(pattern):
     out, ws, _ = run_kernel(z, ids, weights, stacked, config)
     assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
     check_alignment(ws, ids)
+
+
+def direct_config(num_tokens: int, **changes) -> moe.MoEConfig:
+    """The default (decode path) config at DIRECT_E/DIRECT_K, on the interpreter with wide N tiles:
+    2 gate/up and 1 down program per expert instead of 8 and 2 keep the CPU run short."""
+    config = moe.default_config(num_tokens, DIRECT_K, DIRECT_E)
+    assert not config.align, "the default dispatch skips the alignment up to DIRECT_MAX_PAIRS pairs"
+    if INTERPRET:
+        changes = {"gate_up": moe.GemmTile(64, 128), "down": moe.GemmTile(128, 128), **changes}
+    return replace(config, **changes)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize(("num_tokens", "pattern"), [(1, "random"), (2, "repeat_in_token"), (5, "random"),
+                                                     (8, "random"), (8, "repeat_in_token")])
+def test_direct_matches_reference(num_tokens, pattern):
+    """The decode path (no alignment) at top-16 over 24 experts: tokens share experts (each expert's
+    program computes all its tokens), some pairs are DROPPED, and "repeat_in_token" routes a token to
+    one expert twice (one row, the two combine weights summed)."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E)
+    z = torch.randn(num_tokens, TINY_H, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    ids, weights = routing(num_tokens, DIRECT_E, DIRECT_K, gen, pattern)
+    ids = drop_some(ids, gen)
+    out, ws, _ = run_kernel(z, ids, weights, stacked, direct_config(num_tokens))
+    assert ws.num_blocks == 0
+    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
+
+
+@needs_kernel_device
+@pytest.mark.parametrize(("decode", "swap_ab"), [("select", True), ("subnormal", False)])
+def test_direct_variants(decode, swap_ab):
+    """The decode path with the other decode and with the activations as the dot's A operand."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E)
+    z = torch.randn(3, TINY_H, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    ids, weights = routing(3, DIRECT_E, DIRECT_K, gen)
+    ids = drop_some(ids, gen)
+    out, _, _ = run_kernel(z, ids, weights, stacked, direct_config(3, decode=decode, swap_ab=swap_ab))
+    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("align", [False, True])
+def test_split_k(align):
+    """Both GEMMs split in two along K (H = I = 256): the gate/up part that completes a tile adds up the
+    others' and applies SiTU, the down parts add into the output. The split buffers are left zero, so a
+    second call on the same workspace (new inputs) is right too."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E, hidden=256, inter=256)
+    split = {"gate_up": moe.GemmTile(128, 128, split_k=2), "down": moe.GemmTile(128, 128, split_k=2)}
+    config = moe.fit_config(replace(moe.default_config(3, DIRECT_K, DIRECT_E, align=align), **split), 256, 256)
+    assert (config.gate_up.split_k, config.down.split_k) == (2, 2)
+    ws = poisoned_workspace(3, DIRECT_K, stacked, config)
+    for _ in range(2):
+        z = torch.randn(3, 256, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+        ids, weights = routing(3, DIRECT_E, DIRECT_K, gen)
+        ids = drop_some(ids, gen)
+        out = torch.full((3, 256), float("nan"), device=TINY_DEVICE)
+        ws.hidden_act.fill_(float("nan"))
+        moe.moe_mxfp4(z, ids, weights, *stacked, config=config, out=out, workspace=ws)
+        assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
+        assert not ws.split_sum.any() and not ws.split_count.any(), "the split buffers must be left zero"
+
+
+@needs_kernel_device
+def test_direct_all_dropped():
+    """Every pair dropped: nothing computed, the output is zero (the gate/up launch still zeroes it)."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E)
+    z = torch.randn(2, TINY_H, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    ids, weights = routing(2, DIRECT_E, DIRECT_K, gen)
+    out, _, _ = run_kernel(z, torch.full_like(ids, moe.DROPPED), weights, stacked, direct_config(2))
+    assert torch.equal(out, torch.zeros_like(out))
 
 
 @needs_kernel_device
@@ -298,6 +394,16 @@ def test_inputs_are_checked():
         moe.check_weights(*moe.stack_experts(*(3 * [[random_mxfp4(64, 64, gen)]])))
     with pytest.raises(ValueError, match="block_m"):
         moe.fit_config(moe.MoEConfig(24, moe.GemmTile(16, 128), moe.GemmTile(16, 128)), TINY_H, TINY_I)
+    with pytest.raises(ValueError, match="combine must be 'atomic'"):
+        moe.fit_config(replace(moe.default_config(1, 2, 2), combine="reduce"), TINY_H, TINY_I)
+    with pytest.raises(ValueError, match="split_k must be >= 1"):
+        moe.fit_config(replace(moe.default_config(1, 2, 2), gate_up=moe.GemmTile(16, 128, split_k=0)), TINY_H, TINY_I)
+    with pytest.raises(ValueError, match="split down GEMM"):
+        moe.fit_config(moe.MoEConfig(16, moe.GemmTile(16, 128), moe.GemmTile(16, 128, split_k=2), "reduce"), 128, 256)
+    too_short = replace(moe.default_config(17, 1, 2, align=False), block_m=16)
+    with pytest.raises(ValueError, match="block_m >= T"):
+        moe.moe_mxfp4(torch.zeros(17, TINY_H, dtype=torch.bfloat16), torch.zeros(17, 1, dtype=torch.int64),
+                      torch.ones(17, 1), *stacked, config=too_short)
     assert not moe.supported("cpu")
 
 
@@ -321,12 +427,21 @@ def test_stack_from_checkpoint_names():
 
 def test_config_table_and_block_bound():
     for tokens in (1, 8, 16, 64, 256, 1024, 8192):
-        config = moe.fit_config(moe.default_config(tokens, RANK_K, RANK_E), RANK_H, RANK_I)
-        assert RANK_I % config.gate_up.block_n == 0 and RANK_H % config.gate_up.block_k == 0
-        assert RANK_H % config.down.block_n == 0 and RANK_I % config.down.block_k == 0
+        for align in (None, True):
+            config = moe.fit_config(moe.default_config(tokens, RANK_K, RANK_E, align=align), RANK_H, RANK_I)
+            assert RANK_I % config.gate_up.block_n == 0 and RANK_H % config.gate_up.block_k == 0
+            assert RANK_H % config.down.block_n == 0 and RANK_I % config.down.block_k == 0
+        # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 8 at top-16), the alignment above.
+        assert moe.default_config(tokens, RANK_K, RANK_E).align == (tokens * RANK_K > moe.DIRECT_MAX_PAIRS)
+    direct = moe.default_config(40, RANK_K, RANK_E, align=False)
+    assert not direct.align and direct.block_m == 64 and direct.combine == "atomic"
     shrunk = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(256, 1024), moe.GemmTile(512, 512)), TINY_H, TINY_I)
     assert (shrunk.gate_up.block_n, shrunk.gate_up.block_k, shrunk.down.block_n, shrunk.down.block_k) == (
         128, 128, 128, 128)
+    # split_k shrinks to whole scale words per part: 3584 = 28 x 128 splits in 7 (not 8) parts, 384 in 3 (not 4).
+    split = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(32, 256, split_k=8), moe.GemmTile(64, 128, split_k=4)),
+                           RANK_H, RANK_I)
+    assert (split.gate_up.split_k, split.gate_up.block_k, split.down.split_k) == (7, 256, 3)
     # Worst cases: every pair its own expert, and every expert with one pair more than a block.
     assert moe.max_row_blocks(16, 224, 16) == 16
     assert moe.max_row_blocks(224 * 17, 224, 16) >= 224 * 2
@@ -343,11 +458,11 @@ def rank_weights():
     return rank_experts(new_generator("cuda"))
 
 
-def rank_inputs(num_tokens: int, pattern: str = "random"):
+def rank_inputs(num_tokens: int, pattern: str = "random", drop: bool = False):
     gen = new_generator("cuda")
     z = torch.randn(num_tokens, RANK_H, generator=gen, device="cuda").to(torch.bfloat16)
     ids, weights = routing(num_tokens, RANK_E, RANK_K, gen, pattern)
-    return z, ids, weights
+    return z, drop_some(ids, gen) if drop else ids, weights
 
 
 @gpu
@@ -359,6 +474,39 @@ def test_gpu_matches_reference(rank_weights, num_tokens):
     print(f"T={num_tokens} {config}: relative error {err:.2e}")
     assert err < BF16_BOUND
     check_alignment(ws, ids)
+
+
+@gpu
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize(("num_tokens", "pattern"), [(1, "random"), (2, "repeat_in_token"), (5, "skewed"),
+                                                     (8, "random"), (8, "hot"), (16, "skewed")])
+def test_gpu_direct_and_aligned(rank_weights, num_tokens, pattern, align):
+    """Both pipelines at decode sizes on real shapes, with DROPPED pairs and shared experts."""
+    z, ids, weights = rank_inputs(num_tokens, pattern, drop=True)
+    out, ws, config = run_kernel(z, ids, weights, rank_weights, moe.default_config(num_tokens, RANK_K, RANK_E,
+                                                                                    align=align))
+    err = relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *rank_weights))
+    print(f"T={num_tokens} {pattern} align={align}: relative error {err:.2e}")
+    assert err < BF16_BOUND
+    check_alignment(ws, ids)
+
+
+@gpu
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize("gate_up", [moe.GemmTile(32, 256, split_k=2), moe.GemmTile(64, 128, split_k=4)])
+def test_gpu_split_k(rank_weights, gate_up, align):
+    """Split gate/up at real shapes, twice on one workspace. (64, 128, split 4) once lost sums: its
+    loads and stores of the sums went to different threads (now one exchange per element)."""
+    config = moe.fit_config(replace(moe.default_config(8, RANK_K, RANK_E, align=align), gate_up=gate_up,
+                                    down=moe.GemmTile(128, 128, split_k=3)), RANK_H, RANK_I)
+    ws = poisoned_workspace(8, RANK_K, rank_weights, config)
+    for pattern in ("random", "hot"):
+        z, ids, weights = rank_inputs(8, pattern, drop=True)
+        out = torch.full((8, RANK_H), float("nan"), device="cuda")
+        ws.hidden_act.fill_(float("nan"))
+        moe.moe_mxfp4(z, ids, weights, *rank_weights, config=config, out=out, workspace=ws)
+        assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *rank_weights)) < BF16_BOUND
+        assert not ws.split_sum.any() and not ws.split_count.any()
 
 
 @gpu
@@ -394,21 +542,22 @@ def test_gpu_reduce_is_deterministic(rank_weights):
 
 
 @gpu
-@pytest.mark.parametrize("num_tokens", [1, 64])
+@pytest.mark.parametrize("num_tokens", [1, 8, 64])
 def test_gpu_cuda_graph_replay(rank_weights, num_tokens):
-    """Captured once, replayed on new inputs copied into the static buffers."""
+    """Captured once, replayed on new inputs copied into the static buffers (new routing, DROPPED pairs
+    included: the decode path finds each program's expert and tokens on the device)."""
     e, h, i = moe.check_weights(*rank_weights)
     config = moe.fit_config(moe.default_config(num_tokens, RANK_K, e), h, i)
     ws = moe.MoEWorkspace.allocate(num_tokens, RANK_K, e, h, i, config, "cuda")
-    z, ids, weights = rank_inputs(num_tokens)
+    z, ids, weights = rank_inputs(num_tokens, drop=True)
     out = torch.empty(num_tokens, h, device="cuda")
     moe.moe_mxfp4(z, ids, weights, *rank_weights, config=config, out=out, workspace=ws)  # compile outside
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         moe.moe_mxfp4(z, ids, weights, *rank_weights, config=config, out=out, workspace=ws)
-    for _ in range(2):
-        new_z, new_ids, new_weights = rank_inputs(num_tokens)
+    for pattern in ("random", "hot"):
+        new_z, new_ids, new_weights = rank_inputs(num_tokens, pattern, drop=True)
         z.copy_(new_z)
         ids.copy_(new_ids)
         weights.copy_(new_weights)

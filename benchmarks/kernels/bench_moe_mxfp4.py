@@ -7,8 +7,12 @@ Shapes: E = 224 experts, top-16, H_lat = 3584, I = 384 (K3 pruned75, one rank of
 canonical MXFP4 weights (`random_mxfp4`), random top-16 routing with renormalised positive weights.
 
 What is timed: the whole step (alignment, gate/up GEMM + SiTU, down GEMM, combine) captured in one
-CUDA graph, replayed with CUDA events around each replay; the median is reported. The CPU queues all
-replays behind a long GPU sleep, so the events time GPU work, not Python's launch pace. Each replay
+CUDA graph, replayed with CUDA events around each replay; the median is reported. 'mstar' is the
+default dispatch (`default_config`: up to DIRECT_MAX_PAIRS pairs it skips the alignment); 'aligned'
+forces the alignment pipeline (`default_config(..., align=True)`), for comparison. Per-launch times
+are differences between graphs of the first 1, 2, ... launches (the first includes the graph's own
+launch). The CPU queues all replays behind a long GPU sleep, so the events time GPU work, not
+Python's launch pace. Each replay
 reads one of SETS weight copies in turn (different memory, same routing): between two reads of the
 same copy at least (SETS - 1) x 35 MB of other weights pass through the 50 MB L2, so weights come
 from HBM, as they do in a model whose 92 MoE layers are far larger than L2.
@@ -155,19 +159,31 @@ class MstarStep:
         self.run(self.sets[0])
         return relative_error(self.out, ref)
 
-    def time(self, reps: int, stages: str = "all") -> float:
+    def time(self, reps: int, stages: int | None = None) -> float:
         graphs = [capture(lambda s=s: self.run_stages(s, stages)) for s in self.sets]
         return time_graphs(graphs, reps)
 
-    def run_stages(self, stacked, stages: str):
-        """The pipeline up to a stage, through the launchers moe_mxfp4 uses, for a time breakdown."""
-        if stages == "all":
+    def stage_names(self) -> list[str]:
+        return (["align"] if self.config.align else []) + ["gate_up", "down"]
+
+    def run_stages(self, stacked, stages: int | None):
+        """The first `stages` launches of the pipeline (all: None), through the launchers moe_mxfp4
+        uses, for a time breakdown."""
+        if stages is None:
             return self.run(stacked)
-        cfg, ws = self.config, self.ws
-        moe._launch_align(self.ids, E, ws)
-        if stages == "align+gate_up":
-            moe._launch_gate_up(self.z, stacked.w13_packed, stacked.w13_scale, self.out, K, cfg, ws,
-                                moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+        cfg, ws, ids = self.config, self.ws, self.ids
+        launches = [lambda: moe._launch_gate_up(self.z, ids, stacked.w13_packed, stacked.w13_scale, self.out, cfg,
+                                                ws, moe.SITU_BETA, moe.SITU_LINEAR_BETA)]
+        if cfg.align:
+            launches.insert(0, lambda: moe._launch_align(ids, E, ws))
+        for launch in launches[:stages]:
+            launch()
+
+    def breakdown(self, reps: int, total_us: float) -> dict[str, float]:
+        """µs per stage: graphs of the first 1, 2, ... launches, differenced (the last is total - rest)."""
+        names = self.stage_names()
+        prefix = [self.time(reps, n) for n in range(1, len(names))] + [total_us]
+        return {name: t - (prefix[i - 1] if i else 0.0) for i, (name, t) in enumerate(zip(names, prefix, strict=True))}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,17 +223,21 @@ def time_torch(bf16_sets, z, ids, weights, ref, reps) -> tuple[float | None, flo
 BLOCK_MS = (16, 32, 64, 128)
 GATE_UP_TILES = (moe.GemmTile(16, 256), moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 128),
                  moe.GemmTile(16, 512), moe.GemmTile(32, 256, num_warps=2), moe.GemmTile(64, 128, num_warps=8),
-                 moe.GemmTile(64, 256, num_warps=8, num_stages=2))
+                 moe.GemmTile(64, 256, num_warps=8, num_stages=2), moe.GemmTile(32, 256, split_k=2),
+                 moe.GemmTile(32, 128, split_k=4), moe.GemmTile(32, 256, split_k=7))
 DOWN_TILES = (moe.GemmTile(32, 128), moe.GemmTile(64, 128), moe.GemmTile(128, 128), moe.GemmTile(64, 128, num_warps=2),
-              moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(256, 128, num_warps=8, num_stages=2))
+              moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(256, 128, num_warps=8, num_stages=2),
+              moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3))
 
 
 def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
-    """Coordinate search from the default config: block_m, gate/up tile, down tile, swap_ab, combine, decode."""
+    """Coordinate search from the default config: align, block_m, gate/up tile, down tile, swap_ab, combine,
+    decode."""
     rows = z.shape[0] * K / E
     best = moe.fit_config(moe.default_config(z.shape[0], K, E), H, I)
     best_us = MstarStep(sets, z, ids, weights, best).time(reps)
     axes = [
+        ("align", (True, False)),
         ("block_m", [bm for bm in BLOCK_MS if bm <= max(16, 4 * rows)]),
         ("gate_up", GATE_UP_TILES),
         ("down", DOWN_TILES),
@@ -228,7 +248,10 @@ def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
     tried = {best}
     for field, values in axes:
         for value in values:
-            candidate = moe.fit_config(moe.MoEConfig(**{**best.__dict__, field: value}), H, I)
+            try:
+                candidate = moe.fit_config(moe.MoEConfig(**{**best.__dict__, field: value}), H, I)
+            except ValueError:  # e.g. align=False with combine="reduce"
+                continue
             if candidate in tried:
                 continue
             tried.add(candidate)
@@ -283,12 +306,14 @@ def main() -> None:
         step = MstarStep(sets, z, ids, weights, moe.default_config(num_tokens, K, E))
         err = step.check(ref)
         us = step.time(args.reps)
-        align_us = step.time(args.reps, "align")
-        gate_up_us = step.time(args.reps, "align+gate_up") - align_us
         row = {"tokens": num_tokens, "experts": distinct, "floor_bytes": floor_bytes, "floor_us": floor_us,
-               "us": us, "rel_err": err, "align_us": align_us, "gate_up_us": gate_up_us,
-               "down_us": us - align_us - gate_up_us, "config": asdict(step.config),
+               "us": us, "rel_err": err, "stages_us": step.breakdown(args.reps, us), "config": asdict(step.config),
                "humming_us": HUMMING_US.get(num_tokens)}
+        if not step.config.align:
+            aligned = MstarStep(sets, z, ids, weights, moe.default_config(num_tokens, K, E, align=True))
+            row["aligned_err"] = aligned.check(ref)
+            row["aligned_us"] = aligned.time(args.reps)
+            row["aligned_stages_us"] = aligned.breakdown(args.reps, row["aligned_us"])
         if bf16_sets:
             row["torch_us"], row["torch_err"] = time_torch(bf16_sets, z, ids, weights, ref, args.reps)
         if args.tune:
@@ -311,15 +336,20 @@ def print_table(results: list[dict], tuned: bool) -> None:
     print(f"MXFP4 routed experts, one TP8 rank of pruned75 (E={E}, top-{K}, H_lat={H}, I={I}); "
           "CUDA graph, median; floor at 4.26 TB/s")
     head = ["T", "experts", "floor us", "mstar us", "x floor", "TB/s", "align/gate-up/down us", "rel err",
-            "torch bf16 us", "humming us (§6)"]
+            "aligned us", "aligned align/gate-up/down us", "torch bf16 us", "humming us (§6)"]
     if tuned:
         head += ["tuned us", "x floor"]
+    def stages(times: dict[str, float]) -> str:
+        return "/".join(f"{times[name]:.1f}" if name in times else "-" for name in ("align", "gate_up", "down"))
+
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in results:
+        # Without alignment, 'aligned' times the alignment pipeline forced; with it, the two are one step.
+        aligned_us, aligned_stages = r.get("aligned_us", r["us"]), r.get("aligned_stages_us", r["stages_us"])
         cells = [str(r["tokens"]), str(r["experts"]), cell(r["floor_us"]), cell(r["us"]),
                  cell(r["us"] / r["floor_us"], "{:.2f}x"), cell(r["floor_bytes"] / r["us"] / 1e6, "{:.2f}"),
-                 f"{r['align_us']:.1f}/{r['gate_up_us']:.1f}/{r['down_us']:.1f}", cell(r["rel_err"], "{:.1e}"),
+                 stages(r["stages_us"]), cell(r["rel_err"], "{:.1e}"), cell(aligned_us), stages(aligned_stages),
                  cell(r.get("torch_us")), cell(r["humming_us"])]
         if tuned:
             cells += [cell(r["tuned_us"]), cell(r["tuned_us"] / r["floor_us"], "{:.2f}x")]

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar.kernels.moe_mxfp4 import _tanh  # the experts' SiTU uses the same tanh
 from mstar.kernels.stacked_linear import StackedLinear
 from mstar.models.kimi_k3.mlp import GatedMLP
 
@@ -38,12 +39,6 @@ def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.co
     b = tl.load(gu_ptr + t * stride + inter + cols, mask=ok, other=0).to(tl.float32)
     y = beta * _tanh(a / beta) * tl.sigmoid(a) * (linear_beta * _tanh(b / linear_beta))
     tl.store(out_ptr + t * inter + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _tanh(u):
-    # tanh(u) = 1 - 2 / (exp(2u) + 1): finite for any u (exp overflows to inf, giving 1)
-    return 1.0 - 2.0 / (tl.exp(2.0 * u) + 1.0)
 
 
 def fused_forward(mlp: GatedMLP):

@@ -20,8 +20,8 @@ interleaves them as it loads a tile (gate row n at tile row 2n, up row n at 2n +
 yields both and SiTU is applied in registers. H and I must be multiples of 128 (the scales are read
 as int32 words of 4 groups; K3 at TP8: H = 3584, I = 384).
 
-Pipeline: 3 launches (4 with combine="reduce"), no host sync, so the step is CUDA-graph capturable;
-every buffer's size depends only on T, k, E and BLOCK_M (`MoEWorkspace`):
+Pipeline: 3 launches (4 with combine="reduce"; 2 without alignment, below), no host sync, so the step
+is CUDA-graph capturable; every buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
 
 1. `_align_kernel`: sorts the T*k (token, slot) pairs by expert, stably, each expert's run padded to
    whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row block, its expert
@@ -37,11 +37,30 @@ every buffer's size depends only on T, k, E and BLOCK_M (`MoEWorkspace`):
      it) and `_combine_kernel` adds the k rows of a token in a fixed order in fp32: deterministic,
      and cheaper than T*k*H atomics at large T.
 
+Configs come from a table by T and expected rows per expert (`default_config`), picked on the host
+by T (no autotuning inside a CUDA graph); benchmarks/kernels/bench_moe_mxfp4.py --tune searches
+around it.
+
 Small batches (decode) matter most: at one token the floor is reading 16 experts (35 MB per TP8 rank
-of pruned75) once. Configs come from a table by expected rows per expert (`default_config`), picked
-on the host by T (no autotuning inside a CUDA graph): at small T, BLOCK_M = 16 (the smallest
-tensor-core tile) and narrow N tiles give hundreds of programs, so that all SMs stream weights.
-benchmarks/kernels/bench_moe_mxfp4.py --tune searches around the table.
+of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200. Up to
+DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False): both GEMM launches run one
+program per (pair p, N tile, K part); p's program takes p's expert unless p is dropped or an earlier
+pair chose the same expert (then it exits at once), and its rows are all T tokens (BLOCK_M >= T, the
+token's row real if it chose the expert; its h row is its first such pair; the down kernel sums the
+combine weights of all such pairs). Each program finds this in the T*k ids itself (one [BLOCK_M, k]
+load from L2). So each touched expert is read and decoded once however many tokens share it: at T=8,
+128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB of a program per pair. The rows
+stay a tensor-core dot although at T=1 one of the 16 is real: its multiply-adds cost ~0.03
+instructions per weight (a 64x16x16 wgmma per 1024 weights and warp), where a CUDA-core GEMV would add
+a bf16->fp32 unpack and an FFMA per weight to the ~3 of decoding (compiled for sm_90: ~7 per weight
+against 5-6 for the dot; instruction issue, not HBM, is what bounds these loops).
+
+Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
+64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
+Splitting K gives each tile split_k programs. The down GEMM's parts add into the fp32 output like its
+k experts do (combine="atomic"); the gate/up parts add into `split_sum` (fp32, atomically) and the
+part that completes a tile (a counter per tile, `split_count`) reads the sum, applies SiTU as usual,
+and leaves sum and counter zero, so that a workspace needs zeroing only when allocated.
 
 Dequantization (`_dequant_mxfp4`): an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16
 number value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's
@@ -76,6 +95,8 @@ MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
+DIRECT_MAX_PAIRS = 256  # default_config skips the alignment up to this many pairs (T <= 16 at top-16)
+DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -211,29 +232,43 @@ class GemmTile:
     block_k: int  # reduction columns per step, a multiple of SCALE_WORD
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1  # programs sharing one output tile, each over K / split_k (module doc, "Split K")
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    block_m: int  # rows (pairs of one expert) per program; one alignment serves both GEMMs
+    block_m: int  # rows per program: pairs of one expert (align), or all T tokens (align=False: >= T)
     gate_up: GemmTile
     down: GemmTile
-    combine: str = "atomic"  # "atomic" or "reduce" (deterministic)
+    combine: str = "atomic"  # "atomic" or "reduce" (deterministic; needs align)
     decode: str = "subnormal"  # "subnormal" (fewer operations; scale bytes <= 128) or "select"
     swap_ab: bool = True  # weights as the dot's A operand (see _mxfp4_matmul); for small BLOCK_M
+    align: bool = True  # sort pairs by expert first; False: the decode path (module doc, "Small batches")
 
 
-def default_config(num_tokens: int, top_k: int, num_experts: int) -> MoEConfig:
+def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool | None = None) -> MoEConfig:
     """Tiles by expected rows per expert, T*k/E (the table benchmarks/kernels/bench_moe_mxfp4.py tunes).
 
-    Decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one token's 16
-    experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the dot's A
-    operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized once per
-    BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. These choices come
-    from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6 instructions per weight
-    in the main loops), not yet from timings.
+    align=None skips the alignment up to DIRECT_MAX_PAIRS pairs (module doc, "Small batches"); True or
+    False forces the choice (benchmarks and tests compare the two). Without alignment every program's
+    rows are the T tokens, so BLOCK_M = T rounded up to a tensor-core tile; gate/up tiles of 64 rows
+    (BLOCK_N = 32: one wgmma M) and down tiles of 128 were the best of a sweep on the H200 at T = 1-32,
+    and splitting the gate/up K in two paid at T = 1 only (39.5 -> 34.6 us; 153 vs 144 us at T = 8).
+
+    With alignment, decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one
+    token's 16 experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the
+    dot's A operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized
+    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. These choices
+    come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6 instructions per
+    weight in the main loops), not yet from timings.
     """
     pairs = num_tokens * top_k
+    if align is None:
+        align = pairs > DIRECT_MAX_PAIRS
+    if not align:
+        # At one token 192 gate/up tiles of 64 rows are too few for 132 SMs: split K in two.
+        gate_up = GemmTile(32, 256, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
+        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, GemmTile(128, 128), align=False)
     rows = pairs / max(num_experts, 1)
     combine = "atomic" if pairs <= 1024 else "reduce"
     if rows <= 8:
@@ -266,11 +301,22 @@ def fit_config(config: MoEConfig, hidden: int, inter: int) -> MoEConfig:
         raise ValueError(f"MoEConfig.decode must be 'subnormal' or 'select', got {config.decode!r}")
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         raise ValueError(f"MoEConfig.block_m must be a power of two >= 16, got {config.block_m}")
-    gate_up = replace(config.gate_up, block_n=_fit(config.gate_up.block_n, inter, 16, "gate/up block_n"),
-                      block_k=_fit(config.gate_up.block_k, hidden, SCALE_WORD, "gate/up block_k"))
-    down = replace(config.down, block_n=_fit(config.down.block_n, hidden, 16, "down block_n"),
-                   block_k=_fit(config.down.block_k, inter, SCALE_WORD, "down block_k"))
-    return replace(config, gate_up=gate_up, down=down)
+    if not config.align and config.combine != "atomic":
+        raise ValueError("MoEConfig(align=False) adds into the output atomically: combine must be 'atomic'")
+    if config.down.split_k > 1 and config.combine != "atomic":
+        raise ValueError("a split down GEMM adds its parts into the output atomically: combine must be 'atomic'")
+    return replace(config, gate_up=_fit_tile(config.gate_up, inter, hidden, "gate/up"),
+                   down=_fit_tile(config.down, hidden, inter, "down"))
+
+
+def _fit_tile(tile: GemmTile, n: int, k: int, what: str) -> GemmTile:
+    """`tile` shrunk to an N x K GEMM: split_k to the largest count that cuts K into whole scale words
+    (K = 128 is not split), then the blocks."""
+    if tile.split_k < 1:
+        raise ValueError(f"{what} split_k must be >= 1, got {tile.split_k}")
+    split = next(s for s in range(tile.split_k, 0, -1) if k % (s * SCALE_WORD) == 0)
+    return replace(tile, block_n=_fit(tile.block_n, n, 16, f"{what} block_n"),
+                   block_k=_fit(tile.block_k, k // split, SCALE_WORD, f"{what} block_k"), split_k=split)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -284,24 +330,45 @@ def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
     return min(num_pairs, (num_pairs + used * (block_m - 1)) // block_m)
 
 
+def _row_blocks(num_pairs: int, num_experts: int, config: MoEConfig) -> int:
+    """Row blocks the alignment describes; none without alignment."""
+    return max_row_blocks(num_pairs, num_experts, config.block_m) if config.align else 0
+
+
+def _split_tiles(num_pairs: int, num_experts: int, inter: int, config: MoEConfig) -> int:
+    """Output tiles of the gate/up launch (programs along its first axis x N tiles): one counter each."""
+    programs = _row_blocks(num_pairs, num_experts, config) if config.align else num_pairs
+    return programs * (inter // config.gate_up.block_n)
+
+
 @dataclass
 class MoEWorkspace:
     """Buffers of one call; allocate once per (T, config) and reuse them across CUDA-graph replays."""
 
     block_m: int
+    # The alignment's output (empty with align=False):
     sorted_pair: torch.Tensor  # int32 [blocks * BM]: pair index (t * k + j) of each sorted row
     block_expert: torch.Tensor  # int32 [blocks]: expert of each row block, -1 past the end
     block_rows: torch.Tensor  # int32 [blocks]: real rows in each row block
     hidden_act: torch.Tensor  # bf16 [T * k, I]: SiTU(gate, up) per pair
     expert_out: torch.Tensor | None  # bf16 [T * k, H]: per-pair expert output (combine="reduce" only)
+    # Split gate/up only: zero at allocation, and each gate/up launch leaves them zero.
+    split_sum: torch.Tensor | None  # fp32 [T * k, 2I]: the parts of gate/up added up, gate/up interleaved
+    split_count: torch.Tensor | None  # int32 [programs * N tiles]: parts of each output tile done
 
     @classmethod
     def allocate(cls, num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                  config: MoEConfig, device: torch.device | str) -> MoEWorkspace:
         pairs = num_tokens * top_k
-        blocks = max_row_blocks(pairs, num_experts, config.block_m)
+        blocks = _row_blocks(pairs, num_experts, config)
         i32 = {"dtype": torch.int32, "device": device}
         bf16 = {"dtype": torch.bfloat16, "device": device}
+        split_sum = split_count = None
+        if config.gate_up.split_k > 1:
+            # One zeroed allocation (one memset when allocated inside a CUDA graph); zero bits are 0.0.
+            zeros = torch.zeros(pairs * 2 * inter + _split_tiles(pairs, num_experts, inter, config), **i32)
+            split_sum = zeros[: pairs * 2 * inter].view(torch.float32).view(pairs, 2 * inter)
+            split_count = zeros[pairs * 2 * inter:]
         return cls(
             block_m=config.block_m,
             sorted_pair=torch.empty(blocks * config.block_m, **i32),
@@ -309,6 +376,8 @@ class MoEWorkspace:
             block_rows=torch.empty(blocks, **i32),
             hidden_act=torch.empty(pairs, inter, **bf16),
             expert_out=torch.empty(pairs, hidden, **bf16) if config.combine == "reduce" else None,
+            split_sum=split_sum,
+            split_count=split_count,
         )
 
     @property
@@ -376,16 +445,20 @@ def moe_mxfp4(
                          f"{tuple(out.shape)}")
     if num_tokens == 0:
         return out
+    if not config.align and config.block_m < num_tokens:
+        raise ValueError(f"MoEConfig(align=False) needs block_m >= T (one program's rows are all tokens), got "
+                         f"block_m {config.block_m} for T={num_tokens}")
     if workspace is None:
         workspace = MoEWorkspace.allocate(num_tokens, top_k, num_experts, hidden, inter, config, z.device)
     _check_workspace(workspace, num_tokens * top_k, num_experts, hidden, inter, config)
-    weights = expert_weights.contiguous()
+    ids, weights = expert_ids.contiguous(), expert_weights.contiguous()
 
-    _launch_align(expert_ids.contiguous(), num_experts, workspace)
-    _launch_gate_up(z, w13_packed, w13_scale, out, top_k, config, workspace, situ_beta, situ_linear_beta)
-    _launch_down(w2_packed, w2_scale, weights, out, top_k, config, workspace)
+    if config.align:
+        _launch_align(ids, num_experts, workspace)
+    _launch_gate_up(z, ids, w13_packed, w13_scale, out, config, workspace, situ_beta, situ_linear_beta)
+    _launch_down(ids, w2_packed, w2_scale, weights, out, config, workspace)
     if config.combine == "reduce":
-        _launch_combine(workspace.expert_out, expert_ids.contiguous(), weights, out, top_k)
+        _launch_combine(workspace.expert_out, ids, weights, out, top_k)
     return out
 
 
@@ -410,13 +483,19 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
     problems = []
     if ws.block_m != config.block_m:
         problems.append(f"block_m {ws.block_m} != config.block_m {config.block_m}")
-    blocks = max_row_blocks(pairs, num_experts, config.block_m)
+    blocks = _row_blocks(pairs, num_experts, config)
     if ws.num_blocks != blocks or ws.block_rows.numel() != blocks or ws.sorted_pair.numel() != blocks * ws.block_m:
         problems.append(f"{ws.num_blocks} row blocks, need {blocks}")
     if tuple(ws.hidden_act.shape) != (pairs, inter):
         problems.append(f"hidden_act {tuple(ws.hidden_act.shape)} != {(pairs, inter)}")
     if config.combine == "reduce" and (ws.expert_out is None or tuple(ws.expert_out.shape) != (pairs, hidden)):
         problems.append(f"combine='reduce' needs expert_out of shape {(pairs, hidden)}")
+    if config.gate_up.split_k > 1:
+        tiles = _split_tiles(pairs, num_experts, inter, config)
+        if ws.split_sum is None or tuple(ws.split_sum.shape) != (pairs, 2 * inter):
+            problems.append(f"a split gate/up needs split_sum of shape {(pairs, 2 * inter)}")
+        if ws.split_count is None or ws.split_count.numel() != tiles:
+            problems.append(f"a split gate/up needs split_count of {tiles} counters")
     if problems:
         raise ValueError("workspace does not fit this call (MoEWorkspace.allocate one for it): " + "; ".join(problems))
 
@@ -453,35 +532,45 @@ def _launch_align(ids: torch.Tensor, num_experts: int, ws: MoEWorkspace) -> None
 
 
 def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, top_k: int) -> dict:
-    return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n,
-            "BLOCK_K": tile.block_k, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
+    return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
+            "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "SPLIT_K": tile.split_k,
+            "ALIGNED": config.align, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
             "COMPUTE": _compute_dtype()}
 
 
-def _launch_gate_up(z, w13_packed, w13_scale, out, top_k, config: MoEConfig, ws: MoEWorkspace,
+def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
+    """(programs along the grid's first axis, the routing arguments) of a GEMM launch: one program per
+    row block after alignment, else one per pair (those whose expert an earlier pair has exit at once)."""
+    programs = ws.num_blocks if config.align else ids.numel()
+    return programs, (ids, ws.sorted_pair, ws.block_expert, ws.block_rows, ids.shape[0])
+
+
+def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,
                     beta: float, linear_beta: float) -> None:
     tile = config.gate_up
     hidden, inter = z.shape[1], ws.hidden_act.shape[1]
     scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
-    args = (z, w13_packed, scale, ws.hidden_act, out, ws.sorted_pair, ws.block_expert, ws.block_rows,
-            out.numel(), beta, linear_beta, z.stride(0),
+    programs, route = _route_args(ids, config, ws)
+    # Unsplit, the kernel reads neither split buffer: any tensors stand in.
+    split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
+    args = (z, w13_packed, scale, ws.hidden_act, out, *split, *route, out.numel(), beta, linear_beta, z.stride(0),
             w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, top_k)
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
     constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=_ZERO_BLOCK)
-    _launch(_gate_up_kernel, (ws.num_blocks, inter // tile.block_n), args, constexprs, tile)
+    _launch(_gate_up_kernel, (programs, inter // tile.block_n, tile.split_k), args, constexprs, tile)
 
 
-def _launch_down(w2_packed, w2_scale, weights, out, top_k, config: MoEConfig, ws: MoEWorkspace) -> None:
+def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: MoEWorkspace) -> None:
     tile = config.down
     hidden, inter = out.shape[1], ws.hidden_act.shape[1]
     scale = w2_scale.view(torch.int32)
     atomic = config.combine == "atomic"
-    args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights,
-            ws.sorted_pair, ws.block_expert, ws.block_rows,
+    programs, route = _route_args(ids, config, ws)
+    args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, top_k)
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
     constexprs.update(ATOMIC=atomic)
-    _launch(_down_kernel, (ws.num_blocks, hidden // tile.block_n), args, constexprs, tile)
+    _launch(_down_kernel, (programs, hidden // tile.block_n, tile.split_k), args, constexprs, tile)
 
 
 def _launch_combine(expert_out, ids, weights, out, top_k) -> None:
@@ -517,6 +606,10 @@ def _launch(kernel, grid, args, constexprs: dict, tile: GemmTile) -> None:
 # ----------------------------------------------------------------------------------------------
 # Loops over run-time bounds are `while` loops: Triton 3.6's interpreter cannot `range` over a
 # run-time integer. The GEMM loops run over constexpr bounds, so that they are software-pipelined.
+
+# Kernels may read only constexpr globals.
+_DROPPED_ID = tl.constexpr(DROPPED)
+_SCALE_WORD = tl.constexpr(SCALE_WORD)
 
 
 @triton.jit
@@ -673,13 +766,49 @@ def _tanh(u):
 
 
 @triton.jit
-def _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M: tl.constexpr):
-    """(pair index of each row, whether the row is real) for one row block."""
-    rows = tl.load(block_rows_ptr + block)
+def _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens, program,
+                  ALIGNED: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, pair index of each row, whether the row is real) of a GEMM program; expert < 0: no work.
+
+    ALIGNED: the program's row block from the alignment. Otherwise the program of pair p takes the
+    expert of p, unless an earlier pair has it (that pair's program does it) or p is dropped, and its
+    rows are the T tokens: row t is real if t chose the expert, as its pair t k + j (the first such j).
+    """
     offs_m = tl.arange(0, BLOCK_M)
-    row_ok = offs_m < rows
-    pair = tl.load(sorted_pair_ptr + block * BLOCK_M + offs_m, mask=row_ok, other=0)
-    return pair.to(tl.int64), row_ok
+    if ALIGNED:
+        expert = tl.load(block_expert_ptr + program).to(tl.int64)
+        row_ok = offs_m < tl.load(block_rows_ptr + program)
+        pair = tl.load(sorted_pair_ptr + program * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
+    else:
+        slots = tl.arange(0, K_PAD)
+        pairs = offs_m[:, None] * TOP_K + slots[None, :]
+        ids = tl.load(ids_ptr + pairs, mask=(offs_m[:, None] < num_tokens) & (slots[None, :] < TOP_K),
+                      other=_DROPPED_ID).to(tl.int64)
+        expert = tl.load(ids_ptr + program).to(tl.int64)
+        chose = ids == expert
+        first = tl.min(tl.min(tl.where(chose, pairs, TOP_K * BLOCK_M), axis=1), axis=0)
+        expert = tl.where(first == program, expert, _DROPPED_ID)  # a dropped pair stays dropped
+        row_ok = tl.max(chose.to(tl.int32), axis=1) > 0
+        slot = tl.min(tl.where(chose, slots[None, :], K_PAD), axis=1)
+        pair = offs_m.to(tl.int64) * TOP_K + tl.where(row_ok, slot, 0)
+    return expert, pair, row_ok
+
+
+@triton.jit
+def _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED: tl.constexpr, TOP_K: tl.constexpr,
+              K_PAD: tl.constexpr):
+    """Combine weight of each row: its pair's, or without alignment, the sum over the token's slots that
+    chose the expert (one row stands for all of them: the router never repeats an expert in a token,
+    but the reference allows it)."""
+    if ALIGNED:
+        coef = tl.load(coef_ptr + pair, mask=row_ok, other=0.0)
+    else:
+        slots = tl.arange(0, K_PAD)
+        pairs = (pair // TOP_K)[:, None] * TOP_K + slots[None, :]
+        ok = row_ok[:, None] & (slots[None, :] < TOP_K)
+        chose = ok & (tl.load(ids_ptr + pairs, mask=ok, other=_DROPPED_ID).to(tl.int64) == expert)
+        coef = tl.sum(tl.load(coef_ptr + pairs, mask=chose, other=0.0), axis=1)
+    return coef
 
 
 @triton.jit
@@ -701,8 +830,19 @@ def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.c
         acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
         w_ptrs += KB
-        s_ptrs += BLOCK_K // (4 * 32)  # one int32 word of scales per 128 columns
+        s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
     return tl.trans(acc) if SWAP_AB else acc
+
+
+@triton.jit
+def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
+                 BLOCK_K: tl.constexpr):
+    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes, scale words."""
+    w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
+              + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+    s_ptrs = (s_ptr + expert * stride_se + rows[:, None] * stride_sn
+              + (k_start // _SCALE_WORD + tl.arange(0, BLOCK_K // _SCALE_WORD))[None, :])
+    return w_ptrs, s_ptrs
 
 
 @triton.jit
@@ -715,33 +855,54 @@ def _zero_slice(out_ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-                    out_numel, beta, linear_beta, stride_zt, stride_we, stride_wn, stride_se, stride_sn,
-                    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ZERO_OUT: tl.constexpr,
-                    ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                    COMPUTE: tl.constexpr):
-    """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one row block of one expert."""
-    block = tl.program_id(0)
+def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_count_ptr, ids_ptr, sorted_pair_ptr,
+                    block_expert_ptr, block_rows_ptr, num_tokens, out_numel, beta, linear_beta, stride_zt,
+                    stride_we, stride_wn, stride_se, stride_sn,
+                    HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                    ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
+                    SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+    """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split)."""
+    program = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    n_tiles = tl.num_programs(1)
     if ZERO_OUT:
         # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
-        n_tiles = tl.num_programs(1)
-        _zero_slice(out_ptr, out_numel, block * n_tiles + pid_n, tl.num_programs(0) * n_tiles, ZERO_BLOCK)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+        _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
+                    tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
+    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
+                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
     if expert < 0:
         return
-    pair, row_ok = _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M)
 
     # One B tile of 2 BLOCK_N rows: gate row n at tile row 2n, up row n at 2n + 1, so one dot gives
     # both and the epilogue separates them in registers.
     tile_rows = tl.arange(0, 2 * BLOCK_N)
     w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
-    x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + tl.arange(0, BLOCK_K)[None, :]
-    w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
-    s_ptrs = s_ptr + expert * stride_se + w_rows[:, None] * stride_sn + tl.arange(0, BLOCK_K // 128)[None, :]
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, HIDDEN, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
+    k_part: tl.constexpr = HIDDEN // SPLIT_K
+    cols = pid_k * k_part + tl.arange(0, BLOCK_K)
+    x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
+    w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
+                                  stride_sn, BLOCK_K)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
                         SUBNORMAL_DECODE, COMPUTE)
+    if SPLIT_K > 1:
+        # The part that completes the tile adds up the others' (left in split_sum) and goes on; it leaves
+        # the sums and the counter zero for the next launch. The barrier and the release order every
+        # thread's additions before the count (the usual threadfence-reduction pattern). The sums are
+        # read and zeroed by one exchange per element: a load and a store may be given to different
+        # threads (seen at BLOCK_N = 64), and nothing orders one thread's load before another's store.
+        # The exchange is of the bits (Triton's interpreter exchanges only integers).
+        sum_ptrs = split_sum_ptr + pair[:, None] * (2 * INTER) + (pid_n * 2 * BLOCK_N + tile_rows)[None, :]
+        tl.atomic_add(sum_ptrs, acc, mask=row_ok[:, None], sem="relaxed")
+        tl.debug_barrier()
+        if tl.atomic_add(split_count_ptr + program * n_tiles + pid_n, 1, sem="acq_rel") < SPLIT_K - 1:
+            return
+        bits = tl.atomic_xchg(sum_ptrs.to(tl.pointer_type(tl.int32)), tl.zeros_like(acc).to(tl.int32),
+                              mask=row_ok[:, None], sem="relaxed")
+        acc = bits.to(tl.float32, bitcast=True)
+        tl.store(split_count_ptr + program * n_tiles + pid_n, 0)
 
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     # SiTU(a, b) = [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in fp32.
@@ -751,28 +912,32 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, sorted_pair_ptr, block_
 
 
 @triton.jit
-def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-                 stride_we, stride_wn, stride_se, stride_sn,
-                 HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
-    """y[pair, n-tile] = h W2^T for one row block; added into out (atomic) or stored per pair (reduce)."""
-    block = tl.program_id(0)
+def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_pair_ptr, block_expert_ptr,
+                 block_rows_ptr, num_tokens, stride_we, stride_wn, stride_se, stride_sn,
+                 HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                 COMPUTE: tl.constexpr):
+    """y[pair, n-tile] = h W2^T for one program's rows (its K part if split: ATOMIC adds the parts up);
+    added into out (atomic) or stored per pair (reduce)."""
+    program = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
+                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
     if expert < 0:
         return
-    pair, row_ok = _row_block(sorted_pair_ptr, block_rows_ptr, block, BLOCK_M)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_ptrs = h_ptr + pair[:, None] * INTER + tl.arange(0, BLOCK_K)[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[:, None] * stride_wn + tl.arange(0, BLOCK_K // 2)[None, :]
-    s_ptrs = s_ptr + expert * stride_se + offs_n[:, None] * stride_sn + tl.arange(0, BLOCK_K // 128)[None, :]
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, INTER, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUBNORMAL_DECODE,
+    k_part: tl.constexpr = INTER // SPLIT_K
+    k_start = tl.program_id(2) * k_part
+    x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, k_start, stride_we, stride_wn, stride_se, stride_sn,
+                                  BLOCK_K)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUBNORMAL_DECODE,
                         COMPUTE)
 
     if ATOMIC:
-        coef = tl.load(coef_ptr + pair, mask=row_ok, other=0.0)
+        coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
         out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
         tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
     else:
