@@ -93,7 +93,10 @@ def stack_input_projections(attn: KimiDeltaAttention) -> None:
 
 def input_projections(attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """(q, k, v pre-conv, the gate f before the kernel's activation, beta before its sigmoid, the output
-    gate) of rows x, through the stacked GEMM when the layer has one."""
+    gate) of rows x, through the stacked GEMM when the layer has one. Stacked, the blocks are strided
+    views of one output: fla's kernels assume contiguous rows, so what goes to them straight (beta) is
+    made contiguous there (`.float()` copies a bf16 beta but returns an fp32 one as it is; the H200 run
+    that found this measured 11% error for fp32 models, bf16 passed)."""
     first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
     stacked = attn.stacked_inputs
     if stacked is not None:
@@ -129,7 +132,7 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
     q, k, v, f, beta, gate = input_projections(attn, x)
     q, k, v = kda_decode_kernels.decode_conv(q, k, v, pool.conv[layer], slots, consts.conv_weight).view(3, B, 1, H, K)
     o, _ = fused_recurrent_kda_fwd(
-        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.view(B, 1, H).float(),
+        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.view(B, 1, H).float().contiguous(),
         A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
         initial_state=pool.state[layer], inplace_final_state=True, ssm_state_indices=slots,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
@@ -156,7 +159,7 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
     state = pool.state[layer, slots].float().contiguous()  # [B, H, K, V]
     args = dict(
         q=q.view(1, -1, H, K), k=k.view(1, -1, H, K), v=v.view(1, -1, H, K), g=f.view(1, -1, H, K),
-        beta=beta.view(1, -1, H).float(), A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
+        beta=beta.view(1, -1, H).float().contiguous(), A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
         scale=attn.scale, initial_state=state, output_final_state=True, cu_seqlens=cu,
         use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
         lower_bound=attn.gate_lower_bound,
