@@ -46,7 +46,8 @@ done
 # The trained mini pair served over HTTP at DSpark k=0 and 7 (bf16; MXFP4 experts through the Triton
 # kernel; KDA and MLA on the torch path: without fla-core, whose per-shape autotune costs minutes).
 want mini && run mini-pair-sweep env PYTHONPATH="$BASE_PYTHONPATH" KS="${MINI_KS:-0 7}" \
-    LEVELS="${MINI_LEVELS:-1,4,16,64}" OUTPUT_LEN=48 bash scripts/bench_mini_pair.sh "$OUT/mini_pair" cuda bfloat16
+    LEVELS="${MINI_LEVELS:-1,4,16,64}" OUTPUT_LEN=48 REQUESTS=2 PROMPTS=mstar/training/heldout_prompts.json \
+    bash scripts/bench_sweep.sh configs/kimi_k3_mini.yaml "$OUT/mini_pair" device=cuda dtype=bfloat16
 
 echo
 echo "== summary =="
