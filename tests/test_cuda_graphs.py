@@ -51,3 +51,4 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
     for p in plans:
         one_row = all(p.seq_starts[b + 1] - p.seq_starts[b] == 1 for b in range(len(p.seq_starts) - 1))
         assert p.decode == one_row, (p.seq_starts, p.decode)
+        assert p.slot_ids == tuple(p.kda_slots.tolist())  # the host's copy, so that no layer syncs for it

@@ -69,7 +69,7 @@ def test_kda_step_matches_torch(dtype, tol, shape):
     ref_pool = clone_pool(pool)
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, slots, verify, pool)
+        y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, plan.host_slots(), verify, pool)
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err

@@ -198,7 +198,7 @@ def apply_step(serving: ServingModel, message: StepMessage, device: torch.device
     lengths, then the forward (its logits are rank 0's business)."""
     plan: BatchPlan = plan_on(message.plan, device)
     pool = serving.pool
-    for b, slot in enumerate(plan.kda_slots.tolist()):
+    for b, slot in enumerate(plan.host_slots()):
         if plan.num_computed[b] == 0:
             pool.state[:, slot].zero_()
             pool.conv[:, slot].zero_()
@@ -409,7 +409,7 @@ class LeaderServing:
     @torch.no_grad()
     def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.ranks.check()
-        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.kda_slots.tolist())
+        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.host_slots())
         try:
             self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
             return self.serving.forward(plan, tap_layers)

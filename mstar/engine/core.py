@@ -212,6 +212,7 @@ class EngineCore:
             num_computed=tuple(s.num_computed for s in decl.seqs),
             kv=self.kv.plan(decl),
             kda_slots=self.pool.plan(decl),
+            slot_ids=tuple(self.pool.slots[s.request_id] for s in decl.seqs),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
             verify=tuple(s.verify for s in decl.seqs),
             decode=all(s.num_tokens == 1 and not s.verify for s in decl.seqs) and not self.pool.has_pending(decl),

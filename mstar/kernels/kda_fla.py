@@ -142,21 +142,24 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
     return attn.o_proj(o.reshape(B, -1))
 
 
-def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: torch.Tensor,
+def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: tuple[int, ...],
              pool: RecurrentStatePool, fold: list[bool]) -> torch.Tensor:
     """Run ragged rows `x` [N, D] of len(lengths) sequences from their slots' states; write back the
-    states of the sequences marked `fold`. Returns the layer output [N, D]."""
+    states of the sequences marked `fold`. Returns the layer output [N, D]. Slots and lengths come from
+    the host: nothing here reads the device back."""
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     H, K = attn.num_heads, attn.head_dim
-    windows = pool.conv[layer, slots]  # [B, 3, W-1, width]
+    device = x.device
+    slot_index = torch.tensor(slots, device=device)
+    windows = pool.conv[layer, slot_index]  # [B, 3, W-1, width]
     q, k, v, f, beta, gate = input_projections(attn, x)
     q, q_win = varlen_short_conv(q, attn.q_conv1d.weight, windows[:, 0], lengths)
     k, k_win = varlen_short_conv(k, attn.k_conv1d.weight, windows[:, 1], lengths)
     v, v_win = varlen_short_conv(v, attn.v_conv1d.weight, windows[:, 2], lengths)
-    cu = torch.tensor([0, *lengths], device=x.device).cumsum(0)
-    state = pool.state[layer, slots].float().contiguous()  # [B, H, K, V]
+    cu = torch.tensor([0, *lengths], device=device).cumsum(0)
+    state = pool.state[layer, slot_index].float().contiguous()  # [B, H, K, V]
     args = dict(
         q=q.view(1, -1, H, K), k=k.view(1, -1, H, K), v=v.view(1, -1, H, K), g=f.view(1, -1, H, K),
         beta=beta.view(1, -1, H).float().contiguous(), A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
@@ -168,29 +171,29 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
         o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, **args)
-    keep = torch.tensor(fold, device=x.device)
-    if bool(keep.any()):
-        kept = slots[keep]
-        pool.state[layer, kept] = final[keep].to(pool.state.dtype)
-        pool.conv[layer, kept] = torch.stack([q_win, k_win, v_win], dim=1)[keep].to(pool.conv.dtype)
+    folded = [b for b, keep in enumerate(fold) if keep]
+    if folded:
+        rows = torch.tensor(folded, device=device)
+        kept = torch.tensor([slots[b] for b in folded], device=device)
+        pool.state[layer, kept] = final[rows].to(pool.state.dtype)
+        pool.conv[layer, kept] = torch.stack([q_win, k_win, v_win], dim=1)[rows].to(pool.conv.dtype)
     o = attn.o_norm(o.view(-1, H, K).to(x.dtype), gate.reshape(-1, H, K))
     return attn.o_proj(o.reshape(x.shape[0], -1))
 
 
 def kda_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, seq_starts: tuple[int, ...],
-             slots: torch.Tensor, verify: tuple[bool, ...], pool: RecurrentStatePool) -> torch.Tensor:
-    """One KDA layer for a step's batch (see the module docstring)."""
-    slot_list = slots.tolist()
-    pending = [pool.prefix_len[s] for s in slot_list]
+             slots: tuple[int, ...], verify: tuple[bool, ...], pool: RecurrentStatePool) -> torch.Tensor:
+    """One KDA layer for a step's batch (see the module docstring); `slots` are the host's slot ids."""
+    pending = [pool.prefix_len[s] for s in slots]
     with_prefix = [b for b, n in enumerate(pending) if n]
     if with_prefix:  # fold each accepted pending prefix into its checkpoint
-        rows = torch.cat([pool.prefix_x[layer, slot_list[b], : pending[b]] for b in with_prefix])
-        run_rows(attn, layer, rows, [pending[b] for b in with_prefix], slots[with_prefix], pool,
+        rows = torch.cat([pool.prefix_x[layer, slots[b], : pending[b]] for b in with_prefix])
+        run_rows(attn, layer, rows, [pending[b] for b in with_prefix], tuple(slots[b] for b in with_prefix), pool,
                  [True] * len(with_prefix))
-    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(len(slot_list))]
-    fold = [not (verify and verify[b]) for b in range(len(slot_list))]
+    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(len(slots))]
+    fold = [not (verify and verify[b]) for b in range(len(slots))]
     y = run_rows(attn, layer, x, lengths, slots, pool, fold)
     for b, folded in enumerate(fold):
         if not folded:  # a verify block: its inputs wait as the next pending prefix
-            pool.prefix_x[layer, slot_list[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
+            pool.prefix_x[layer, slots[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
     return y

@@ -42,7 +42,7 @@ class GpuMixerOps(TorchMixerOps):
             if layer not in self.kda_constants:
                 self.kda_constants[layer] = kda_fla.DecodeConstants.of(attn)
             return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, self.kda_constants[layer])
-        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.kda_slots, plan.verify, pool)
+        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.host_slots(), plan.verify, pool)
 
     @staticmethod
     def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:

@@ -37,6 +37,12 @@ class BatchPlan:
     # Every sequence has one row, none verifies and no KDA slot has a pending prefix: the KDA state is
     # read and written in place by slot, with no host-side logic (what a CUDA graph replays).
     decode: bool = False
+    # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
+    slot_ids: tuple[int, ...] = ()
+
+    def host_slots(self) -> tuple[int, ...]:
+        """The KDA slots on the host (`slot_ids`; hand-built plans without them read the tensor)."""
+        return self.slot_ids or tuple(self.kda_slots.tolist())
 
 
 class TorchMixerOps:
@@ -47,7 +53,7 @@ class TorchMixerOps:
         """Replay each slot's accepted pending prefix from its checkpoint, then run the new rows:
         folded into the state, or (verify rows) kept as the next pending prefix."""
         y = torch.empty_like(x)
-        for b, slot in enumerate(plan.kda_slots.tolist()):
+        for b, slot in enumerate(plan.host_slots()):
             rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
             state = KDAState(recurrent=pool.state[layer, slot], conv=pool.conv[layer, slot])
             pending = pool.prefix_len[slot]
