@@ -251,6 +251,7 @@ def batch_plan(step: Step, page_size: int, vocab_slice: int, device: torch.devic
         kv=LatentKVPlan(table.to(device), slots.flatten().to(device),
                         torch.full((step.batch,), step.context + step.rows, device=device)),
         kda_slots=torch.arange(1, step.batch + 1, device=device),
+        slot_ids=tuple(range(1, step.batch + 1)),
         sample_rows=torch.tensor(list(sample), dtype=torch.long, device=device),
         verify=(verify,) * step.batch,
         decode=step.kind == "decode",
