@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -13,6 +14,25 @@ from mstar.tools.make_tiny import write_tiny
 # imports triton (the engine imports the kernel modules), so it is set here, first.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns a scalar into a loop bound with int() of a 1-element array, which
+    numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6). Patch that one conversion."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    with contextlib.suppress(ImportError):  # no triton: the kernel tests skip
+        _fix_interpreter_scalar_index()
 
 # The tiny models are far too small to gain from intra-op threads, and on a 2-core machine OpenMP's
 # spinning threads slow every op by ~100x as soon as another process competes for a core.

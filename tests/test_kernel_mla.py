@@ -32,27 +32,6 @@ tiny = pytest.mark.skipif(not (INTERPRET or HAS_CUDA), reason="needs CUDA or TRI
 gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
 
 
-def _fix_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns a scalar into a loop bound with int() of a 1-element array, which
-    numpy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream after 3.6). Patch that one conversion."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_scalar_index_fixed", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._scalar_index_fixed = True
-    interpreter._patch_lang_tensor = patched
-
-
-if INTERPRET:
-    _fix_interpreter_scalar_index()
-
-
 # --- helpers ---------------------------------------------------------------------------------------------
 
 

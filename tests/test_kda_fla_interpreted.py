@@ -1,0 +1,87 @@
+"""The GPU KDA path (mstar/kernels/kda_fla.py: fla's recurrent kernel, the decode conv, stacked
+projections, host-indexed state pool) run on the CPU through Triton's interpreter in fp32, against the
+torch mixer. It catches layout and indexing bugs before the GPU does (a strided beta that fla read as
+contiguous gave 5% error here). On a GPU machine the same paths run in tests/test_gpu_kda.py."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (no GPU)")
+
+fla_kda = pytest.importorskip("fla.ops.kda")
+
+from mstar.kernels import kda_fla  # noqa: E402
+from mstar.models.kimi_k3.config import parse_config  # noqa: E402
+from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
+from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps  # noqa: E402
+from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
+from mstar.tools.make_tiny import k3_fixture  # noqa: E402
+
+HEADS, HEAD_DIM, HIDDEN, SLOTS = 4, 16, 64, 9
+
+
+def layer_and_pool():
+    raw = k3_fixture()
+    t = raw["text_config"]
+    t.update(hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4)
+    t["linear_attn_config"].update(head_dim=HEAD_DIM, num_heads=HEADS, kda_layers=[1], full_attn_layers=[2])
+    attn = KimiDeltaAttention(parse_config(raw), 0).requires_grad_(False)
+    with torch.no_grad():
+        for conv in (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d):
+            conv.weight.normal_(0, 0.5)
+        attn.dt_bias.normal_(-3, 0.5)
+    pool = RecurrentStatePool(1, SLOTS, HEADS, HEAD_DIM, 4, torch.float32, torch.float32, hidden_size=HIDDEN,
+                              max_block=8)
+    pool.state.normal_(0, 0.3)
+    pool.conv.normal_()
+    pool.prefix_x.normal_()
+    return attn, pool
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_decode_writes_the_pool_in_place_like_torch(stacked):
+    attn, pool = layer_and_pool()
+    slots = (7, 2, 5, 1)
+    plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None,
+                     kda_slots=torch.tensor(slots), sample_rows=None, decode=True, slot_ids=slots)
+    ref = copy.deepcopy(pool)
+    x = torch.randn(4, HIDDEN)
+    expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+    if stacked:
+        kda_fla.stack_input_projections(attn)
+    y = kda_fla.kda_decode(attn, 0, x, plan.kda_slots, pool, kda_fla.DecodeConstants.of(attn))
+    assert rel(y, expect) < 1e-5
+    assert rel(pool.state, ref.state) < 1e-5 and rel(pool.conv, ref.conv) < 1e-5  # untouched slots included
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked):
+    """Prefill chunks, a decode row and verify blocks in one step; slots 5 and 6 first replay an accepted
+    pending prefix of 3 rows; verify blocks stay pending (their inputs kept, the state not folded)."""
+    attn, pool = layer_and_pool()
+    if stacked:
+        kda_fla.stack_input_projections(attn)
+    lengths = [1, 5, 13, 1, 8]
+    verify = (False, False, False, True, True)
+    slots = (3, 1, 8, 5, 6)
+    for slot in (5, 6):
+        pool.prefix_len[slot] = 3
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 5, kv=None,
+                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
+    ref = copy.deepcopy(pool)
+    x = torch.randn(starts[-1], HIDDEN)
+    expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+    y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, plan.host_slots(), verify, pool)
+    assert rel(y, expect) < 1e-5
+    for name in ("state", "conv", "prefix_x"):
+        assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
