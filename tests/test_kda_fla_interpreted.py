@@ -15,6 +15,7 @@ fla_kda = pytest.importorskip("fla.ops.kda")
 
 from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
 from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps  # noqa: E402
 from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
@@ -62,13 +63,15 @@ def test_decode_writes_the_pool_in_place_like_torch(stacked):
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked):
-    """Prefill chunks, a decode row and verify blocks in one step; slots 5 and 6 first replay an accepted
-    pending prefix of 3 rows; verify blocks stay pending (their inputs kept, the state not folded)."""
+@pytest.mark.parametrize("longest", [13, 40])
+def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked, longest):
+    """Prefill chunks, a decode row and verify blocks in one step, through GpuMixerOps' choice of path (a
+    40-row prompt: the ragged fla path; else the short-block kernels); slots 5 and 6 first replay an
+    accepted pending prefix of 3 rows; verify blocks stay pending (inputs kept, the state not folded)."""
     attn, pool = layer_and_pool()
     if stacked:
         kda_fla.stack_input_projections(attn)
-    lengths = [1, 5, 13, 1, 8]
+    lengths = [1, 5, longest, 1, 8]
     verify = (False, False, False, True, True)
     slots = (3, 1, 8, 5, 6)
     for slot in (5, 6):
@@ -81,7 +84,34 @@ def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked
     ref = copy.deepcopy(pool)
     x = torch.randn(starts[-1], HIDDEN)
     expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
-    y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, plan.host_slots(), verify, pool)
+    y = GpuMixerOps().kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5
+    for name in ("state", "conv", "prefix_x"):
+        assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
+    """kda_block_step (kernels/kda_blocks.py): verify blocks after an accepted pending prefix, a verify
+    block without one, a decode row after a prefix, an ordinary short prompt; states, windows and pending
+    prefixes of every slot end as the torch mixer leaves them (slot 4 gets a prefix of all 3 rows)."""
+    attn, pool = layer_and_pool()
+    if stacked:
+        kda_fla.stack_input_projections(attn)
+    lengths = [4, 4, 1, 7, 4]
+    verify = (True, True, False, False, True)
+    slots = (5, 2, 6, 8, 4)
+    for slot, n in ((5, 2), (6, 3), (4, 3)):
+        pool.prefix_len[slot] = n
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 5, kv=None,
+                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
+    ref = copy.deepcopy(pool)
+    x = torch.randn(starts[-1], HIDDEN)
+    expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+    y = kda_fla.kda_block_step(attn, 0, x, plan.seq_starts, slots, verify, pool, kda_fla.DecodeConstants.of(attn))
+    assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name

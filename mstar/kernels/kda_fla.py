@@ -16,6 +16,11 @@ Speculative verify rows follow the pool's checkpoint + pending prefix rule (recu
 each slot's accepted pending prefix is first replayed from the checkpoint (folded), then the verify
 block runs from there without being folded; its layer inputs become the next pending prefix.
 
+Steps of short blocks (`kda_block_step`: verify blocks, a decode row after a verify, short prompts;
+at most RECURRENT_MAX_ROWS rows per sequence with its pending prefix) run each sequence's [accepted
+prefix ; rows] in one pass of our own kernels (kernels/kda_blocks.py), folding only the prefix of a
+verify block: the checkpoint + pending prefix rule in one launch per layer, without a state copy.
+
 Decode steps (`kda_decode`: one row per sequence, no pending prefix) skip all host-side logic: the
 conv windows are updated by slot index, and fla's recurrent kernel reads and writes each sequence's
 state in the pool in place (its continuous-batching mode, `ssm_state_indices`), so no state is
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mstar.kernels import kda_blocks
 from mstar.kernels import kda_decode as kda_decode_kernels
 from mstar.kernels.stacked_linear import StackedLinear
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
@@ -140,6 +146,50 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
     )
     o = attn.o_norm(o.view(B, H, K).to(x.dtype), gate.view(B, H, K))
     return attn.o_proj(o.reshape(B, -1))
+
+
+def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, seq_starts: tuple[int, ...],
+                   slots: tuple[int, ...], verify: tuple[bool, ...], pool: RecurrentStatePool,
+                   consts: DecodeConstants) -> torch.Tensor:
+    """One KDA layer for a step of short blocks (kernels/kda_blocks.py): each sequence runs [its accepted
+    pending prefix ; its rows] from the slot's checkpoint in one pass, folding the prefix always and its
+    rows unless they are a verify block, whose inputs then become the next pending prefix."""
+    B, (H, K), D = len(slots), (attn.num_heads, attn.head_dim), x.shape[1]
+    device = x.device
+    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(B)]
+    pending = [pool.prefix_len[s] for s in slots]
+    starts, x_rows, prefix_rows, prefix_src, row_seq = [0], [], [], [], []
+    for b, slot in enumerate(slots):
+        first = starts[-1]
+        prefix_rows += range(first, first + pending[b])
+        prefix_src += range(slot * pool.prefix_x.shape[2], slot * pool.prefix_x.shape[2] + pending[b])
+        x_rows += range(first + pending[b], first + pending[b] + lengths[b])
+        row_seq += [b] * (pending[b] + lengths[b])
+        starts.append(first + pending[b] + lengths[b])
+    fold = [pending[b] + (0 if verify and verify[b] else lengths[b]) for b in range(B)]
+    as_index = {"dtype": torch.long, "device": device}
+    x_index = torch.tensor(x_rows, **as_index)
+    rows = x.new_empty(starts[-1], D)
+    rows[x_index] = x
+    if prefix_rows:
+        rows[torch.tensor(prefix_rows, **as_index)] = pool.prefix_x[layer].reshape(-1, D)[
+            torch.tensor(prefix_src, **as_index)].to(x.dtype)
+    slot_t, starts_t = torch.tensor(slots, **as_index), torch.tensor(starts, **as_index)
+    fold_t = torch.tensor(fold, **as_index)
+    q, k, v, f, beta, gate = input_projections(attn, rows)
+    conv = pool.conv[layer]
+    qkv = kda_blocks.block_conv(q, k, v, conv, slot_t, torch.tensor(row_seq, **as_index), starts_t,
+                                consts.conv_weight)
+    kda_blocks.fold_windows(q, k, v, conv, slot_t, starts_t, fold_t)
+    M = starts[-1]
+    o = kda_blocks.fold_recurrent(qkv[0].view(M, H, K), qkv[1].view(M, H, K), qkv[2].view(M, H, K), f.view(M, H, K),
+                                  beta, consts.a_log, consts.dt_bias, attn.scale, attn.gate_lower_bound,
+                                  pool.state[layer], slot_t, starts_t, fold_t)
+    o = attn.o_norm(o[x_index].to(x.dtype), gate[x_index].reshape(-1, H, K))
+    for b in range(B):
+        if verify and verify[b]:  # a verify block: its inputs wait as the next pending prefix
+            pool.prefix_x[layer, slots[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
+    return attn.o_proj(o.reshape(x.shape[0], -1))
 
 
 def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: tuple[int, ...],

@@ -38,11 +38,16 @@ class GpuMixerOps(TorchMixerOps):
 
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
+        if layer not in self.kda_constants:
+            self.kda_constants[layer] = kda_fla.DecodeConstants.of(attn)
+        consts = self.kda_constants[layer]
         if plan.decode:
-            if layer not in self.kda_constants:
-                self.kda_constants[layer] = kda_fla.DecodeConstants.of(attn)
-            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, self.kda_constants[layer])
-        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.host_slots(), plan.verify, pool)
+            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, consts)
+        slots = plan.host_slots()
+        longest = max(pool.prefix_len[s] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b, s in enumerate(slots))
+        if longest <= kda_fla.RECURRENT_MAX_ROWS:  # verify blocks and their pending prefixes: one pass
+            return kda_fla.kda_block_step(attn, layer, x, plan.seq_starts, slots, plan.verify, pool, consts)
+        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, slots, plan.verify, pool)
 
     @staticmethod
     def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:

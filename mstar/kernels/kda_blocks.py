@@ -1,0 +1,182 @@
+"""KDA over short blocks of rows per sequence (speculative verify, a decode row after a verify, short
+prompts), with each sequence's state read from its pool slot and only an accepted prefix folded back.
+
+Speculative decoding keeps a slot's state as a checkpoint and the last verify block's layer inputs as a
+pending prefix (resources/recurrent_pool.py). The next step must fold the accepted part of that
+prefix into the checkpoint and run its own rows from there, without folding them if they are a
+verify block. Here both happen in one pass per layer: each sequence's rows are [accepted prefix ;
+new rows], `fold_lens[b]` says how many of them fold (prefix only for a verify block, all for an
+ordinary row), and
+
+- `block_conv`: the short causal conv of every row continued from the slot's window (one launch),
+  then `fold_windows` moves each window past the folded rows (one launch);
+- `fold_recurrent`: the gated delta rule of kda.py's `kda_recurrent` from the slot's state, storing
+  the state once, after the last folded row (one launch; fla's state-indexed kernel would store a
+  state after every row, 786 KB per row at one TP8 rank of K3).
+
+The gate (K3's bounded form or Kimi-Linear's softplus form), the L2 norms of q and k and the sigmoid
+of beta are computed in the kernel, all in fp32, as in kda.py. Loops over a sequence's rows are
+`while` loops: Triton 3.6's interpreter cannot `range` over a run-time bound.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mstar.models.kimi_k3.kda import L2_NORM_EPS
+
+
+def block_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+               row_seq: torch.Tensor, seq_starts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(short conv) of rows q, k, v [M, width] (unit column stride) of B sequences: row r belongs to
+    sequence row_seq[r], whose rows start at seq_starts[b] and continue slot slots[b]'s window in `conv`
+    [slots, 3, W-1, width]; weight fp32 [3, W, width]. Returns [3, M, width] in q's dtype."""
+    M, width = q.shape
+    out = torch.empty(3, M, width, dtype=q.dtype, device=q.device)
+    block = min(1024, triton.next_power_of_2(width))
+    _block_conv_kernel[(M, 3, triton.cdiv(width, block))](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), conv, conv.stride(0), conv.stride(1), conv.stride(2),
+        slots, row_seq, seq_starts, weight, out, width, HIST=conv.shape[2], BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+def fold_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                 seq_starts: torch.Tensor, fold_lens: torch.Tensor) -> None:
+    """Move each slot's window past the first fold_lens[b] rows of its sequence (in place; run after
+    `block_conv`, which reads the old windows)."""
+    B = slots.shape[0]
+    width = q.shape[1]
+    block = min(1024, triton.next_power_of_2(width))
+    _fold_windows_kernel[(B, 3, triton.cdiv(width, block))](
+        q, k, v, q.stride(0), k.stride(0), v.stride(0), conv, conv.stride(0), conv.stride(1), conv.stride(2),
+        slots, seq_starts, fold_lens, width, HIST=conv.shape[2], HIST_PAD=triton.next_power_of_2(conv.shape[2]),
+        BLOCK=block, num_warps=4,
+    )
+
+
+@triton.jit
+def _row_value(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, window, s_hist, start, i, which, cols, ok,
+               HIST: tl.constexpr):
+    """Pre-conv value of the sequence's position i (i < 0: the window's row HIST + i), as fp32 of the rows'
+    dtype (the window is cast to it first, as the torch path casts it)."""
+    dtype = q_ptr.dtype.element_ty
+    row = start + tl.maximum(i, 0)
+    in_rows = ok & (i >= 0)
+    if which == 0:
+        x = tl.load(q_ptr + row * q_stride + cols, mask=in_rows, other=0)
+    elif which == 1:
+        x = tl.load(k_ptr + row * k_stride + cols, mask=in_rows, other=0)
+    else:
+        x = tl.load(v_ptr + row * v_stride + cols, mask=in_rows, other=0)
+    w = tl.load(window + (HIST + tl.minimum(i, -1)) * s_hist + cols, mask=ok & (i < 0), other=0)
+    return tl.where(i >= 0, x.to(tl.float32), w.to(dtype).to(tl.float32))
+
+
+@triton.jit
+def _block_conv_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_ptr, s_slot, s_which, s_hist,
+                       slots_ptr, row_seq_ptr, starts_ptr, w_ptr, out_ptr, width, HIST: tl.constexpr,
+                       BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    b = tl.load(row_seq_ptr + r).to(tl.int64)
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    window = conv_ptr + tl.load(slots_ptr + b).to(tl.int64) * s_slot + which * s_which
+    pos = r - start
+    w_row = w_ptr + which * (HIST + 1) * width + cols
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(HIST + 1):  # tap j reads position pos - HIST + j
+        x = _row_value(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, window, s_hist, start, pos - HIST + j,
+                       which, cols, ok, HIST)
+        acc += x * tl.load(w_row + j * width, mask=ok, other=0)
+    y = acc / (1.0 + tl.exp(-acc))  # SiLU
+    M = tl.num_programs(0)
+    tl.store(out_ptr + which * M * width + r * width + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_ptr, s_slot, s_which, s_hist,
+                         slots_ptr, starts_ptr, fold_ptr, width, HIST: tl.constexpr, HIST_PAD: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)
+    cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < width
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    fold = tl.load(fold_ptr + b).to(tl.int64)
+    window = conv_ptr + tl.load(slots_ptr + b).to(tl.int64) * s_slot + which * s_which
+    # the new window is positions fold - HIST .. fold - 1; read them all before writing any
+    rows = tl.arange(0, HIST_PAD)
+    live = rows < HIST
+    values = tl.zeros([HIST_PAD, BLOCK], dtype=tl.float32)
+    for j in tl.static_range(HIST):
+        x = _row_value(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, window, s_hist, start, fold - HIST + j,
+                       which, cols, ok, HIST)
+        values = tl.where(rows[:, None] == j, x[None, :], values)
+    dest = window + rows[:, None] * s_hist + cols[None, :]
+    tl.store(dest, values.to(conv_ptr.dtype.element_ty), mask=live[:, None] & ok[None, :] & (fold > 0))
+
+
+def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+                   a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
+                   states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor, fold_lens: torch.Tensor
+                   ) -> torch.Tensor:
+    """The gated delta rule over rows of B sequences (see the module doc). q, k, f [M, H, K] and v [M, H, V]
+    with unit inner strides, beta [M, H] (pre-sigmoid), a_log fp32 [H], dt_bias fp32 [H*K]; states fp32
+    [slots, H, K, V] (one layer of the pool), read at slots[b] and written there after row
+    seq_starts[b] + fold_lens[b] - 1 when fold_lens[b] > 0. Returns o [M, H, V] in v's dtype."""
+    M, H, K = q.shape
+    V = v.shape[-1]
+    B = slots.shape[0]
+    out = torch.empty(M, H, V, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(V))
+    _fold_recurrent_kernel[(B * H, triton.cdiv(V, block_v))](
+        q, k, v, f, beta, q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta.stride(0), a_log, dt_bias,
+        states, states.stride(0), slots, seq_starts, fold_lens, out, scale,
+        0.0 if lower_bound is None else lower_bound, H=H, K=K, V=V, BLOCK_V=block_v,
+        HAS_LOWER_BOUND=lower_bound is not None, EPS=L2_NORM_EPS, num_warps=4,
+    )
+    return out
+
+
+@triton.jit
+def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, a_log_ptr, dt_bias_ptr,
+                           states_ptr, s_slot, slots_ptr, starts_ptr, fold_ptr, o_ptr, scale, lower_bound,
+                           H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
+                           HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+    b = tl.program_id(0) // H
+    h = tl.program_id(0) % H
+    ks = tl.arange(0, K)
+    vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = vs < V
+    start = tl.load(starts_ptr + b).to(tl.int64)
+    end = tl.load(starts_ptr + b + 1).to(tl.int64)
+    last_folded = start + tl.load(fold_ptr + b).to(tl.int64) - 1
+    state_ptrs = states_ptr + tl.load(slots_ptr + b).to(tl.int64) * s_slot + h * K * V + ks[:, None] * V + vs[None, :]
+    S = tl.load(state_ptrs, mask=v_ok[None, :], other=0).to(tl.float32)  # [K, BLOCK_V]
+    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    bias = tl.load(dt_bias_ptr + h * K + ks).to(tl.float32)
+    t = start
+    while t < end:
+        qt = tl.load(q_ptr + t * sq + h * K + ks).to(tl.float32)
+        kt = tl.load(k_ptr + t * sk + h * K + ks).to(tl.float32)
+        vt = tl.load(v_ptr + t * sv + h * V + vs, mask=v_ok, other=0).to(tl.float32)
+        z = tl.load(f_ptr + t * sf + h * K + ks).to(tl.float32) + bias
+        bt = tl.load(beta_ptr + t * sb + h).to(tl.float32)
+        qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
+        kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
+        if HAS_LOWER_BOUND:
+            g = lower_bound / (1.0 + tl.exp(-rate * z))
+        else:
+            g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+        S = S * tl.exp(g)[:, None]
+        predicted = tl.sum(S * kt[:, None], axis=0)  # S^T k
+        S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
+        ot = tl.sum(S * (scale * qt)[:, None], axis=0)
+        tl.store(o_ptr + t * H * V + h * V + vs, ot.to(o_ptr.dtype.element_ty), mask=v_ok)
+        tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty), mask=v_ok[None, :] & (t == last_folded))
+        t += 1
