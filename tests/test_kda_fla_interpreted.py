@@ -111,7 +111,9 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     ref = copy.deepcopy(pool)
     x = torch.randn(starts[-1], HIDDEN)
     expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
-    y = kda_fla.kda_block_step(attn, 0, x, plan.seq_starts, slots, verify, pool, kda_fla.DecodeConstants.of(attn))
+    layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
+                                       pool.prefix_x.shape[2], x.device)
+    y = kda_fla.kda_block_step(attn, 0, x, layout, pool, kda_fla.DecodeConstants.of(attn))
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name

@@ -123,12 +123,13 @@ def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv
 
 def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
-                   states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor, fold_lens: torch.Tensor
-                   ) -> torch.Tensor:
-    """The gated delta rule over rows of B sequences (see the module doc). q, k, f [M, H, K] and v [M, H, V]
-    with unit inner strides, beta [M, H] (pre-sigmoid), a_log fp32 [H], dt_bias fp32 [H*K]; states fp32
-    [slots, H, K, V] (one layer of the pool), read at slots[b] and written there after row
-    seq_starts[b] + fold_lens[b] - 1 when fold_lens[b] > 0. Returns o [M, H, V] in v's dtype."""
+                   states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor, seq_ends: torch.Tensor,
+                   fold_lens: torch.Tensor) -> torch.Tensor:
+    """The gated delta rule over rows of B sequences (see the module doc): sequence b is rows
+    seq_starts[b] .. seq_ends[b] - 1. q, k, f [M, H, K] and v [M, H, V] with unit inner strides, beta
+    [M, H] (pre-sigmoid), a_log fp32 [H], dt_bias fp32 [H*K]; states fp32 [slots, H, K, V] (one layer of
+    the pool), read at slots[b] and written there after row seq_starts[b] + fold_lens[b] - 1 when
+    fold_lens[b] > 0. Returns o [M, H, V] in v's dtype (rows outside every sequence are not written)."""
     M, H, K = q.shape
     V = v.shape[-1]
     B = slots.shape[0]
@@ -136,7 +137,7 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
     block_v = min(32, triton.next_power_of_2(V))
     _fold_recurrent_kernel[(B * H, triton.cdiv(V, block_v))](
         q, k, v, f, beta, q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta.stride(0), a_log, dt_bias,
-        states, states.stride(0), slots, seq_starts, fold_lens, out, scale,
+        states, states.stride(0), slots, seq_starts, seq_ends, fold_lens, out, scale,
         0.0 if lower_bound is None else lower_bound, H=H, K=K, V=V, BLOCK_V=block_v,
         HAS_LOWER_BOUND=lower_bound is not None, EPS=L2_NORM_EPS, num_warps=4,
     )
@@ -145,7 +146,7 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
 
 @triton.jit
 def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, a_log_ptr, dt_bias_ptr,
-                           states_ptr, s_slot, slots_ptr, starts_ptr, fold_ptr, o_ptr, scale, lower_bound,
+                           states_ptr, s_slot, slots_ptr, starts_ptr, ends_ptr, fold_ptr, o_ptr, scale, lower_bound,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
                            HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
     b = tl.program_id(0) // H
@@ -154,7 +155,7 @@ def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf,
     vs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = vs < V
     start = tl.load(starts_ptr + b).to(tl.int64)
-    end = tl.load(starts_ptr + b + 1).to(tl.int64)
+    end = tl.load(ends_ptr + b).to(tl.int64)
     last_folded = start + tl.load(fold_ptr + b).to(tl.int64) - 1
     state_ptrs = states_ptr + tl.load(slots_ptr + b).to(tl.int64) * s_slot + h * K * V + ks[:, None] * V + vs[None, :]
     S = tl.load(state_ptrs, mask=v_ok[None, :], other=0).to(tl.float32)  # [K, BLOCK_V]

@@ -148,47 +148,68 @@ def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: tor
     return attn.o_proj(o.reshape(B, -1))
 
 
-def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, seq_starts: tuple[int, ...],
-                   slots: tuple[int, ...], verify: tuple[bool, ...], pool: RecurrentStatePool,
-                   consts: DecodeConstants) -> torch.Tensor:
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where each sequence's [accepted pending prefix ; rows] sit in one step's combined rows, as device
+    index tensors built once per step from the host's bookkeeping (every KDA layer of the step shares it)."""
+
+    num_rows: int  # M, the combined rows
+    slots: torch.Tensor  # [B] KDA slot of each sequence
+    starts: torch.Tensor  # [B] first combined row of each sequence
+    ends: torch.Tensor  # [B] one past its last
+    fold: torch.Tensor  # [B] how many of its rows fold into the slot's state and window
+    row_seq: torch.Tensor  # [M] sequence of each combined row
+    x_dest: torch.Tensor  # [N] combined row of each of the step's rows
+    prefix_dest: torch.Tensor  # [P] combined row of each pending-prefix row
+    prefix_src: torch.Tensor  # [P] its row in one layer's prefix_x, flattened to [slots * max_block, D]
+    keep_dest: torch.Tensor  # [V] flattened prefix_x row where each verify row's input waits
+    keep_src: torch.Tensor  # [V] which of the step's rows
+
+    @classmethod
+    def build(cls, seq_starts: tuple[int, ...], slots: tuple[int, ...], pending: list[int], verify: tuple[bool, ...],
+              max_block: int, device: torch.device) -> BlockLayout:
+        starts, ends, fold, row_seq, x_dest, prefix_dest, prefix_src, keep_dest, keep_src = ([] for _ in range(9))
+        first = 0
+        for b, slot in enumerate(slots):
+            n, p = seq_starts[b + 1] - seq_starts[b], pending[b]
+            is_verify = bool(verify and verify[b])
+            starts.append(first)
+            ends.append(first + p + n)
+            fold.append(p + (0 if is_verify else n))
+            row_seq += [b] * (p + n)
+            prefix_dest += range(first, first + p)
+            prefix_src += range(slot * max_block, slot * max_block + p)
+            x_dest += range(first + p, first + p + n)
+            if is_verify:  # its inputs become the slot's next pending prefix
+                keep_dest += range(slot * max_block, slot * max_block + n)
+                keep_src += range(seq_starts[b], seq_starts[b + 1])
+            first += p + n
+        index = {"dtype": torch.long, "device": device}
+        as_t = (torch.tensor(v, **index) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
+                                                    prefix_src, keep_dest, keep_src))
+        return cls(first, *as_t)
+
+
+def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout: BlockLayout,
+                   pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
     """One KDA layer for a step of short blocks (kernels/kda_blocks.py): each sequence runs [its accepted
     pending prefix ; its rows] from the slot's checkpoint in one pass, folding the prefix always and its
-    rows unless they are a verify block, whose inputs then become the next pending prefix."""
-    B, (H, K), D = len(slots), (attn.num_heads, attn.head_dim), x.shape[1]
-    device = x.device
-    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(B)]
-    pending = [pool.prefix_len[s] for s in slots]
-    starts, x_rows, prefix_rows, prefix_src, row_seq = [0], [], [], [], []
-    for b, slot in enumerate(slots):
-        first = starts[-1]
-        prefix_rows += range(first, first + pending[b])
-        prefix_src += range(slot * pool.prefix_x.shape[2], slot * pool.prefix_x.shape[2] + pending[b])
-        x_rows += range(first + pending[b], first + pending[b] + lengths[b])
-        row_seq += [b] * (pending[b] + lengths[b])
-        starts.append(first + pending[b] + lengths[b])
-    fold = [pending[b] + (0 if verify and verify[b] else lengths[b]) for b in range(B)]
-    as_index = {"dtype": torch.long, "device": device}
-    x_index = torch.tensor(x_rows, **as_index)
-    rows = x.new_empty(starts[-1], D)
-    rows[x_index] = x
-    if prefix_rows:
-        rows[torch.tensor(prefix_rows, **as_index)] = pool.prefix_x[layer].reshape(-1, D)[
-            torch.tensor(prefix_src, **as_index)].to(x.dtype)
-    slot_t, starts_t = torch.tensor(slots, **as_index), torch.tensor(starts, **as_index)
-    fold_t = torch.tensor(fold, **as_index)
+    rows unless they are a verify block, whose inputs then become the next pending prefix. No host logic:
+    everything is in `layout`."""
+    (H, K), D, M = (attn.num_heads, attn.head_dim), x.shape[1], layout.num_rows
+    prefix_x = pool.prefix_x[layer].reshape(-1, D)
+    rows = x.new_empty(M, D)
+    rows[layout.x_dest] = x
+    rows[layout.prefix_dest] = prefix_x[layout.prefix_src].to(x.dtype)
     q, k, v, f, beta, gate = input_projections(attn, rows)
     conv = pool.conv[layer]
-    qkv = kda_blocks.block_conv(q, k, v, conv, slot_t, torch.tensor(row_seq, **as_index), starts_t,
-                                consts.conv_weight)
-    kda_blocks.fold_windows(q, k, v, conv, slot_t, starts_t, fold_t)
-    M = starts[-1]
+    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, layout.starts, consts.conv_weight)
+    kda_blocks.fold_windows(q, k, v, conv, layout.slots, layout.starts, layout.fold)
     o = kda_blocks.fold_recurrent(qkv[0].view(M, H, K), qkv[1].view(M, H, K), qkv[2].view(M, H, K), f.view(M, H, K),
                                   beta, consts.a_log, consts.dt_bias, attn.scale, attn.gate_lower_bound,
-                                  pool.state[layer], slot_t, starts_t, fold_t)
-    o = attn.o_norm(o[x_index].to(x.dtype), gate[x_index].reshape(-1, H, K))
-    for b in range(B):
-        if verify and verify[b]:  # a verify block: its inputs wait as the next pending prefix
-            pool.prefix_x[layer, slots[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
+                                  pool.state[layer], layout.slots, layout.starts, layout.ends, layout.fold)
+    prefix_x[layout.keep_dest] = x[layout.keep_src].to(prefix_x.dtype)  # after the prefix rows were read
+    o = attn.o_norm(o[layout.x_dest].to(x.dtype), gate[layout.x_dest].reshape(-1, H, K))
     return attn.o_proj(o.reshape(x.shape[0], -1))
 
 

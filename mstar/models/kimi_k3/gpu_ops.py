@@ -35,6 +35,7 @@ class GpuMixerOps(TorchMixerOps):
         # per KDA layer (pool index): its parameters converted for the decode kernels on first use,
         # which is an eager step (CUDA-graph capture warms up eagerly first)
         self.kda_constants: dict[int, kda_fla.DecodeConstants] = {}
+        self._layout: tuple[BatchPlan, kda_fla.BlockLayout] | None = None  # the current step's short-block layout
 
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
@@ -46,7 +47,11 @@ class GpuMixerOps(TorchMixerOps):
         slots = plan.host_slots()
         longest = max(pool.prefix_len[s] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b, s in enumerate(slots))
         if longest <= kda_fla.RECURRENT_MAX_ROWS:  # verify blocks and their pending prefixes: one pass
-            return kda_fla.kda_block_step(attn, layer, x, plan.seq_starts, slots, plan.verify, pool, consts)
+            if self._layout is None or self._layout[0] is not plan:  # once per step, for all its KDA layers
+                pending = [pool.prefix_len[s] for s in slots]
+                self._layout = plan, kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, plan.verify,
+                                                               pool.prefix_x.shape[2], x.device)
+            return kda_fla.kda_block_step(attn, layer, x, self._layout[1], pool, consts)
         return kda_fla.kda_step(attn, layer, x, plan.seq_starts, slots, plan.verify, pool)
 
     @staticmethod
