@@ -1,0 +1,149 @@
+"""The small fused kernels of a decode step against their byte floors and the torch ops they replace, at
+one TP8 rank of pruned75 (hidden 7168, 12 KDA heads of 128, AttnRes with 9 sources, 224 experts top-16,
+shared-expert width 768):
+
+    python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200]
+
+Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
+graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
+model's 93 layers do) and replayed behind a GPU sleep (`bench_moe_mxfp4.time_graphs`); the time per
+call is the median replay over the sets. The floor is the bytes the call must move (inputs once,
+outputs once, weights once) at 4.3 TB/s; at these sizes launch and latency dominate, which is what the
+table shows: "torch µs" is the eager torch path captured the same way (its launches, not its host
+time). Prints the table last; $OUT/bench_small_kernels.json when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
+
+from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, router_topk  # noqa: E402
+from mstar.models.kimi_k3 import attn_res, norm  # noqa: E402
+from mstar.models.kimi_k3.kda import GatedHeadNorm  # noqa: E402
+from mstar.models.kimi_k3.mlp import situ  # noqa: E402
+
+HBM = 4.3e12
+D, HEADS, HEAD_DIM, SOURCES, EXPERTS, TOP_K, SHARED = 7168, 12, 128, 9, 224, 16, 768
+SETS = 8
+BF16 = torch.bfloat16
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def bench(name: str, tokens: int, floor_bytes: int, make: Callable[[], tuple[Callable, Callable]], reps: int) -> dict:
+    """`make()` -> (fused(), reference()) over one input set; SETS sets are made and rotated."""
+    sets = [make() for _ in range(SETS)]
+    err = rel(sets[0][0](), sets[0][1]())
+    fused_us = time_graphs([capture(lambda: [fused() for fused, _ in sets])], reps) / SETS
+    torch_us = time_graphs([capture(lambda: [ref() for _, ref in sets])], reps) / SETS
+    floor_us = floor_bytes / HBM * 1e6
+    return {"kernel": name, "tokens": tokens, "rel_err": err, "floor_us": floor_us, "us": fused_us,
+            "x_floor": fused_us / floor_us, "torch_us": torch_us}
+
+
+def attn_res_case(t: int):
+    src = torch.randn(SOURCES, t, D, device="cuda", dtype=BF16)
+    proj, res_w, out_w = (torch.randn(1, D, device="cuda", dtype=BF16) * D**-0.5,
+                          torch.ones(D, device="cuda", dtype=BF16), torch.ones(D, device="cuda", dtype=BF16))
+    return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6),
+            lambda: attn_res.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6))
+
+
+def rms_case(t: int):
+    x, w = torch.randn(t, D, device="cuda", dtype=BF16), torch.ones(D, device="cuda", dtype=BF16)
+    return lambda: attn_res_norm.rms_norm_rows(x, w, 1e-6), lambda: norm.rms_norm(x, w, 1e-6)
+
+
+def router_case(t: int):
+    """Both return the k weights ordered by expert id (the kernel's pick order is free)."""
+    x = torch.randn(t, D, device="cuda", dtype=BF16)
+    w = torch.randn(EXPERTS, D, device="cuda", dtype=BF16) * D**-0.5
+    bias = torch.zeros(EXPERTS, device="cuda")
+
+    def fused():
+        ids, weights = router_topk.route(x, w, bias, TOP_K, True, 1.0)
+        return weights.gather(1, ids.argsort(-1))
+
+    def reference():  # the torch Router's arithmetic
+        scores = torch.sigmoid(x.float() @ w.float().T)
+        ids = (scores + bias).topk(TOP_K, dim=-1, sorted=False).indices.sort(-1).values
+        weights = scores.gather(1, ids)
+        return weights / weights.sum(-1, keepdim=True)
+
+    return fused, reference
+
+
+def gated_norm_case(t: int):
+    o = torch.randn(t, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    gate = torch.randn(t, HEADS * HEAD_DIM, device="cuda", dtype=BF16)
+    module = GatedHeadNorm(HEAD_DIM, 1e-6).to("cuda", BF16)
+    return (lambda: kda_decode.gated_head_norm(o, gate, module.weight, module.eps),
+            lambda: module(o, gate.view(t, HEADS, HEAD_DIM)))
+
+
+def situ_case(t: int):
+    gu = torch.randn(t, 2 * SHARED, device="cuda", dtype=BF16) * 3
+    return (lambda: gated_mlp.situ_and_mul(gu, 4.0, 25.0), lambda: situ(gu[:, :SHARED], gu[:, SHARED:], 4.0, 25.0))
+
+
+def decode_conv_case(t: int):
+    width = HEADS * HEAD_DIM
+    q, k, v = (torch.randn(t, width, device="cuda", dtype=BF16) for _ in range(3))
+    conv = torch.randn(t + 1, 3, 3, width, device="cuda", dtype=BF16)
+    slots = torch.arange(1, t + 1, device="cuda")
+    weight = torch.randn(3, 4, width, device="cuda")
+    windows = conv[slots].clone()  # the kernel shifts the pool's windows in place; the check runs it first
+    return (lambda: kda_decode.decode_conv(q, k, v, conv, slots, weight),
+            lambda: kda_decode.decode_conv_reference(torch.stack([q, k, v], 1), windows, weight)[0])
+
+
+CASES = {  # name -> (inputs, floor bytes for t tokens)
+    "attn_res_norm": (attn_res_case, lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
+    "rms_norm_rows": (rms_case, lambda t: 2 * t * D * 2 + D * 2),
+    "router (GEMM + select)": (router_case, lambda t: EXPERTS * D * 2 + t * D * 2 + t * TOP_K * 12),
+    "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
+    "situ_and_mul": (situ_case, lambda t: 3 * t * SHARED * 2),
+    "kda decode_conv": (decode_conv_case, lambda t: t * HEADS * HEAD_DIM * 3 * 2 * (1 + 3 + 3 + 1)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_small_kernels: needs a CUDA GPU")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
+    results = []
+    for name, (make, floor) in CASES.items():
+        for t in args.tokens:
+            results.append(bench(name, t, floor(t), lambda make=make, t=t: make(t), args.reps))
+            r = results[-1]
+            print(f"{name} T={t}: {r['us']:.2f} us ({r['x_floor']:.1f}x floor), torch {r['torch_us']:.2f} us, "
+                  f"rel err {r['rel_err']:.1e}", file=sys.stderr)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "bench_small_kernels.json").write_text(json.dumps(results, indent=1))
+    print("\n| kernel | T | floor µs | fused µs | × floor | torch µs | rel err |")
+    print("|---|--:|--:|--:|--:|--:|--:|")
+    for r in results:
+        print(f"| {r['kernel']} | {r['tokens']} | {r['floor_us']:.2f} | {r['us']:.2f} | {r['x_floor']:.1f} | "
+              f"{r['torch_us']:.2f} | {r['rel_err']:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
