@@ -46,6 +46,19 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
+def step_against_torch(attn, pool, lengths, verify, slots):
+    """A step of sequences with `lengths` rows on `slots`, random rows x, and what the torch mixer makes of
+    it on a copy of the pool: (plan, x, the copy after the step, the torch output)."""
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * len(lengths), kv=None,
+                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
+    ref = copy.deepcopy(pool)
+    x = torch.randn(starts[-1], HIDDEN)
+    return plan, x, ref, TorchMixerOps().kda(attn, 0, x, plan, ref)
+
+
 @pytest.mark.parametrize("stacked", [False, True])
 def test_decode_writes_the_pool_in_place_like_torch(stacked):
     attn, pool = layer_and_pool()
@@ -76,14 +89,7 @@ def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked
     slots = (3, 1, 8, 5, 6)
     for slot in (5, 6):
         pool.prefix_len[slot] = 3
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 5, kv=None,
-                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
-    ref = copy.deepcopy(pool)
-    x = torch.randn(starts[-1], HIDDEN)
-    expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+    plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
     y = GpuMixerOps().kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5
     for name in ("state", "conv", "prefix_x"):
@@ -103,14 +109,7 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     slots = (5, 2, 6, 8, 4)
     for slot, n in ((5, 2), (6, 3), (4, 3)):
         pool.prefix_len[slot] = n
-    starts = [0]
-    for n in lengths:
-        starts.append(starts[-1] + n)
-    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 5, kv=None,
-                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
-    ref = copy.deepcopy(pool)
-    x = torch.randn(starts[-1], HIDDEN)
-    expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+    plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
     layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
                                        pool.prefix_x.shape[2], x.device)
     y = kda_fla.kda_block_step(attn, 0, x, layout, pool, kda_fla.DecodeConstants.of(attn))
