@@ -64,15 +64,17 @@ def _row_value(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, window, s_hist
     dtype (the window is cast to it first, as the torch path casts it)."""
     dtype = q_ptr.dtype.element_ty
     row = start + tl.maximum(i, 0)
-    in_rows = ok & (i >= 0)
+    # masks are built from full tensors: Triton 3.9's interpreter makes `bool tensor & scalar` an int32 mask
+    at = i + cols * 0
+    in_rows = ok & (at >= 0)
     if which == 0:
         x = tl.load(q_ptr + row * q_stride + cols, mask=in_rows, other=0)
     elif which == 1:
         x = tl.load(k_ptr + row * k_stride + cols, mask=in_rows, other=0)
     else:
         x = tl.load(v_ptr + row * v_stride + cols, mask=in_rows, other=0)
-    w = tl.load(window + (HIST + tl.minimum(i, -1)) * s_hist + cols, mask=ok & (i < 0), other=0)
-    return tl.where(i >= 0, x.to(tl.float32), w.to(dtype).to(tl.float32))
+    w = tl.load(window + (HIST + tl.minimum(i, -1)) * s_hist + cols, mask=ok & (at < 0), other=0)
+    return tl.where(at >= 0, x.to(tl.float32), w.to(dtype).to(tl.float32))
 
 
 @triton.jit
@@ -118,7 +120,7 @@ def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv
                        which, cols, ok, HIST)
         values = tl.where(rows[:, None] == j, x[None, :], values)
     dest = window + rows[:, None] * s_hist + cols[None, :]
-    tl.store(dest, values.to(conv_ptr.dtype.element_ty), mask=live[:, None] & ok[None, :] & (fold > 0))
+    tl.store(dest, values.to(conv_ptr.dtype.element_ty), mask=live[:, None] & (ok & (fold + cols * 0 > 0))[None, :])
 
 
 def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
@@ -179,5 +181,6 @@ def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf,
         S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
         ot = tl.sum(S * (scale * qt)[:, None], axis=0)
         tl.store(o_ptr + t * H * V + h * V + vs, ot.to(o_ptr.dtype.element_ty), mask=v_ok)
-        tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty), mask=v_ok[None, :] & (t == last_folded))
+        folds_here = v_ok & (t + vs * 0 == last_folded)  # a full tensor (see _row_value)
+        tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty), mask=folds_here[None, :])
         t += 1
