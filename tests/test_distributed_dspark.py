@@ -95,6 +95,14 @@ def test_whole_vocab_heads_are_the_checkpoints(tiny_dir, tiny_model):
     assert torch.equal(lm_head.weight, tiny_model.lm_head.weight)
 
 
+def test_a_follower_keeps_the_draft_taps_for_its_decode_graphs(draft):
+    """Without the draft, a follower still knows which taps rank 0's steps compute, so that its decode
+    graphs are captured with them and it replays the same steps rank 0 replays."""
+    spec = follower_engine_config(small_engine(draft)).speculative
+    assert spec.draft is None and spec.heads is None
+    assert spec.taps() == tuple(draft.config.target_layer_ids) == small_engine(draft).speculative.taps()
+
+
 def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draft, workload):
     """Every cache, KDA state and pending prefix of a follower that only applies rank 0's step messages equals
     rank 0's after every step, through verify steps that accept some drafts (an oracle draft errs at a quarter

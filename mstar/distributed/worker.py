@@ -162,11 +162,12 @@ def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: 
 def follower_engine_config(engine: EngineConfig) -> EngineConfig:
     """A follower's view of rank 0's engine config: speculation without the draft or its heads. A
     follower never drafts (and is not sent the draft's weights), but it runs rank 0's verify blocks,
-    so its KDA pool keeps pending prefixes of k + 1 rows, as rank 0's does."""
+    so its KDA pool keeps pending prefixes of k + 1 rows, as rank 0's does, and it computes the draft's
+    taps in its steps, so its decode graphs are captured with them (else it would replay none)."""
     spec = engine.speculative
     if spec is None:
         return engine
-    return replace(engine, speculative=replace(spec, draft=None, heads=None))
+    return replace(engine, speculative=replace(spec, draft=None, heads=None, tap_layers=spec.taps()))
 
 
 def rank0_engine_config(engine: EngineConfig, setup: RankSetup) -> EngineConfig:

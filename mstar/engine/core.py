@@ -42,6 +42,12 @@ class SpeculativeConfig:
     verify_method: str = "block"  # rule for sampled requests ("chain" or "block"); greedy ones use greedy
     max_num_pages: int | None = None  # draft KV pages (default: as many as the target's)
     heads: VocabHeads | None = None  # full-vocabulary embed/lm_head for the draft (default: the target's own)
+    # the target layers whose taps the draft reads; given on a follower, which has no draft but must
+    # capture its decode graphs with rank 0's taps to replay the same steps (default: the draft's)
+    tap_layers: tuple[int, ...] = ()
+
+    def taps(self) -> tuple[int, ...]:
+        return tuple(self.draft.config.target_layer_ids) if self.draft is not None else self.tap_layers
 
 
 MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
@@ -100,7 +106,7 @@ class EngineCore:
         if config.cuda_graphs and device.type == "cuda":
             self.graphs = DecodeGraphs(self.serving, max_batch=min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH),
                                        max_seq_len=config.max_seq_len,
-                                       tap_layers=self.spec.tap_layers if self.spec else ())
+                                       tap_layers=spec.taps() if spec else ())
             self.graphs.capture()
             self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
