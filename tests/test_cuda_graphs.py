@@ -1,14 +1,21 @@
 """Decode CUDA graphs, the parts that run anywhere: buckets, the capture check, and the engine's
 `decode` flag on plans (which steps a graph may replay). tests/test_gpu_cuda_graphs.py replays them."""
 
+import copy
+import os
+
+import pytest
 import torch
 
 from mstar.engine.core import EngineConfig, EngineCore
-from mstar.engine.cuda_graphs import capture_blockers, decode_buckets
+from mstar.engine.cuda_graphs import StepGraphs, capture_blockers, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
 from mstar.engine.step import SeqStep, StepDecl
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 
@@ -23,7 +30,7 @@ def test_buckets_cover_every_batch_size():
 
 def test_a_cpu_model_is_refused_with_the_reason(tiny_model, tiny_dir):
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), EngineConfig(max_seq_len=256, cuda_graphs=True))
-    assert core.graphs is None  # no effect on CPU
+    assert core.graphs == []  # no effect on CPU
     assert any("CUDA device" in p for p in capture_blockers(core.serving))
 
 
@@ -52,3 +59,41 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
         one_row = all(p.seq_starts[b + 1] - p.seq_starts[b] == 1 for b in range(len(p.seq_starts) - 1))
         assert p.decode == one_row, (p.seq_starts, p.decode)
         assert p.slot_ids == tuple(p.kda_slots.tolist())  # the host's copy, so that no layer syncs for it
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU KDA path through Triton's interpreter")
+def test_a_staged_verify_step_runs_the_kda_blocks_of_the_real_one(tiny_model):
+    """StepGraphs(rows=k+1) stages a verify step into its fixed buffers and layout (padded to its bucket
+    with a sink sequence); the KDA layer on that staged plan gives the real rows' outputs, states, windows
+    and pending prefixes of the step itself. (The capture is tests/test_gpu_cuda_graphs.py's.)"""
+    pytest.importorskip("fla.ops.kda")
+    cfg = tiny_model.config
+    la, r = cfg.linear_attn, 3
+    kv = PagedLatentKV(cfg.layer_kinds.count("mla"), 40, 8, cfg.kv_cache_width, torch.float32)
+    pool = RecurrentStatePool(cfg.layer_kinds.count("kda"), 6, la.num_heads, la.head_dim, la.short_conv_kernel_size,
+                              torch.float32, torch.float32, hidden_size=cfg.hidden_size, max_block=r)
+    pool.state.normal_(0, 0.3)
+    pool.conv.normal_()
+    pool.prefix_x.normal_()
+    slots = (4, 1, 3)
+    pool.prefix_len[4], pool.prefix_len[3] = 2, 3  # accepted rows of the last verify blocks
+    graphs = StepGraphs(ServingModel(tiny_model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=64, rows=r,
+                        buckets=(4,))
+    plan = BatchPlan(input_ids=torch.zeros(9, dtype=torch.long), seq_starts=(0, 3, 6, 9), num_computed=(5, 9, 2),
+                     kv=LatentKVPlan(torch.tensor([[1, 2], [3, 4], [5, 0]]), torch.arange(9), torch.tensor([8, 12, 5])),
+                     kda_slots=torch.tensor(slots), sample_rows=torch.arange(9), verify=(True,) * 3, slot_ids=slots)
+    assert graphs.can_run(plan)
+    assert graphs.stage(plan) == (3, 4)
+    staged = graphs.bucket_plan(4)
+    layer = cfg.layer_kinds.index("kda")
+    attn = tiny_model.model.layers[layer].self_attn
+    ref = copy.deepcopy(pool)
+    x = torch.randn(9, cfg.hidden_size)
+    with torch.no_grad():
+        expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
+        got = GpuMixerOps().kda(attn, 0, torch.cat([x, torch.zeros(r, cfg.hidden_size)]), staged, pool)
+    assert float((got[:9] - expect).norm() / expect.norm()) < 1e-5
+    for name in ("state", "conv", "prefix_x"):
+        real = list(slots)
+        a, b = getattr(pool, name)[0, real], getattr(ref, name)[0, real]
+        assert float((a - b).norm() / b.norm()) < 1e-5, name

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mstar.engine.core import EngineConfig, EngineCore
-from mstar.engine.cuda_graphs import DecodeGraphs, decode_buckets
+from mstar.engine.cuda_graphs import StepGraphs, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import kda_fla
@@ -27,7 +27,7 @@ from mstar.tools.make_tiny import real_dims_raw_config
 
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
 BF16 = torch.bfloat16
-PAGE, MAX_SEQ, MAX_BATCH = 64, 1024, 16
+PAGE, MAX_SEQ, MAX_BATCH, DRAFTS = 64, 1024, 16, 3
 
 
 @pytest.fixture(scope="module")
@@ -58,24 +58,28 @@ def pools(cfg, slots=MAX_BATCH + 2):
     kinds = cfg.layer_kinds
     kv = PagedLatentKV(kinds.count("mla"), 1 + slots * MAX_SEQ // PAGE, PAGE, cfg.kv_cache_width, BF16, "cuda")
     pool = RecurrentStatePool(kinds.count("kda"), slots, la.num_heads, la.head_dim, la.short_conv_kernel_size,
-                              torch.float32, BF16, "cuda", hidden_size=cfg.hidden_size)
+                              torch.float32, BF16, "cuda", hidden_size=cfg.hidden_size, max_block=DRAFTS + 1)
     kv.cache.normal_()
     pool.state.normal_(0, 0.05)
     pool.conv.normal_()
+    pool.prefix_x.normal_()
     return kv, pool
 
 
-def decode_plan(cfg, contexts, slots):
-    """Sequence b at context contexts[b] (its rows already cached), KDA slot slots[b], own pages."""
+def decode_plan(cfg, contexts, slots, rows=1):
+    """Sequence b at context contexts[b] (its rows already cached), KDA slot slots[b], own pages, `rows` new
+    rows each (more than one: a verify block)."""
     pages_per_seq = MAX_SEQ // PAGE
     table = torch.tensor([[1 + s * pages_per_seq + p for p in range(pages_per_seq)] for s in slots])
     lens = torch.tensor(contexts)
-    written = table[torch.arange(len(slots)), lens // PAGE] * PAGE + lens % PAGE
-    kv = LatentKVPlan(table.cuda(), written.cuda(), (lens + 1).cuda())
-    ids = torch.randint(0, cfg.vocab_size, (len(slots),), device="cuda")
-    return BatchPlan(input_ids=ids, seq_starts=tuple(range(len(slots) + 1)), num_computed=tuple(contexts), kv=kv,
-                     kda_slots=torch.tensor(slots, device="cuda"), sample_rows=torch.arange(len(slots), device="cuda"),
-                     decode=True)
+    positions = lens[:, None] + torch.arange(rows)
+    written = (table.gather(1, positions // PAGE) * PAGE + positions % PAGE).flatten()
+    kv = LatentKVPlan(table.cuda(), written.cuda(), (lens + rows).cuda())
+    n = len(slots) * rows
+    ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
+    return BatchPlan(input_ids=ids, seq_starts=tuple(range(0, n + 1, rows)), num_computed=tuple(contexts), kv=kv,
+                     kda_slots=torch.tensor(slots, device="cuda"), sample_rows=torch.arange(n, device="cuda"),
+                     decode=rows == 1, verify=(True,) * len(slots) if rows > 1 else (), slot_ids=tuple(slots))
 
 
 def rel(a, b):
@@ -86,7 +90,7 @@ def test_every_bucket_replays_like_the_eager_step(model):
     cfg = model.config
     kv, pool = pools(cfg)
     serving = ServingModel(model, kv, pool, GpuMixerOps())
-    graphs = DecodeGraphs(serving, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
+    graphs = StepGraphs(serving, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
     graphs.capture()
     assert sorted(graphs.graphs) == list(decode_buckets(MAX_BATCH))
     for batch in (1, 3, 8, 11, 16):
@@ -116,9 +120,37 @@ def test_every_bucket_replays_like_the_eager_step(model):
     assert graphs.replays == 5
 
 
+def test_verify_blocks_replay_like_the_eager_step(model):
+    """Verify blocks of DRAFTS + 1 rows after accepted pending prefixes (staged per step into the KDA
+    layout), against the eager run of the same staged step; states, windows and pending prefixes too."""
+    cfg = model.config
+    kv, pool = pools(cfg)
+    graphs = StepGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=8, max_seq_len=MAX_SEQ,
+                        rows=DRAFTS + 1, buckets=(1, 4, 8))
+    graphs.capture()
+    for batch in (1, 3, 8):
+        slots = torch.randperm(MAX_BATCH + 1)[:batch].add(1).tolist()
+        for s in slots:
+            pool.prefix_len[s] = int(torch.randint(0, DRAFTS + 2, ()))  # 0 .. k + 1 accepted rows pending
+        plan = decode_plan(cfg, torch.randint(0, MAX_SEQ - 8, (batch,)).tolist(), slots, rows=DRAFTS + 1)
+        ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
+        _, bucket = graphs.stage(plan)
+        expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(graphs.bucket_plan(bucket))
+        for _, (_, (logits, _)) in graphs.graphs.items():
+            logits.fill_(float("nan"))
+        got, _ = graphs.run(plan)
+        n = batch * (DRAFTS + 1)
+        assert got.shape[0] == n and torch.isfinite(got).all()
+        assert rel(got, expect[:n]) < 2e-2, (batch, rel(got, expect[:n]))
+        s = plan.kda_slots
+        for name in ("state", "conv", "prefix_x"):
+            assert rel(getattr(pool, name)[:, s], getattr(ref_pool, name)[:, s]) < 2e-2, name
+    assert graphs.replays == 3
+
+
 def test_a_pending_prefix_or_a_long_batch_runs_eagerly(model):
     kv, pool = pools(model.config)
-    graphs = DecodeGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=MAX_SEQ)
+    graphs = StepGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=MAX_SEQ)
     plan = decode_plan(model.config, [5] * 6, list(range(1, 7)))
     assert not graphs.can_run(plan)
     assert not graphs.can_run(replace(decode_plan(model.config, [5], [1]), decode=False))
@@ -130,7 +162,7 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
     cfg = EngineConfig(max_seq_len=MAX_SEQ, page_size=PAGE, max_num_pages=256, max_kda_slots=MAX_BATCH + 1,
                        scheduler=SchedulerConfig(max_num_seqs=MAX_BATCH), cuda_graphs=True)
     core = EngineCore(model, tokenizer, cfg)
-    assert core.graphs is not None and len(core.graphs.graphs) == len(decode_buckets(MAX_BATCH))
+    assert len(core.graphs) == 1 and len(core.graphs[0].graphs) == len(decode_buckets(MAX_BATCH))
     eager = EngineCore(model, tokenizer, replace(cfg, cuda_graphs=False))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 5, 64)]
     outputs = {}
@@ -145,7 +177,7 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
         assert not errors, (name, errors)
         outputs[name] = got
         assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
-    assert core.graphs.replays >= 10
+    assert core.graphs[0].replays >= 10
     assert all(len(t) == 12 for t in outputs["graphs"].values())
     # bf16 steps with a different split count and atomic expert sums can flip near-tied greedy tokens,
     # so exact agreement is not required; the first tokens come from the same eager prefill.

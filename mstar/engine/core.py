@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mstar.engine.client import EngineStats
-from mstar.engine.cuda_graphs import DecodeGraphs, GraphedServing
+from mstar.engine.cuda_graphs import GraphedServing, StepGraphs, verify_graphs
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
@@ -102,12 +102,9 @@ class EngineCore:
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None)
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: list[StepGraphs] = []
         if config.cuda_graphs and device.type == "cuda":
-            self.graphs = DecodeGraphs(self.serving, max_batch=min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH),
-                                       max_seq_len=config.max_seq_len,
-                                       tap_layers=spec.taps() if spec else ())
-            self.graphs.capture()
+            self.graphs = self._capture_graphs()
             self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
         self.device = device
@@ -117,6 +114,20 @@ class EngineCore:
         self._poisoned: list[Request] = []
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
         self.profiler = StepProfiler.from_env(device)
+
+    def _capture_graphs(self) -> list[StepGraphs]:
+        """Decode steps, and with speculation the verify blocks of every draft count the schedule uses,
+        captured for batch sizes up to MAX_GRAPH_BATCH (a TP follower captures what rank 0 does)."""
+        config, spec = self.config, self.config.speculative
+        shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
+                 "tap_layers": spec.taps() if spec else ()}
+        graphs = [StepGraphs(self.serving, **shape)]
+        if spec is not None:
+            graphs += verify_graphs(self.serving, DraftSchedule.from_config(spec.speculative_tokens, spec.schedule),
+                                    **shape)
+        for g in graphs:
+            g.capture()
+        return graphs
 
     # --- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:

@@ -167,7 +167,11 @@ class BlockLayout:
 
     @classmethod
     def build(cls, seq_starts: tuple[int, ...], slots: tuple[int, ...], pending: list[int], verify: tuple[bool, ...],
-              max_block: int, device: torch.device) -> BlockLayout:
+              max_block: int, device: torch.device, *, capacity: int | None = None) -> BlockLayout:
+        """The compact layout; or, with `capacity` (rows per sequence, at least max_block + its rows), one
+        whose sizes depend only on the sequence and row counts, as a captured step needs: sequence b owns
+        rows b * capacity onwards, and every sequence lists max_block prefix rows, those past its
+        pending prefix landing on unused rows of its own segment."""
         starts, ends, fold, row_seq, x_dest, prefix_dest, prefix_src, keep_dest, keep_src = ([] for _ in range(9))
         first = 0
         for b, slot in enumerate(slots):
@@ -176,18 +180,30 @@ class BlockLayout:
             starts.append(first)
             ends.append(first + p + n)
             fold.append(p + (0 if is_verify else n))
-            row_seq += [b] * (p + n)
-            prefix_dest += range(first, first + p)
-            prefix_src += range(slot * max_block, slot * max_block + p)
             x_dest += range(first + p, first + p + n)
+            listed = p if capacity is None else max_block
+            prefix_dest += [first + j if j < p else first + n + j for j in range(listed)]
+            prefix_src += range(slot * max_block, slot * max_block + listed)
             if is_verify:  # its inputs become the slot's next pending prefix
                 keep_dest += range(slot * max_block, slot * max_block + n)
                 keep_src += range(seq_starts[b], seq_starts[b + 1])
-            first += p + n
+            size = p + n if capacity is None else capacity
+            if p + n + (listed - p) > size:
+                raise ValueError(f"sequence {b}: {p} prefix + {n} rows do not fit a capacity of {capacity}")
+            row_seq += [b] * size
+            first += size
         index = {"dtype": torch.long, "device": device}
         as_t = (torch.tensor(v, **index) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
                                                     prefix_src, keep_dest, keep_src))
         return cls(first, *as_t)
+
+    def copy_(self, other: BlockLayout) -> None:
+        """Take `other`'s values (same sizes): a captured step's layout is staged into fixed tensors."""
+        if other.num_rows != self.num_rows:
+            raise ValueError(f"layout of {other.num_rows} rows staged into one of {self.num_rows}")
+        for name in ("slots", "starts", "ends", "fold", "row_seq", "x_dest", "prefix_dest", "prefix_src",
+                     "keep_dest", "keep_src"):
+            getattr(self, name).copy_(getattr(other, name))
 
 
 def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout: BlockLayout,
@@ -198,7 +214,7 @@ def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout
     everything is in `layout`."""
     (H, K), D, M = (attn.num_heads, attn.head_dim), x.shape[1], layout.num_rows
     prefix_x = pool.prefix_x[layer].reshape(-1, D)
-    rows = x.new_empty(M, D)
+    rows = x.new_zeros(M, D)  # rows outside every sequence (a fixed-capacity layout's) stay harmless zeros
     rows[layout.x_dest] = x
     rows[layout.prefix_dest] = prefix_x[layout.prefix_src].to(x.dtype)
     q, k, v, f, beta, gate = input_projections(attn, rows)

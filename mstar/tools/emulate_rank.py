@@ -12,7 +12,8 @@ latent KV cache and the KDA state pool with random context, and times the servin
 - decode: B sequences of one new row each after `--context` cached tokens, replayed through the
   decode CUDA graphs (`mstar.engine.cuda_graphs`, captured for `--max-seq-len` tokens as the served
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
-- verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled (eager);
+- verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
+  CUDA graphs like decode;
 - prefill: one fresh sequence of T tokens, its last row sampled (eager).
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
 the ratio measured / floor. Timings are medians over `--reps` steps (CUDA events on the GPU) after
@@ -366,25 +367,38 @@ def check_finite(emulation: Emulation, context: int) -> None:
                            "the random init (fill_random_) no longer keeps activations in range")
 
 
+def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len: int) -> dict[int, object]:
+    """CUDA graphs of the decode and verify steps, as the engine captures them (rows per sequence ->
+    StepGraphs over the buckets the steps' batch sizes run in)."""
+    from mstar.engine.cuda_graphs import StepGraphs, decode_buckets  # CUDA only: the CPU path never needs them
+
+    by_rows: dict[int, list[int]] = {}
+    for step in steps:
+        if step.kind in ("decode", "verify"):
+            by_rows.setdefault(step.rows, []).append(step.batch)
+    graphs = {}
+    for rows, batches in sorted(by_rows.items()):
+        all_buckets = decode_buckets(max(batches))
+        buckets = tuple(sorted({next(b for b in all_buckets if b >= n) for n in batches}))
+        graphs[rows] = StepGraphs(serving, max_batch=max(batches), max_seq_len=graph_seq_len, rows=rows,
+                                  buckets=buckets if rows > 1 else None)
+        progress(f"capturing {graphs[rows].kind} CUDA graphs for batches {buckets}")
+        graphs[rows].capture()
+    return graphs
+
+
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
             graph_seq_len: int | None) -> tuple[list[Result], dict[int, Callable[[], object]]]:
-    """Time every step, decode through CUDA graphs captured for `graph_seq_len` tokens (None: eager);
-    also return the decode steps' callables by batch (for the profile)."""
+    """Time every step, decode and verify through CUDA graphs captured for `graph_seq_len` tokens
+    (None: eager); also return the decode steps' callables by batch (for the profile)."""
     serving, device = emulation.serving, emulation.device
-    decode_graphs = None
-    decode_batches = [s.batch for s in steps if s.kind == "decode"]
-    if graph_seq_len is not None and decode_batches:
-        from mstar.engine.cuda_graphs import DecodeGraphs  # CUDA only: the CPU path never needs it
-
-        decode_graphs = DecodeGraphs(serving, max_batch=max(decode_batches), max_seq_len=graph_seq_len,
-                                     tap_layers=())
-        progress(f"capturing decode CUDA graphs up to batch {max(decode_batches)}")
-        decode_graphs.capture()
+    graphs = capture_step_graphs(serving, steps, graph_seq_len) if graph_seq_len is not None else {}
     results, decode_fns = [], {}
     for step in steps:
         plan = emulation.plan_for(step)
-        if step.kind == "decode" and decode_graphs is not None:
-            mode, fn = "graph", (lambda plan=plan: decode_graphs.run(plan))
+        step_graphs = graphs.get(step.rows) if step.kind != "prefill" else None
+        if step_graphs is not None and step_graphs.can_run(plan):
+            mode, fn = "graph", (lambda plan=plan, g=step_graphs: g.run(plan))
         else:
             mode, fn = "eager", (lambda plan=plan: serving.forward(plan))
         slow = step.kind == "prefill" and device.type == "cuda"
@@ -468,7 +482,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--reps", type=int, default=20, help="timed steps per row (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each row")
-    p.add_argument("--eager", action="store_true", help="run decode eagerly too (no CUDA graphs)")
+    p.add_argument("--eager", action="store_true", help="run decode and verify eagerly too (no CUDA graphs)")
     p.add_argument("--max-seq-len", type=int, default=32768,
                    help="the decode graphs' capacity, which fixes their MLA split count (the served config's)")
     p.add_argument("--seed", type=int, default=0)

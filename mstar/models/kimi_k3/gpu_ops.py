@@ -44,6 +44,8 @@ class GpuMixerOps(TorchMixerOps):
         consts = self.kda_constants[layer]
         if plan.decode:
             return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, consts)
+        if plan.kda_layout is not None:  # a captured verify step: its layout is staged
+            return kda_fla.kda_block_step(attn, layer, x, plan.kda_layout, pool, consts)
         slots = plan.host_slots()
         longest = max(pool.prefix_len[s] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b, s in enumerate(slots))
         if longest <= kda_fla.RECURRENT_MAX_ROWS:  # verify blocks and their pending prefixes: one pass
@@ -76,7 +78,7 @@ class GpuMixerOps(TorchMixerOps):
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
             mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
         else:
-            cu = torch.tensor(plan.seq_starts, device=x.device)
+            cu = plan.cu_seqlens if plan.cu_seqlens is not None else torch.tensor(plan.seq_starts, device=x.device)
             mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows))
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, x)

@@ -39,6 +39,10 @@ class BatchPlan:
     decode: bool = False
     # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
     slot_ids: tuple[int, ...] = ()
+    # Device copies a captured step reads instead of making them from host values during capture:
+    # seq_starts (the MLA multi-row kernel's cu_seqlens) and the KDA short-block layout (kda_fla.BlockLayout).
+    cu_seqlens: torch.Tensor | None = None
+    kda_layout: object | None = None
 
     def host_slots(self) -> tuple[int, ...]:
         """The KDA slots on the host (`slot_ids`; hand-built plans without them read the tensor)."""
