@@ -245,7 +245,8 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
     q, q_win = varlen_short_conv(q, attn.q_conv1d.weight, windows[:, 0], lengths)
     k, k_win = varlen_short_conv(k, attn.k_conv1d.weight, windows[:, 1], lengths)
     v, v_win = varlen_short_conv(v, attn.v_conv1d.weight, windows[:, 2], lengths)
-    cu = torch.tensor([0, *lengths], device=device).cumsum(0)
+    cu_host = torch.tensor([0, *lengths]).cumsum(0)
+    cu = cu_host.to(device)
     state = pool.state[layer, slot_index].float().contiguous()  # [B, H, K, V]
     args = dict(
         q=q.view(1, -1, H, K), k=k.view(1, -1, H, K), v=v.view(1, -1, H, K), g=f.view(1, -1, H, K),
@@ -257,7 +258,8 @@ def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: lis
     if use_recurrent_kernel(lengths, x.dtype):
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
-        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, **args)
+        # the host copy of the offsets spares fla's chunk indexing a device-to-host read per layer
+        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, cu_seqlens_cpu=cu_host, **args)
     folded = [b for b, keep in enumerate(fold) if keep]
     if folded:
         rows = torch.tensor(folded, device=device)
