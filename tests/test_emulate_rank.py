@@ -150,6 +150,17 @@ def test_check_finite_names_a_broken_init(config):
         check_finite(emulation, 8)
 
 
+def test_verify_steps_have_pending_prefixes_and_decode_steps_none(config):
+    steps = [Step("decode", 2, 1, 8), Step("verify", 2, 3, 8)]
+    emulation = build(config, ShardingPlan(TP), steps, dtype=torch.float32, device=torch.device("cpu"), page_size=16,
+                      seed=0, pending_prefix=2)
+    pool = emulation.serving.pool
+    verify = emulation.plan_for(steps[1])
+    assert pool.prefix_len == [0, 2, 2]  # slots 1 and 2 hold the two sequences; 0 is the sink
+    assert torch.isfinite(emulation.serving.forward(verify)[0]).all()  # replays them, then its blocks
+    assert emulation.plan_for(steps[0]).decode and pool.prefix_len == [0, 0, 0]
+
+
 def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, capsys):
     main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
           "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "1,2",

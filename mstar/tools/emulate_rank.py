@@ -321,12 +321,18 @@ class Emulation:
     generator: torch.Generator
     page_size: int
     expert_kernel_layers: int
+    pending_prefix: int = 0  # accepted rows of the previous verify block each verify sequence replays first
 
     @property
     def vocab_slice(self) -> int:
         return self.config.vocab_size // self.plan.tp_size
 
     def plan_for(self, step: Step) -> BatchPlan:
+        """The step's plan; a verify step's sequences get `pending_prefix` rows pending in their KDA slots
+        (as served verify steps have), every other step none (a decode step may have none)."""
+        pool = self.serving.pool
+        pending = min(self.pending_prefix, step.rows) if step.kind == "verify" else 0
+        pool.prefix_len = [0] + [pending] * step.batch + [0] * (pool.max_slots - 1 - step.batch)
         return batch_plan(step, self.page_size, self.vocab_slice, self.device, self.generator)
 
     def weight_bytes(self) -> int:
@@ -339,7 +345,7 @@ class Emulation:
 
 
 def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype: torch.dtype,
-          device: torch.device, page_size: int, seed: int) -> Emulation:
+          device: torch.device, page_size: int, seed: int, pending_prefix: int = 0) -> Emulation:
     generator = torch.Generator(device=device).manual_seed(seed)
     progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
@@ -351,7 +357,7 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
     kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
     emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
-                          page_size, kernels)
+                          page_size, kernels, pending_prefix)
     synchronize(device)
     progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
              f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")
@@ -486,6 +492,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-seq-len", type=int, default=32768,
                    help="the decode graphs' capacity, which fixes their MLA split count (the served config's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--pending-prefix", type=int, default=2,
+                   help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
+                        "steps have ~1-3; the floor does not count them)")
     p.add_argument("--profile", action="store_true",
                    help="also profile one decode step at the smallest and largest batch: top kernels by time")
     p.add_argument("--out", type=Path, default=None, help="write emulate_rank.md and emulate_rank.json here")
@@ -515,14 +524,16 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         rank = rank_model(config, plan, dtype)
     except ValueError as e:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
-    emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed)
+    emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
+                      pending_prefix=args.pending_prefix)
     results, decode_fns = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
                                   graph_seq_len=graph_seq_len)
     profile_md = profile_decode(decode_fns, device) if args.profile and decode_fns else ""
 
     header = {
         "config": args.config, "tp": args.tp, "ep": args.ep, "rank": 0, "layers": config.num_hidden_layers,
-        "context": args.context, "page_size": args.page_size, "dtype": args.dtype, "device": device_name(device),
+        "context": args.context, "pending_prefix": args.pending_prefix, "page_size": args.page_size,
+        "dtype": args.dtype, "device": device_name(device),
         "graph_max_seq_len": graph_seq_len, "torch": torch.__version__, "commit": git_commit(), "reps": args.reps,
         "warmup": args.warmup,
         "weight_bytes": emulation.weight_bytes(), "pool_bytes": emulation.pool_bytes(),
@@ -533,7 +544,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}, "
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
-             f"{args.context}, page size {args.page_size}; median of {args.reps} steps; decode graphs "
+             f"{args.context} ({args.pending_prefix} pending rows per verify sequence), page size {args.page_size}; "
+             f"median of {args.reps} steps; decode and verify graphs "
              f"{f'captured for {graph_seq_len} tokens' if graph_seq_len else 'off'}. Weights "
              f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; all-reduces "
              f"are the identity (null communicator). Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
