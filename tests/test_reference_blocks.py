@@ -55,7 +55,7 @@ def test_attn_res_block_schedule_matches_k3():
         assert len(stream.blocks) == math.ceil(l / block) + (l % block == 0)
         stream.add(torch.ones(1, 2))
         stream.add(torch.ones(1, 2))
-    assert len(stream.sources()) == 9  # 8 stored blocks + the live partial sum
+    assert stream.stacked().shape[0] == 9  # 8 stored blocks + the live partial sum
     assert float(stream.raw_sum()[0, 0]) == 2 * layers
 
 

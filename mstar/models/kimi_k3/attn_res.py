@@ -69,9 +69,6 @@ class ResidualStream:
         """[blocks..., partial] as one [n, T, D] view."""
         return self._buffer[: self.num_blocks + 1]
 
-    def sources(self) -> list[torch.Tensor]:
-        return list(self.stacked().unbind(0))
-
     def normed_input(self, proj: torch.nn.Linear, res_norm: RMSNorm, out_norm: RMSNorm) -> torch.Tensor:
         """out_norm(AttnRes(sources)): what the next sublayer (or the output head) reads."""
         return self.mix_norm(self.stacked(), proj.weight, res_norm.weight, res_norm.eps, out_norm.weight, out_norm.eps)

@@ -35,7 +35,7 @@ class GpuMixerOps(TorchMixerOps):
         # per KDA layer (pool index): its parameters converted for the decode kernels on first use,
         # which is an eager step (CUDA-graph capture warms up eagerly first)
         self.kda_constants: dict[int, kda_fla.DecodeConstants] = {}
-        self._layout: tuple[BatchPlan, kda_fla.BlockLayout] | None = None  # the current step's short-block layout
+        self._layout: tuple[BatchPlan, kda_fla.BlockLayout | None] | None = None  # the current step's, if short
 
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
@@ -46,15 +46,25 @@ class GpuMixerOps(TorchMixerOps):
             return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, consts)
         if plan.kda_layout is not None:  # a captured verify step: its layout is staged
             return kda_fla.kda_block_step(attn, layer, x, plan.kda_layout, pool, consts)
-        slots = plan.host_slots()
-        longest = max(pool.prefix_len[s] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b, s in enumerate(slots))
-        if longest <= kda_fla.RECURRENT_MAX_ROWS:  # verify blocks and their pending prefixes: one pass
-            if self._layout is None or self._layout[0] is not plan:  # once per step, for all its KDA layers
-                pending = [pool.prefix_len[s] for s in slots]
-                self._layout = plan, kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, plan.verify,
-                                                               pool.prefix_x.shape[2], x.device)
-            return kda_fla.kda_block_step(attn, layer, x, self._layout[1], pool, consts)
-        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, slots, plan.verify, pool)
+        layout = self._short_block_layout(plan, pool, x.device)
+        if layout is not None:  # verify blocks and their pending prefixes: one pass
+            return kda_fla.kda_block_step(attn, layer, x, layout, pool, consts)
+        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.host_slots(), plan.verify, pool)
+
+    def _short_block_layout(self, plan: BatchPlan, pool: RecurrentStatePool,
+                            device: torch.device) -> kda_fla.BlockLayout | None:
+        """The step's short-block layout, or None when a sequence (with its pending prefix) is too long for
+        it; decided once per step for all its KDA layers."""
+        if self._layout is None or self._layout[0] is not plan:
+            slots = plan.host_slots()
+            pending = [pool.prefix_len[s] for s in slots]
+            longest = max(pending[b] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(slots)))
+            layout = None
+            if longest <= kda_fla.RECURRENT_MAX_ROWS:
+                layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, plan.verify,
+                                                   pool.prefix_x.shape[2], device)
+            self._layout = plan, layout
+        return self._layout[1]
 
     @staticmethod
     def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
