@@ -20,7 +20,8 @@ from mstar.models.kimi_k3.norm import rms_norm  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # (dtype, width, relative bound): fp32 differs from torch only in summation order; bf16 by a rounding
 # of the mix or of the normalised value where the two orders land on either side of a bf16 step.
-CASES = [(torch.float32, 160, 1e-5)] + ([(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
+CASES = [(torch.float32, 160, 1e-5), (torch.float32, 1100, 1e-5)] + (
+    [(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
 
 
 def rel(a, b):
@@ -35,13 +36,17 @@ def weights(d, dtype):
 
 @pytest.mark.parametrize("dtype, d, tol", CASES)
 @pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 5), (16, 2)])
-def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t):
+@pytest.mark.parametrize("splits", [None, 1, 3, 64])
+def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t, splits):
+    """Any split of the row's columns into chunks (None: the default for t rows; 1: one program per
+    row, the mix normalising its own row; more chunks than tiles: one tile each)."""
     # sources of very different scales (as blocks of a deep stream are) and a strided view of a larger buffer
     buffer = torch.randn(n + 2, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 2, device=DEVICE)[:, None, None]
     sources = buffer.to(dtype)[:n]
     proj, res_w, out_w = weights(d, dtype)
     expect = reference(sources, proj, res_w, 1e-6, out_w, 1e-5)
-    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")))
+    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
+                          splits=splits)
     assert got.dtype == expect.dtype and got.shape == expect.shape and torch.isfinite(got).all()
     assert rel(got, expect) < tol, rel(got, expect)
 
@@ -61,3 +66,15 @@ def test_too_many_sources_is_refused():
     proj, res_w, out_w = weights(8, torch.float32)
     with pytest.raises(ValueError, match="1..16 sources"):
         k.attn_res_norm(torch.randn(17, 1, 8, device=DEVICE), proj, res_w, 1e-6, out_w, 1e-6)
+
+
+@pytest.mark.parametrize("rows, splits, expect", [(1, None, (256, 28)), (64, None, (1536, 5)), (1024, None, (7168, 1)),
+                                                  (1, 3, (2560, 3)), (1, 100, (256, 28))])
+def test_column_chunks_fill_the_gpu_at_few_rows(rows, splits, expect):
+    """(columns per chunk, chunks per row) at K3's width and 9 sources (256-column tiles)."""
+    assert k._chunks(rows, 7168, 256, splits) == expect
+
+
+def test_zero_splits_is_refused():
+    with pytest.raises(ValueError, match="at least 1 chunk"):
+        k._chunks(1, 7168, 256, 0)

@@ -1,20 +1,25 @@
-"""AttnRes (score + softmax over depth + mix) fused with the RMSNorm that follows it, in one launch.
+"""AttnRes (score + softmax over depth + mix) fused with the RMSNorm that follows it, in two or three launches.
 
 Every K3 sublayer input is `out_norm(attn_res_mix(sources))` (models/kimi_k3/attn_res.py, norm.py):
 eager torch spends ~23 small launches on it (stack, casts, pow, mean, rsqrt, softmax, sums, the norm),
-twice per layer, which at decode costs more than reading the layer's weights. Here one program per
-token row does, over the n stored sources V_i [D] (n <= 16; K3: at most 8 blocks + the partial sum):
+twice per layer, which at decode costs more than reading the layer's weights. Over the n stored sources
+V_i [D] of a token row (n <= 16; K3: at most 8 blocks + the partial sum):
 
-    pass 1: s_i = <V_i, w> * rsqrt(mean(V_i^2) + eps_res)      w = res_norm.weight * proj.weight (fp32)
-            alpha = softmax(s)
-    pass 2: m = sum_i alpha_i V_i, rounded to the stream dtype (as `attn_res_mix` returns it), written
-            to a scratch row, with sum(m^2) accumulated
-    pass 3: y = out_norm.weight * (m * rsqrt(mean(m^2) + eps_out)).to(dtype)   (as `rms_norm`)
+    stats:  s_i = <V_i, w> * rsqrt(mean(V_i^2) + eps_res)      w = res_norm.weight * proj.weight (fp32)
+    mix:    alpha = softmax(s);  m = sum_i alpha_i V_i, rounded to the stream dtype (as `attn_res_mix`
+            returns it), stored, with sum(m^2) accumulated
+    norm:   y = out_norm.weight * (m * rsqrt(mean(m^2) + eps_out)).to(dtype)   (as `rms_norm`)
 
 All statistics in fp32, as the torch path (`attn_res.attn_res_norm` and `norm.rms_norm`, the references
-the tests hold it to). Without mixing (`rms_norm_rows`) pass 3 alone is a plain
-RMSNorm of a row. Bytes: the sources twice, the scratch row twice, the output once; at decode these
-are a few hundred KB, so the launch, not HBM, is the cost it removes.
+the tests hold it to). Each stage is a reduction over the whole row that the next one needs, so each is
+a launch over a grid of (rows, column chunks): a decode step has 1-64 rows, and one program per row
+walking D = 7168 columns serially ran at 25 us a call on the H200 (latency-bound: ~80 dependent loads
+per program; 327 calls made a third of a batch-1 decode step). Splitting the columns over S programs
+per row puts ~2 programs on every SM; each stage then reads the (tiny) partial statistics of its row's
+chunks. At many rows (prefill) S = 1 and the mix normalises its own row (two launches).
+
+Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
+launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
 """
 
 from __future__ import annotations
@@ -24,89 +29,169 @@ import triton
 import triton.language as tl
 
 MAX_SOURCES = 16
+# Programs a call aims for (about two per SM of an H100/H200); fewer rows get more column chunks each.
+TARGET_PROGRAMS = 264
 
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
-                  out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The fused kernel: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`)."""
+                  out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None,
+                  splits: int | None = None) -> torch.Tensor:
+    """The fused kernels: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`).
+    `splits`: column chunks per row (default: enough to fill the GPU at this row count)."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
-    scratch = torch.empty_like(out)
-    _launch(sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, res_eps,
-            out_norm_weight, out_eps, scratch, out, mix=True)
+    n_pad = triton.next_power_of_2(n)
+    block = _block(D, n_pad)
+    chunk, S = _chunks(T, D, block, splits)
+    stats = torch.empty(T, S, 2, n_pad, dtype=torch.float32, device=sources.device)
+    mixed = torch.empty_like(out)
+    _source_stats_kernel[(T, S)](
+        sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, stats,
+        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, num_warps=8,
+    )
+    square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
+    _mix_kernel[(T, S)](
+        sources, sources.stride(0), sources.stride(1), n, stats, res_eps, mixed, square_sums, out_norm_weight,
+        out_eps, out, D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, N_PAD=n_pad,
+        NORM=S == 1, num_warps=8,
+    )
+    if S > 1:
+        _norm_kernel[(T, S)](
+            mixed, D, square_sums, out_norm_weight, out_eps, out,
+            D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False, num_warps=8,
+        )
     return out
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """`rms_norm(x, weight, eps)` for x [..., D] in one launch (into `out`, contiguous, if given)."""
     rows = x.reshape(-1, x.shape[-1])
+    T, D = rows.shape
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if out is None else out.view(rows.shape)
-    _launch(rows, 0, rows.stride(0), 1, weight, weight, 0.0, weight, eps, rows, out, mix=False)
+    # a row of 7168 is two tiles: one program per row is already short, no split
+    _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out,
+                         D=D, CHUNK=D, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8)
     return out.view(x.shape)
 
 
-def _launch(src, stride_n, stride_t, n, proj_w, res_w, res_eps, out_w, out_eps, scratch, out, *, mix: bool) -> None:
-    T, D = out.shape
-    # Tiles of [sources, columns] with ~4K elements (16 fp32 registers a thread at 8 warps): the first
-    # version tiled [16, 1024] for any n and ran at 16 us per row on the H200 (spilled, latency-bound).
-    n_pad = triton.next_power_of_2(n) if mix else 1
-    block = min(triton.next_power_of_2(D), max(256, 4096 // n_pad))
-    _attn_res_norm_kernel[(T,)](
-        src, stride_n, stride_t, n, proj_w, res_w, res_eps, out_w, out_eps, scratch, out,
-        D=D, BLOCK_D=block, N_PAD=n_pad, MIX=mix, num_warps=8,
-    )
+def _block(D: int, n_pad: int) -> int:
+    # Tiles of [sources, columns] of ~4K elements (16 fp32 registers a thread at 8 warps): a [16, 1024]
+    # tile spilled and was latency-bound.
+    return min(triton.next_power_of_2(D), max(256, 4096 // n_pad))
+
+
+def _chunks(T: int, D: int, block: int, splits: int | None) -> tuple[int, int]:
+    """(columns per chunk, a multiple of `block`; chunks per row)."""
+    tiles = triton.cdiv(D, block)
+    if splits is None:
+        splits = triton.cdiv(TARGET_PROGRAMS, T)
+    if splits < 1:
+        raise ValueError(f"splits={splits}: need at least 1 chunk per row")
+    per_chunk = triton.cdiv(tiles, min(splits, tiles))
+    return per_chunk * block, triton.cdiv(tiles, per_chunk)
 
 
 @triton.jit
-def _attn_res_norm_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, res_eps, out_w_ptr, out_eps,
-                          scratch_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr,
-                          MIX: tl.constexpr):
+def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, stats_ptr,
+                         D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         N_PAD: tl.constexpr):
+    """stats[t, s] = (sum V_i^2, <V_i, w>) over chunk s of row t, for every source i."""
     t = tl.program_id(0).to(tl.int64)
-    dtype = out_ptr.dtype.element_ty
+    s = tl.program_id(1)
     row_src = src_ptr + t * stride_t
-    row_scratch = scratch_ptr + t * D
-    row_out = out_ptr + t * D
+    srcs = tl.arange(0, N_PAD)
+    live = srcs < n_sources
     cols = tl.arange(0, BLOCK_D)
-    ss_mixed = tl.zeros([BLOCK_D], dtype=tl.float32)
-    if MIX:
-        srcs = tl.arange(0, N_PAD)
-        live = srcs < n_sources
-        sq = tl.zeros([N_PAD], dtype=tl.float32)
-        dot = tl.zeros([N_PAD], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):  # pass 1: each source's RMS and its score against the query
-            c = d0 + cols
-            ok = c < D
-            w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
-                                                                                  other=0).to(tl.float32)
-            v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
-                        other=0).to(tl.float32)
-            sq += tl.sum(v * v, axis=1)
-            dot += tl.sum(v * w[None, :], axis=1)
-        score = tl.where(live, dot / tl.sqrt(sq / D + res_eps), float("-inf"))
-        e = tl.exp(score - tl.max(score, axis=0))
-        alpha = e / tl.sum(e, axis=0)
-        for d0 in range(0, D, BLOCK_D):  # pass 2: the mix, in the stream dtype, and its square sum
-            c = d0 + cols
-            ok = c < D
-            v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
-                        other=0).to(tl.float32)
-            m = tl.sum(alpha[:, None] * v, axis=0).to(dtype)
-            tl.store(row_scratch + c, m, mask=ok)
-            mf = m.to(tl.float32)
-            ss_mixed += mf * mf
-    else:
-        for d0 in range(0, D, BLOCK_D):  # a plain RMSNorm: the input row is the "mix"
-            c = d0 + cols
-            x = tl.load(row_src + c, mask=c < D, other=0).to(tl.float32)
-            ss_mixed += x * x
-        row_scratch = row_src
-    r = 1.0 / tl.sqrt(tl.sum(ss_mixed, axis=0) / D + out_eps)
-    for d0 in range(0, D, BLOCK_D):  # pass 3: normalise, round as rms_norm does, scale by the weight
+    sq = tl.zeros([N_PAD], dtype=tl.float32)
+    dot = tl.zeros([N_PAD], dtype=tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
         c = d0 + cols
         ok = c < D
-        m = tl.load(row_scratch + c, mask=ok, other=0).to(tl.float32)
-        normed = (m * r).to(dtype).to(tl.float32)
-        w = tl.load(out_w_ptr + c, mask=ok, other=0).to(tl.float32)
-        tl.store(row_out + c, (w * normed).to(dtype), mask=ok)
+        w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
+                                                                              other=0).to(tl.float32)
+        v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
+                    other=0).to(tl.float32)
+        sq += tl.sum(v * v, axis=1)
+        dot += tl.sum(v * w[None, :], axis=1)
+    out = stats_ptr + (t * S + s) * 2 * N_PAD
+    tl.store(out + srcs, sq)
+    tl.store(out + N_PAD + srcs, dot)
+
+
+@triton.jit
+def _mix_kernel(src_ptr, stride_n, stride_t, n_sources, stats_ptr, res_eps, mixed_ptr, ss_ptr, out_w_ptr, out_eps,
+                out_ptr, D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, NORM: tl.constexpr):
+    """The softmax over the row's source scores, the mix of chunk s (stored, rounded) and its square
+    sum; with NORM (one chunk per row) also the output norm of the row."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    srcs = tl.arange(0, N_PAD)
+    live = srcs < n_sources
+    chunks = tl.arange(0, S_PAD)
+    row_stats = stats_ptr + t * S * 2 * N_PAD + chunks[:, None] * 2 * N_PAD + srcs[None, :]
+    full = (chunks[:, None] < S) & (srcs[None, :] < N_PAD)
+    sq = tl.sum(tl.load(row_stats, mask=full, other=0), axis=0)
+    dot = tl.sum(tl.load(row_stats + N_PAD, mask=full, other=0), axis=0)
+    score = tl.where(live, dot / tl.sqrt(sq / D + res_eps), float("-inf"))
+    e = tl.exp(score - tl.max(score, axis=0))
+    alpha = e / tl.sum(e, axis=0)
+
+    dtype = out_ptr.dtype.element_ty
+    row_src = src_ptr + t * stride_t
+    row_mixed = mixed_ptr + t * D
+    cols = tl.arange(0, BLOCK_D)
+    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
+        c = d0 + cols
+        ok = c < D
+        v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
+                    other=0).to(tl.float32)
+        m = tl.sum(alpha[:, None] * v, axis=0).to(dtype)
+        tl.store(row_mixed + c, m, mask=ok)
+        mf = m.to(tl.float32)
+        ss += mf * mf
+    if NORM:
+        tl.debug_barrier()  # the row's mix, stored above by every thread, is read back across threads
+        _normalize(row_mixed, out_ptr + t * D, out_w_ptr, tl.sum(ss, axis=0), out_eps, 0, D, D, BLOCK_D)
+    else:
+        tl.store(ss_ptr + t * S + s, tl.sum(ss, axis=0))
+
+
+@triton.jit
+def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.constexpr, CHUNK: tl.constexpr,
+                 S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, OWN_STATS: tl.constexpr):
+    """The output RMSNorm of chunk s of row t from the row's partial square sums (OWN_STATS: one chunk
+    per row, whose square sum this program takes itself: a plain RMSNorm)."""
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    row = x_ptr + t * stride_t
+    if OWN_STATS:
+        cols = tl.arange(0, BLOCK_D)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            x = tl.load(row + c, mask=c < D, other=0).to(tl.float32)
+            acc += x * x
+        ss = tl.sum(acc, axis=0)
+    else:
+        chunks = tl.arange(0, S_PAD)
+        ss = tl.sum(tl.load(ss_ptr + t * S + chunks, mask=chunks < S, other=0), axis=0)
+    _normalize(row, out_ptr + t * D, out_w_ptr, ss, out_eps, s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), D, BLOCK_D)
+
+
+@triton.jit
+def _normalize(row_ptr, out_row_ptr, w_ptr, square_sum, eps, c0, c1, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Columns [c0, c1) of out = w * (x * rsqrt(square_sum / D + eps)).to(dtype), rounded as `rms_norm`."""
+    dtype = out_row_ptr.dtype.element_ty
+    r = 1.0 / tl.sqrt(square_sum / D + eps)
+    cols = tl.arange(0, BLOCK_D)
+    for d0 in range(c0, c1, BLOCK_D):
+        c = d0 + cols
+        ok = c < c1
+        x = tl.load(row_ptr + c, mask=ok, other=0).to(tl.float32)
+        normed = (x * r).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + c, mask=ok, other=0).to(tl.float32)
+        tl.store(out_row_ptr + c, (w * normed).to(dtype), mask=ok)
