@@ -108,3 +108,40 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stac
         a, b = getattr(pool, name)[0, slots].float(), getattr(ref_pool, name)[0, slots].float()
         assert float((a - b).norm() / b.norm()) < tol, name
     assert torch.equal(pool.state[0, untouched], before[0]) and torch.equal(pool.conv[0, untouched], before[1])
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("capacity", [None, 16])
+def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
+    """kda_block_step compiled for this GPU (kernels/kda_blocks.py: block conv, window fold, the recurrent
+    fold): verify blocks after accepted pending prefixes, a verify block without one, a decode row after a
+    prefix and a short prompt, at one TP8 rank's head shape; compact and fixed-capacity (captured verify
+    step) layouts. Output, states, windows and the next pending prefixes end as the torch mixer leaves them."""
+    heads, head_dim, hidden = 12, 128, 1024
+    attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
+    kda_fla.stack_input_projections(attn)
+    pool.prefix_x.normal_()
+    lengths, verify, slots = [4, 4, 1, 7, 4], (True, True, False, False, True), (5, 2, 6, 8, 4)
+    for slot, n in ((5, 2), (6, 3), (4, 3)):
+        pool.prefix_len[slot] = n
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * 5, kv=None,
+                     kda_slots=torch.tensor(slots, device="cuda"), sample_rows=None, verify=verify, slot_ids=slots)
+    x = torch.randn(starts[-1], hidden, device="cuda", dtype=dtype)
+    ref_pool = clone_pool(pool)
+    layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
+                                       pool.prefix_x.shape[2], x.device, capacity=capacity)
+    with torch.no_grad():
+        expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
+        y = kda_fla.kda_block_step(attn, 0, x, layout, pool, kda_fla.DecodeConstants.of(attn))
+    assert torch.isfinite(y).all()
+    err = float((y.float() - expect.float()).norm() / expect.float().norm())
+    assert err < tol, err
+    live = list(slots)
+    for name in ("state", "conv"):
+        a, b = getattr(pool, name)[0, live].float(), getattr(ref_pool, name)[0, live].float()
+        assert float((a - b).norm() / b.norm()) < tol, name
+    for slot, n in ((5, 4), (2, 4), (4, 4)):  # the verify blocks' inputs wait as the next pending prefixes
+        torch.testing.assert_close(pool.prefix_x[0, slot, :n], ref_pool.prefix_x[0, slot, :n])
