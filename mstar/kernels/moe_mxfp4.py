@@ -37,6 +37,10 @@ is CUDA-graph capturable; every buffer's size depends only on T, k, E and the co
      it) and `_combine_kernel` adds the k rows of a token in a fixed order in fp32: deterministic,
      and cheaper than T*k*H atomics at large T.
 
+moe_bf16 (large steps, bf16 grouped GEMMs) shares the first and last launch: `sort_by_expert` is the
+alignment without padding or blocks, writing each expert's end row and each pair's row instead, and
+`combine_expert_rows` is the combine reading each pair's row through that map.
+
 Configs come from a table by T and expected rows per expert (`default_config`), picked on the host
 by T (no autotuning inside a CUDA graph); benchmarks/kernels/bench_moe_mxfp4.py --tune searches
 around it.
@@ -458,7 +462,7 @@ def moe_mxfp4(
     _launch_gate_up(z, ids, w13_packed, w13_scale, out, config, workspace, situ_beta, situ_linear_beta)
     _launch_down(ids, w2_packed, w2_scale, weights, out, config, workspace)
     if config.combine == "reduce":
-        _launch_combine(workspace.expert_out, ids, weights, out, top_k)
+        combine_expert_rows(workspace.expert_out, ids, weights, out)
     return out
 
 
@@ -521,13 +525,36 @@ def _compute_dtype():
 
 
 def _launch_align(ids: torch.Tensor, num_experts: int, ws: MoEWorkspace) -> None:
+    _align(ids, num_experts, ws.sorted_pair, ws.block_m, blocks=(ws.block_expert, ws.block_rows))
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, expert_end: torch.Tensor,
+                   pair_row: torch.Tensor) -> None:
+    """The alignment without padding or block table, for grouped GEMMs that take each expert's end row
+    (moe_bf16's torch._grouped_mm): one launch, no host sync.
+
+    ids [T, k] -> sorted_pair int32 [T*k] (rows expert_end[e-1]..expert_end[e]-1 hold expert e's pairs in
+    pair order; rows from expert_end[E-1] on, left by DROPPED pairs, are not written), expert_end int32 [E],
+    pair_row int32 [T*k] (each pair's row; not written for DROPPED pairs).
+    """
+    _align(ids, num_experts, sorted_pair, 1, groups=(expert_end, pair_row))
+
+
+def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block_m: int,
+           blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
+           groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """`_align_kernel`, writing the block table (blocks: block_expert, block_rows) and/or the group ends
+    (groups: expert_end, pair_row). An output not asked for is not written: any tensor stands in for it."""
     pairs = ids.numel()
     e_pad = max(16, triton.next_power_of_2(num_experts))
     rows = max(16, min(64, 16384 // e_pad))  # keeps the [rows, E_PAD] one-hot temporaries in registers
+    block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
+    expert_end, pair_row = groups or (sorted_pair, sorted_pair)
     _align_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
-        ids, ws.sorted_pair, ws.block_expert, ws.block_rows, pairs, ws.num_blocks,
-        BLOCK_M=ws.block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, SUB=rows, META=rows,
-        HIST=min(2048, max(64, triton.next_power_of_2(pairs))), num_warps=4,
+        ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
+        block_expert.numel() if blocks else 0, num_experts,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, SUB=rows, META=rows,
+        HIST=min(2048, max(64, triton.next_power_of_2(pairs))), GROUPS=groups is not None, num_warps=4,
     )
 
 
@@ -573,11 +600,15 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     _launch(_down_kernel, (programs, hidden // tile.block_n, tile.split_k), args, constexprs, tile)
 
 
-def _launch_combine(expert_out, ids, weights, out, top_k) -> None:
+def combine_expert_rows(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
+                        pair_row: torch.Tensor | None = None) -> None:
+    """out[t] = sum_j weights[t, j] expert_out[row of pair t k + j] over the pairs not DROPPED, in fp32 and in a
+    fixed order (deterministic). The row of pair p is p, or pair_row[p] (`sort_by_expert`'s order)."""
     num_tokens, hidden = out.shape
+    top_k = ids.shape[1]
     _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
-        expert_out, ids, weights, out, HIDDEN=hidden, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        BLOCK_H=_COMBINE_BLOCK, num_warps=4,
+        expert_out, ids, weights, out, ids if pair_row is None else pair_row, HIDDEN=hidden, TOP_K=top_k,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_COMBINE_BLOCK, ROW_MAP=pair_row is not None, num_warps=4,
     )
 
 
@@ -613,10 +644,12 @@ _SCALE_WORD = tl.constexpr(SCALE_WORD)
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_pairs, num_blocks,
+def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr, pair_row_ptr,
+                  num_pairs, num_blocks, num_experts,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  META: tl.constexpr, HIST: tl.constexpr):
-    """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the blocks.
+                  META: tl.constexpr, HIST: tl.constexpr, GROUPS: tl.constexpr):
+    """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the num_blocks
+    blocks, and with GROUPS, where each expert's rows end and each pair's row.
 
     One program per CHUNK pairs and no communication between programs: each counts all pairs itself
     (O(T*k) per program, small at decode sizes), so the whole step is one launch. Dropped pairs (id < 0)
@@ -658,8 +691,12 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, nu
         earlier_same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
         rank = tl.sum(earlier_same.to(tl.int32), axis=1)
         tl.store(sorted_pair_ptr + base + rank, offs, mask=valid & (e >= 0))
+        if GROUPS:
+            tl.store(pair_row_ptr + offs, base + rank, mask=valid & (e >= 0))
         next_row += tl.sum(onehot.to(tl.int32), axis=0)
         sub += SUB
+    if GROUPS:  # program 0 writes the ends (every program has them)
+        tl.store(expert_end_ptr + experts, first_row + padded, mask=experts < tl.where(pid == 0, num_experts, 0))
 
     # Block table. The expert of block b is the number of experts whose blocks all end at or before b
     # (experts are laid out in order, and an unused expert ends where it starts).
@@ -945,10 +982,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
 
 
 @triton.jit
-def _combine_kernel(y_ptr, ids_ptr, coef_ptr, out_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum_j coef[t, j] y[t k + j] over the pairs not dropped (no block wrote their y), in fp32
-    and always in the same order (deterministic)."""
+def _combine_kernel(y_ptr, ids_ptr, coef_ptr, out_ptr, row_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAP: tl.constexpr):
+    """out[t] = sum_j coef[t, j] y[row of pair t k + j] over the pairs not dropped (no block wrote their y),
+    in fp32 and always in the same order (deterministic). The row is the pair, or with ROW_MAP row_ptr's."""
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, K_PAD)
@@ -956,6 +993,7 @@ def _combine_kernel(y_ptr, ids_ptr, coef_ptr, out_ptr, HIDDEN: tl.constexpr, TOP
     col_ok = cols < HIDDEN
     pairs = token * TOP_K + slots
     slot_ok = slot_ok & (tl.load(ids_ptr + pairs, mask=slot_ok, other=-1) >= 0)
-    y = tl.load(y_ptr + pairs[:, None] * HIDDEN + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
+    rows = tl.load(row_ptr + pairs, mask=slot_ok, other=0).to(tl.int64) if ROW_MAP else pairs
+    y = tl.load(y_ptr + rows[:, None] * HIDDEN + cols[None, :], mask=slot_ok[:, None] & col_ok[None, :], other=0.0)
     coef = tl.load(coef_ptr + pairs, mask=slot_ok, other=0.0)
     tl.store(out_ptr + token * HIDDEN + cols, tl.sum(y.to(tl.float32) * coef[:, None], axis=0), mask=col_ok)
