@@ -15,8 +15,10 @@ the tests hold it to). Each stage is a reduction over the whole row that the nex
 a launch over a grid of (rows, column chunks): a decode step has 1-64 rows, and one program per row
 walking D = 7168 columns serially ran at 25 us a call on the H200 (latency-bound: ~80 dependent loads
 per program; 327 calls made a third of a batch-1 decode step). Splitting the columns over S programs
-per row puts ~2 programs on every SM; each stage then reads the (tiny) partial statistics of its row's
-chunks. At many rows (prefill) S = 1 and the mix normalises its own row (two launches).
+per row puts many programs on every SM (one 256-column tile each at decode sizes); each stage then
+reads the (tiny) partial statistics of its row's chunks. At many rows (prefill) chunks hold several
+tiles, and from 2048 rows S = 1 and the mix
+normalises its own row (two launches).
 
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
@@ -29,8 +31,10 @@ import triton
 import triton.language as tl
 
 MAX_SOURCES = 16
-# Programs a call aims for (about two per SM of an H100/H200); fewer rows get more column chunks each.
-TARGET_PROGRAMS = 264
+# Programs a call aims for: at decode sizes (up to 64 rows of 28 tiles) every program takes one tile.
+# Each tile costs a dependent load and a cross-warp reduction (~2 us in the mix on the H200): with
+# ~2 programs per SM, 64 rows took 6 tiles a program and the mix 17 us; many small programs overlap them.
+TARGET_PROGRAMS = 2048
 
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
