@@ -17,8 +17,7 @@ walking D = 7168 columns serially ran at 25 us a call on the H200 (latency-bound
 per program; 327 calls made a third of a batch-1 decode step). Splitting the columns over S programs
 per row puts many programs on every SM (one 256-column tile each at decode sizes); each stage then
 reads the (tiny) partial statistics of its row's chunks. At many rows (prefill) chunks hold several
-tiles, and from 2048 rows S = 1 and the mix
-normalises its own row (two launches).
+tiles, and from 2048 rows S = 1 and the mix normalises its own row (two launches).
 
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
