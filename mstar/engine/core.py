@@ -2,6 +2,39 @@
 
 Single-threaded by design: `add_request`, `abort_request` and `step` are called from the engine
 thread only (the async front end hands requests over through a queue).
+
+A step is launched, then finished. Launching queues all of its device work: drafts, forward, the
+choice of each row's token (sampled or verified), the finite check and logprobs, and one copy of
+those results to the host (step_results.py, transfer.py); nothing in it waits for the GPU. A step
+without verify rows is committed at launch, since its commit (lengths, KDA prefixes) does not
+depend on which tokens come out. Finishing waits for the results (the step's only device-to-host
+synchronization), commits a verify step with what verification kept, and appends, detokenizes
+and applies the stop conditions.
+
+Async scheduling (`EngineConfig.async_scheduling`, the default): `step()` schedules and launches
+step N+1 *before* it finishes step N, so the GPU runs N+1 while the host turns N's tokens into
+outputs, and plans the step after while N+1 runs. The scheduler declares N+1 assuming every
+running request goes on: a request's token that N samples is still in flight (`num_inflight`,
+`request.PLACEHOLDER` in the declared ids), and `_plan` has the device copy it from N's chosen
+tokens into N+1's input ids. A request that turns out to stop at N (stop id or string, or a
+non-finite row) has one extra row in N+1, whose token is dropped; requests whose in-flight tokens
+reach max_tokens are not scheduled again. Each `step()` therefore returns the outputs of the step
+before the one it launched; seeds, logprobs and stops are those of the synchronous loop.
+
+Resources freed while a step is in flight (a request finished at N or aborted, while N+1, which
+has a row for it, is queued) are safe to hand out at once: only a later launch can reuse a page or
+KDA slot, and its kernels (the slot's zeroing at admission included) are queued on the same stream
+after N+1's, so they run after N+1 has written what it writes there. The host reads no device
+memory of a step except through the step's own result copy. (The CPU runs every op at once, so
+there nothing is ever in flight.)
+
+What does not overlap (runs synchronously, finishing each step before scheduling the next):
+- every step when speculation is on: the next step's drafts are proposed on the host from the
+  accepted tokens of a verify step, and its commit needs the accepted lengths;
+- `async_scheduling=False`.
+Tensor-parallel rank 0 overlaps too, but sending a step to the followers copies its input ids to
+the host (mstar/distributed/control.py), which waits for the step in flight to end: what overlaps
+there is the host's work on step N's outputs with step N+1.
 """
 
 from __future__ import annotations
@@ -18,11 +51,13 @@ from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.profiling import StepProfiler
-from mstar.engine.request import Request, Status
+from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
 from mstar.engine.scheduler import Scheduler, SchedulerConfig
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
+from mstar.engine.step_results import LaunchedStep, pack
+from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
@@ -63,6 +98,8 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
     cuda_graphs: bool = False  # decode steps of up to MAX_GRAPH_BATCH rows replay CUDA graphs (CUDA only)
+    # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next
+    async_scheduling: bool = True
 
 
 class EngineCore:
@@ -111,7 +148,10 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        self._poisoned: list[Request] = []
+        # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
+        # launched and not yet finished.
+        self._overlap = config.async_scheduling and self.spec is None
+        self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
         self.profiler = StepProfiler.from_env(device)
 
@@ -164,7 +204,7 @@ class EngineCore:
             self._finish(request, "abort")
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending_outputs)
+        return self.scheduler.has_work() or self._in_flight is not None or bool(self._pending_outputs)
 
     def stats(self) -> EngineStats:
         spec = self.spec
@@ -184,102 +224,167 @@ class EngineCore:
 
     # --- one step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Run one step and return the outputs ready now. With async scheduling that is: launch step
+        N+1, then finish step N (whose outputs these are); otherwise launch a step and finish it."""
         decl = self.scheduler.schedule()
-        if decl is not None:
-            with self.profiler.step() if self.profiler else contextlib.nullcontext():
-                self._run(decl)
+        if decl is None and self._in_flight is None:
+            return self.drain_outputs()
+        with self.profiler.step() if self.profiler else contextlib.nullcontext():
+            launched = self._launch(decl) if decl is not None else None
+            previous, self._in_flight = self._in_flight, None
+            if previous is not None:
+                self._finish_step(previous)
+            if launched is not None:
+                if self._overlap and launched.committed:
+                    self._in_flight = launched
+                else:
+                    self._finish_step(launched)
         return self.drain_outputs()
-
-    def _run(self, decl: StepDecl) -> None:
-        """One scheduled step: draft, forward, choose tokens, commit."""
-        drafts = self.spec.propose(decl, self.requests) if self.spec else {}
-        plan = self._plan(decl, drafts)
-        logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
-        new_tokens, decl = self._choose_tokens(decl, drafts, logits)
-        self.scheduler.commit(decl)
-        if self.spec:
-            self.spec.write_context(decl, taps, plan.seq_starts)
-        for s in decl.seqs:
-            self.requests[s.request_id].num_computed = s.committed_end
-        for request, tokens, logprobs in new_tokens:
-            self._append(request, tokens, logprobs)
-        for request in self._poisoned:
-            self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
-        self._poisoned.clear()
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
-    def _plan(self, decl: StepDecl, drafts: dict[int, DraftProposal]) -> BatchPlan:
-        """Rows of all requests concatenated; verify rows feed their anchor then their drafts."""
+    def _launch(self, decl: StepDecl) -> LaunchedStep:
+        """Queue a step's device work: drafts, forward, token choice, and the copy of its results.
+        A step without verify rows is committed here: its commit needs no token values."""
+        requests = tuple(self.requests[s.request_id] for s in decl.seqs)
+        drafts = self.spec.propose(decl, self.requests) if self.spec else {}
+        plan = self._plan(decl, requests, drafts)
+        logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
+        launched = self._choose_tokens(decl, requests, drafts, plan, logits, taps)
+        if launched.committed:
+            self._commit(decl, requests, launched)
+            for request in launched.token_row:
+                request.num_inflight += 1
+        return launched
+
+    def _finish_step(self, step: LaunchedStep) -> None:
+        """Wait for a step's results; commit it if it holds verify rows (what verification kept), then
+        append each request's new tokens, stopping where a stop condition says.
+
+        Requests that finished since the launch (a stop in the step before, an abort) are skipped:
+        their rows ran, but nothing of them is reported and what they held is already released."""
+        results = step.fetch()
+        seqs = list(step.decl.seqs)
+        new_tokens: list[tuple[Request, list[int], list[TokenLogprob] | None]] = []
+        poisoned: list[Request] = []
+        for b, (s, request) in enumerate(zip(step.decl.seqs, step.requests, strict=True)):
+            first, n = step.rows[b]
+            if not n:
+                continue
+            rows = results[first : first + n]
+            if request in step.token_row:
+                request.num_inflight -= 1
+            if not all(r.finite for r in rows):
+                # Never sample garbage: this request ends with an error; the others go on.
+                poisoned.append(request)
+                seqs[b] = replace(s, accepted=0) if s.verify else s
+                continue
+            if s.verify:
+                accepted = rows[0].accepted
+                self.spec.record(s.num_drafts, accepted)
+                seqs[b] = replace(s, accepted=accepted + 1)
+                rows = rows[: accepted + 1]
+            k = request.params.logprobs
+            new_tokens.append((request, [r.token for r in rows], [r.token_logprob(k) for r in rows]
+                               if k is not None else None))
+        if not step.committed:
+            self._commit(StepDecl(tuple(seqs)), step.requests, step)
+        for request, tokens, logprobs in new_tokens:
+            if not request.finished:
+                self._append(request, tokens, logprobs)
+        for request in poisoned:
+            self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
+
+    def _commit(self, decl: StepDecl, requests: tuple[Request, ...], step: LaunchedStep) -> None:
+        self.scheduler.commit(decl)
+        if self.spec:
+            self.spec.write_context(decl, step.taps, step.plan.seq_starts)
+        for s, request in zip(decl.seqs, requests, strict=True):
+            request.num_computed = s.committed_end
+
+    def _plan(self, decl: StepDecl, requests: tuple[Request, ...], drafts: dict[int, DraftProposal]) -> BatchPlan:
+        """Rows of all requests concatenated; verify rows feed their anchor then their drafts. Token
+        ids that exist only on the device (drafts, and tokens the step in flight samples) are filled
+        in there, so planning never waits for the GPU."""
         starts, tokens, sample_rows = [0], [], []
-        for b, s in enumerate(decl.seqs):
-            tokens += s.token_ids
-            if b in drafts:
-                tokens += drafts[b].tokens.tolist()
+        in_flight_rows, in_flight_src = [], []  # rows fed a token the step in flight samples, and where it is
+        for b, (s, request) in enumerate(zip(decl.seqs, requests, strict=True)):
+            if s.token_ids[-1] == PLACEHOLDER:  # only a sequence's newest token can be in flight
+                in_flight_rows.append(starts[b] + len(s.token_ids) - 1)
+                in_flight_src.append(self._in_flight.token_row[request])
+            tokens += [max(t, 0) for t in s.token_ids] + [0] * s.num_drafts
             starts.append(starts[-1] + s.num_tokens)
             if s.verify:
                 sample_rows += range(starts[b], starts[b + 1])
             elif s.sample:
                 sample_rows.append(starts[b + 1] - 1)
+        input_ids = to_device(tokens, torch.long, self.device)
+        if in_flight_rows:
+            sampled = self._in_flight.token_ids[to_device(in_flight_src, torch.long, self.device)]
+            input_ids.index_copy_(0, to_device(in_flight_rows, torch.long, self.device), sampled)
+        if drafts:
+            rows = [starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
+            values = torch.cat([drafts[b].tokens.to(self.device) for b in sorted(drafts)])
+            input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
         return BatchPlan(
-            input_ids=torch.tensor(tokens, dtype=torch.long, device=self.device),
+            input_ids=input_ids,
             seq_starts=tuple(starts),
             num_computed=tuple(s.num_computed for s in decl.seqs),
             kv=self.kv.plan(decl),
             kda_slots=self.pool.plan(decl),
             slot_ids=tuple(self.pool.slots[s.request_id] for s in decl.seqs),
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+            sample_rows=to_device(sample_rows, torch.long, self.device),
             verify=tuple(s.verify for s in decl.seqs),
             decode=all(s.num_tokens == 1 and not s.verify for s in decl.seqs) and not self.pool.has_pending(decl),
         )
 
-    def _choose_tokens(self, decl: StepDecl, drafts: dict[int, DraftProposal], logits: torch.Tensor
-                       ) -> tuple[list[tuple[Request, list[int], list[TokenLogprob] | None]], StepDecl]:
-        """Sample ordinary rows, verify speculative ones; return the new tokens per request and the
-        step with each verify row's accepted length (what commit keeps)."""
-        sampled: list[tuple[int, torch.Tensor]] = []  # (seq index, logits row)
-        verifying: list[tuple[int, torch.Tensor]] = []  # (seq index, [1 + drafts, V] rows)
-        finite = torch.isfinite(logits).all(-1).tolist()
-        seqs = list(decl.seqs)
+    def _choose_tokens(self, decl: StepDecl, requests: tuple[Request, ...], drafts: dict[int, DraftProposal],
+                       plan: BatchPlan, logits: torch.Tensor, taps: torch.Tensor | None) -> LaunchedStep:
+        """Queue the choice of every logits row's token (sampled, or verified against the drafts), the
+        finite check and the logprobs, packed for one copy to the host (step_results.py). Nothing here
+        reads a device value: rows with non-finite logits are sampled too, and the host drops them."""
+        rows, sampled, verifying = [], [], []
         row = 0
         for b, s in enumerate(decl.seqs):
             n = s.num_tokens if s.verify else int(s.sample)
-            if not all(finite[row : row + n]):
-                # Never sample garbage: this request ends with an error; the others go on.
-                self._poisoned.append(self.requests[s.request_id])
-                seqs[b] = replace(s, accepted=0) if s.verify else s
-            elif s.verify:
-                verifying.append((b, logits[row : row + n]))
-            elif s.sample:
-                sampled.append((b, logits[row]))
+            rows.append((row, n))
+            if n:
+                (verifying if s.verify else sampled).append(b)
             row += n
-        chosen: dict[int, list[int]] = {}
+        device = logits.device
+        tokens = torch.empty(row, dtype=torch.long, device=device)
+        accepted = torch.zeros(row, dtype=torch.long, device=device)
         if sampled:
-            requests = [self.requests[decl.seqs[b].request_id] for b, _ in sampled]
-            batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], self.device)
-            picked = self.sampler.sample(torch.stack([x for _, x in sampled]), batch).token_ids.tolist()
-            chosen.update({b: [t] for (b, _), t in zip(sampled, picked, strict=True)})
+            batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
+                                        device)
+            if verifying:
+                at = to_device([rows[b][0] for b in sampled], torch.long, device)
+                tokens[at] = self.sampler.choose(logits[at], batch)
+            else:  # every logits row is a sampled one
+                tokens = self.sampler.choose(logits, batch)
         if verifying:
-            vseqs = [decl.seqs[b] for b, _ in verifying]
-            results = self.spec.verify(vseqs, [self.requests[s.request_id] for s in vseqs],
-                                       [x for _, x in verifying], [drafts.get(b) for b, _ in verifying])
-            for (b, _), v in zip(verifying, results, strict=True):
-                chosen[b] = v.tokens
-                seqs[b] = replace(decl.seqs[b], accepted=v.num_accepted + 1)
-        rows = dict(sampled) | {b: x for b, x in verifying}
-        out = []
-        for b, tokens in sorted(chosen.items()):
-            request = self.requests[decl.seqs[b].request_id]
-            k = request.params.logprobs
-            logprobs = None
-            if k is not None:
-                block = rows[b] if rows[b].dim() == 2 else rows[b][None]
-                got = gather_logprobs(block[: len(tokens)].float(), torch.tensor(tokens, device=block.device), k)
-                logprobs = got.token_logprobs([k] * len(tokens))
-            out.append((request, tokens, logprobs))
-        return out, StepDecl(tuple(seqs))
+            result = self.spec.verify([decl.seqs[b] for b in verifying], [requests[b] for b in verifying],
+                                      [logits[rows[b][0] : rows[b][0] + rows[b][1]] for b in verifying],
+                                      [drafts.get(b) for b in verifying])
+            width = result.tokens.shape[1]
+            at, block, source = [], [], []  # each verify row: its logits row, its block, its place in the blocks
+            for i, b in enumerate(verifying):
+                first, n = rows[b]
+                at += range(first, first + n)
+                block += [i] * n
+                source += range(i * width, i * width + n)
+            at_t = to_device(at, torch.long, device)
+            tokens[at_t] = result.tokens.reshape(-1)[to_device(source, torch.long, device)]
+            accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
+        asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
+        # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
+        logprobs = gather_logprobs(logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
+        results = HostCopy(pack(torch.isfinite(logits).all(-1), tokens, accepted, logprobs))
+        return LaunchedStep(decl, requests, plan, taps, tuple(rows), tokens, results,
+                            committed=not verifying,
+                            token_row={requests[b]: rows[b][0] for b in sampled} if not verifying else {})
 
     def _append(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """Emit new tokens up to the first stop; what follows a stop is dropped."""
@@ -327,6 +432,7 @@ class EngineCore:
 
     def fail_all(self, message: str) -> None:
         """Finish every request with an error (the step raised): nothing waits forever."""
+        self._in_flight = None  # its requests are among those failed here
         for request in list(self.requests.values()):
             self._fail(request, message)
 

@@ -10,6 +10,10 @@ import torch
 from mstar.engine.output_text import OutputText
 from mstar.engine.params import SamplingParams
 
+# A token that a step still in flight samples (async scheduling): its value is not on the host yet,
+# so the next step that feeds it takes it on the device from that step's sampled tokens.
+PLACEHOLDER = -1
+
 
 class Status(enum.Enum):
     WAITING = "waiting"
@@ -34,14 +38,34 @@ class Request:
     num_preemptions: int = 0
     aborted: bool = False
     prompt_reported: bool = False
+    # Tokens sampled by launched steps that have not reached the host yet (async scheduling: at most
+    # the step in flight's, plus the next one's while it is being launched). They follow output_ids.
+    num_inflight: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.prompt_ids) + self.num_generated
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, in flight included."""
+        return len(self.output_ids) + self.num_inflight
+
+    @property
+    def sampling_done(self) -> bool:
+        """max_tokens are sampled: the request ends when the last of them reaches the host."""
+        return self.num_generated >= self.params.max_tokens
 
     def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+        """Token i of prompt + outputs; PLACEHOLDER for one still in flight."""
+        n, m = len(self.prompt_ids), len(self.output_ids)
+        if i < n:
+            return self.prompt_ids[i]
+        if i - n < m:
+            return self.output_ids[i - n]
+        if i < self.num_tokens:
+            return PLACEHOLDER
+        raise IndexError(f"token {i} of a request with {self.num_tokens} tokens")
 
     def pending_tokens(self) -> int:
         """Tokens to feed before the next sample: the prompt (and, after preemption, outputs) or 1."""
@@ -49,7 +73,7 @@ class Request:
 
     @property
     def is_decoding(self) -> bool:
-        return self.pending_tokens() == 1 and bool(self.output_ids)
+        return self.pending_tokens() == 1 and self.num_generated > 0
 
     @property
     def finished(self) -> bool:

@@ -25,9 +25,10 @@ logits, not on which requests share the batch or where its row sits. (On CPU thi
 GPU kernels may pick a different reduction strategy for a different batch shape, which can only matter
 when two candidates are within rounding of each other.) Unseeded rows share the engine's generator.
 
-`sample` keeps everything on the device: the per-row parameters are tensors, which rows are greedy or
-seeded is host metadata fixed when the batch is built, and nothing reads a device value back. The
-caller's `.tolist()` of the result is the only sync, so the tensor work can later be graph-captured
+`sample` keeps everything on the device: the per-row parameters are tensors (copied up without a stream
+synchronization, transfer.py), which rows are greedy or seeded is host metadata fixed when the batch is
+built, and nothing reads a device value back. The caller's read of the result is the only sync (the
+engine packs it with the rest of the step's results, step_results.py), so the tensor work can be graph-captured
 (`choose_tokens` and `gather_logprobs` are the capturable part; `Sampler.draw_noise` fills the noise).
 """
 
@@ -40,6 +41,7 @@ import torch
 
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.params import SamplingParams
+from mstar.engine.transfer import to_device
 
 _SEED_MASK = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny  # noise floor: keeps -log(q) finite, so masked tokens stay -inf
@@ -140,11 +142,15 @@ class SamplingBatch:
         sampled = [p for p in params if not p.greedy]
         top_ks = [p.top_k for p in sampled if p.top_k > 0]
         requested = [p.logprobs for p in params if p.logprobs is not None]
+        # One host-to-device copy for the four parameters (exact: float64 holds every top_k, and the
+        # fp32 parameters round from it as they would from the Python floats).
+        values = to_device([[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
+                            [p.min_p for p in params]], torch.float64, device)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperature=values[0].float(),
+            top_k=values[1].long(),
+            top_p=values[2].float(),
+            min_p=values[3].float(),
             generators=tuple(generators),
             greedy=tuple(p.greedy for p in params),
             max_logprobs=max(requested) if requested else None,
@@ -250,6 +256,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         """Sample [B, V] logits (any float dtype; computed in fp32) under `batch`; no host syncs."""
+        return gather_logprobs(logits.float(), self.choose(logits, batch), batch.max_logprobs)
+
+    def choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """`sample`'s [B] token ids alone (for a caller that gathers logprobs itself, or none)."""
         if logits.dim() != 2 or logits.shape[0] != batch.size:
             raise ValueError(f"Sampler.sample: logits must be [B, V] with B = {batch.size} rows of the batch, "
                              f"got shape {tuple(logits.shape)}")
@@ -258,5 +268,4 @@ class Sampler:
                              f"{batch.temperature.device}; build the SamplingBatch on the logits' device")
         raw = logits.float()
         noise = None if batch.all_greedy else self.draw_noise(batch, raw.shape[-1], raw.device)
-        token_ids = choose_tokens(raw, batch, noise)
-        return gather_logprobs(raw, token_ids, batch.max_logprobs)
+        return choose_tokens(raw, batch, noise)

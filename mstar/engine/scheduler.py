@@ -9,6 +9,12 @@ Admission is all-or-nothing per request and resource (KV pages, a KDA slot). Whe
 cannot get its page, the most recently arrived running request is preempted: its pages and slot
 are released and it waits at the front of the queue to be recomputed (prompt + outputs so far).
 Waiting requests are admitted strictly first come, first served.
+
+With async scheduling (core.py) the next step is declared while the last one still runs: a
+request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
+request whose in-flight tokens reach max_tokens (`sampling_done`) is not scheduled again; it only
+holds its resources until its last token reaches the host and it finishes. Without steps in flight
+(synchronous mode) neither case arises and the rules above are all there is.
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ class Scheduler:
             seqs = self._schedule_once()
             if seqs:
                 return StepDecl(tuple(seqs))
-            if not self.running:
-                return None
+            if all(r.sampling_done for r in self.running):
+                return None  # nothing to run, or only requests whose last token is in flight
             # Running requests exist but none could be scheduled: free room by preemption.
             self._preempt(self.running[-1])
 
@@ -83,7 +89,7 @@ class Scheduler:
 
     def _schedule_once(self) -> list[SeqStep]:
         cfg = self.config
-        decoding = [r for r in self.running if r.is_decoding]
+        decoding = [r for r in self.running if r.is_decoding and not r.sampling_done]
         prefill_first = not cfg.mixed_prefill_decode and self._prefill_possible()
         seqs: list[SeqStep] = [] if prefill_first else self._schedule_decode(decoding[: cfg.max_num_seqs])
         if cfg.mixed_prefill_decode or not seqs:
@@ -106,7 +112,8 @@ class Scheduler:
         cfg = self.config
         seqs: list[SeqStep] = []
         continuing = [r for r in self.running if not r.is_decoding]
-        for request, is_new in [(r, False) for r in continuing] + [(r, True) for r in self.waiting]:
+        waiting = [r for r in self.waiting if not r.sampling_done]  # preempted while its last token was in flight
+        for request, is_new in [(r, False) for r in continuing] + [(r, True) for r in waiting]:
             if len(seqs) >= cfg.max_prefill_seqs or budget <= 0:
                 break
             if is_new and len(self.running) >= cfg.max_num_seqs:
@@ -132,7 +139,7 @@ class Scheduler:
         return seqs
 
     def _prefill_possible(self) -> bool:
-        return any(not r.is_decoding for r in self.running) or bool(self.waiting)
+        return any(not r.is_decoding for r in self.running) or any(not r.sampling_done for r in self.waiting)
 
     # --- helpers ----------------------------------------------------------------------------
     @staticmethod

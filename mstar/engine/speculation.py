@@ -10,24 +10,17 @@ gets rows for exactly those positions (written from the target's taps).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from mstar.engine.request import Request
 from mstar.engine.sampler import SamplingBatch
 from mstar.engine.step import SeqStep, StepDecl
+from mstar.engine.transfer import to_device
 from mstar.models.dspark.model import DraftProposal
 from mstar.resources.latent_kv import LatentKVPlan
 from mstar.spec.proposer import DSparkProposer
 from mstar.spec.schedule import DraftSchedule
-from mstar.spec.verify import verify
-
-
-@dataclass
-class Verified:
-    tokens: list[int]  # accepted drafts, then the correction or bonus token
-    num_accepted: int
+from mstar.spec.verify import VerifyResult, verify
 
 
 class Speculation:
@@ -58,8 +51,10 @@ class Speculation:
         return drafts
 
     def verify(self, seqs: list[SeqStep], requests: list[Request], row_logits: list[torch.Tensor],
-               drafts: list[DraftProposal | None]) -> list[Verified]:
-        """Verify each row's block: `row_logits[i]` is [1 + num_drafts, V] target logits."""
+               drafts: list[DraftProposal | None]) -> VerifyResult:
+        """Verify each row's block: `row_logits[i]` is [1 + num_drafts, V] target logits. The result
+        stays on the device (the engine fetches it with the step's other results); `record` counts
+        what the host then accepts."""
         width = max(s.num_drafts for s in seqs)
         vocab = row_logits[0].shape[-1]
         device = row_logits[0].device
@@ -72,14 +67,11 @@ class Speculation:
                 tokens[i, : s.num_drafts] = d.tokens
                 probs[i, : s.num_drafts] = d.probs.float()
         batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
-        result = verify(logits, tokens, probs, batch, self.method, [s.num_drafts for s in seqs], self.generator)
-        out = []
-        for s, emitted, n in zip(seqs, result.token_lists(), result.num_accepted.tolist(), strict=True):
-            self._count(s.num_drafts, n)
-            out.append(Verified(emitted, n))
-        return out
+        num_drafts = to_device([s.num_drafts for s in seqs], torch.long, device)
+        return verify(logits, tokens, probs, batch, self.method, num_drafts, self.generator)
 
-    def _count(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int) -> None:
+        """Count one verified row: `accepted` of its `drafted` drafts were kept."""
         self.num_rows += 1
         self.num_drafted += drafted
         self.num_accepted += accepted

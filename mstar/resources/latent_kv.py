@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.step import StepDecl
+from mstar.engine.transfer import to_device
 from mstar.resources.page_allocator import PageAllocator
 
 
@@ -48,17 +49,17 @@ class PagedLatentKV:
 
     # --- plan / commit / release --------------------------------------------------------------
     def plan(self, decl: StepDecl) -> LatentKVPlan:
+        """The step's addressing, copied to the device without waiting for a step in flight."""
         device = self.cache.device
         max_pages = max(len(self.pages[s.request_id]) for s in decl.seqs)
-        table = torch.zeros(len(decl.seqs), max_pages, dtype=torch.long)
-        slots = []
-        for b, s in enumerate(decl.seqs):
+        table, slots = [], []
+        for s in decl.seqs:
             pages = self.pages[s.request_id]
-            table[b, : len(pages)] = torch.tensor(pages)
+            table.append(pages + [0] * (max_pages - len(pages)))
             for pos in range(s.num_computed, s.end):
                 slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
-        lens = torch.tensor([s.end for s in decl.seqs], dtype=torch.long)
-        return LatentKVPlan(table.to(device), torch.tensor(slots, dtype=torch.long, device=device), lens.to(device))
+        lens = [s.end for s in decl.seqs]
+        return LatentKVPlan(*(to_device(x, torch.long, device) for x in (table, slots, lens)))
 
     def commit(self, decl: StepDecl) -> None:
         """Record the rows that survived: rejected draft rows stay in their pages, unread, and are

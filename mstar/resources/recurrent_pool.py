@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from mstar.engine.step import StepDecl
+from mstar.engine.transfer import to_device
 
 
 class RecurrentStatePool:
@@ -68,8 +69,7 @@ class RecurrentStatePool:
             self.slots[request_id] = slot
 
     def plan(self, decl: StepDecl) -> torch.Tensor:
-        return torch.tensor([self.slots[s.request_id] for s in decl.seqs], dtype=torch.long,
-                            device=self.state.device)
+        return to_device([self.slots[s.request_id] for s in decl.seqs], torch.long, self.state.device)
 
     def has_pending(self, decl: StepDecl) -> bool:
         """Whether some request of the step has a pending prefix to replay first."""

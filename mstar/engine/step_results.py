@@ -1,0 +1,82 @@
+"""What one step sends back to the host: everything per logits row, packed into one tensor, one copy.
+
+The host needs, for every row whose logits the step computed: whether the logits were finite (a
+request with NaN or inf logits ends with an error), the token chosen there (sampled; or, in a
+verify block, the accepted draft, correction or bonus token at that position, -1 past it), the
+block's accepted draft count, and the logprobs when a request asked for them. Fetched separately
+each would be a device-to-host synchronization; `pack` puts them in the columns of one float64
+tensor (token ids < 2^53 and fp32 logprobs are exact in float64) so that a step costs one copy
+and one wait (`transfer.HostCopy`).
+
+Columns: finite, token, accepted, then with logprobs: the chosen token's logprob, the
+`max_logprobs` best ids and their logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.outputs import TokenLogprob
+from mstar.engine.request import Request
+from mstar.engine.sampler import SampleResult
+from mstar.engine.step import StepDecl
+from mstar.engine.transfer import HostCopy
+from mstar.models.kimi_k3.serving import BatchPlan
+
+
+def pack(finite: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
+         logprobs: SampleResult | None = None) -> torch.Tensor:
+    """[R, 3 (+ 1 + 2K with logprobs)] float64: the per-row results of a step (module doc)."""
+    columns = [finite.unsqueeze(-1), tokens.unsqueeze(-1), accepted.unsqueeze(-1)]
+    if logprobs is not None:
+        columns += [logprobs.logprobs.unsqueeze(-1), logprobs.top_ids, logprobs.top_logprobs]
+    return torch.cat([c.to(torch.float64) for c in columns], dim=-1)
+
+
+@dataclass(frozen=True)
+class RowResult:
+    finite: bool
+    token: int
+    accepted: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()  # the best alternatives, best first (max_logprobs of them)
+
+    def token_logprob(self, k: int) -> TokenLogprob:
+        """The record a request that asked for `k` alternatives gets."""
+        return TokenLogprob(token_id=self.token, logprob=self.logprob, top=self.top[:k])
+
+
+def unpack(host: torch.Tensor) -> list[RowResult]:
+    """The rows of a `pack`ed tensor that has reached the host."""
+    out = []
+    k = (host.shape[-1] - 4) // 2  # alternatives per row when logprobs are packed
+    for row in host.tolist():
+        finite, token, accepted = bool(row[0]), int(row[1]), int(row[2])
+        if len(row) == 3:
+            out.append(RowResult(finite, token, accepted))
+            continue
+        top = tuple(zip((int(t) for t in row[4 : 4 + k]), row[4 + k :], strict=True))
+        out.append(RowResult(finite, token, accepted, row[3], top))
+    return out
+
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is queued: what the host needs to finish it when its results arrive."""
+
+    decl: StepDecl
+    requests: tuple[Request, ...]  # per sequence of `decl`
+    plan: BatchPlan
+    taps: torch.Tensor | None
+    rows: tuple[tuple[int, int], ...]  # per sequence: (first logits row, logits rows)
+    token_ids: torch.Tensor  # [R] on the device: the token chosen at each logits row
+    results: HostCopy  # the `pack`ed results on their way to the host
+    committed: bool  # committed at launch (no verify rows: nothing in the commit depends on the tokens)
+    # sampled sequences' logits rows by request: where the next step finds a token still in flight
+    token_row: dict[Request, int] = field(default_factory=dict)
+
+    def fetch(self) -> list[RowResult]:
+        """The step's results on the host: its one device-to-host wait."""
+        return unpack(self.results.wait())
