@@ -6,7 +6,9 @@
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
 - Routed experts run the MXFP4 W4A16 Triton kernels (`mstar/kernels/moe_mxfp4.py`) for bf16 models
   whose experts are held packed (`MXFP4Linear`, loaded from an MXFP4 checkpoint): their bytes are
-  stacked as they are, never dequantized or re-quantized. Dense experts keep the torch path.
+  stacked as they are, never re-quantized. Steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16
+  grouped GEMMs instead, on each layer's experts dequantized into one shared scratch
+  (`mstar/kernels/moe_bf16.py`). Dense experts keep the torch path.
 The torch path is the reference every kernel is tested against, and the fallback where a kernel
 does not support the device or dtype.
 """
@@ -16,7 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, kda_fla, mla_attention, moe_mxfp4, router_topk
+from mstar.kernels import (
+    attn_res_norm,
+    gated_mlp,
+    kda_decode,
+    kda_fla,
+    mla_attention,
+    moe_bf16,
+    moe_mxfp4,
+    router_topk,
+)
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -104,6 +115,9 @@ class MXFP4Experts:
     the stack, so the layer's expert bytes are held once. Under expert parallelism the stack holds
     only this rank's experts: router ids are mapped to stack indices, and pairs routed to another
     group's expert are dropped by the kernel (they add nothing here, as in `LatentMoE.routed`).
+
+    With `bf16` set (install_expert_kernels does it where large steps can occur), steps of more than
+    `bf16.above_tokens` tokens run `moe_bf16` on this layer's experts dequantized into `bf16.scratch`.
     """
 
     def __init__(self, moe: LatentMoE):
@@ -114,11 +128,27 @@ class MXFP4Experts:
         held_all = len(experts) == moe.config.num_experts
         # [num_experts] global id -> stack index, DROPPED where another rank holds the expert
         self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
+        self.top_k = moe.config.num_experts_per_token
+        self.bf16: moe_bf16.Bf16Path | None = None
 
     def __call__(self, z: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         if self.local_ids is not None:
             expert_ids = self.local_ids[expert_ids]
+        # T is the tensor's shape, a host int: a CUDA graph captured at T tokens replays the branch taken.
+        if self.bf16 is not None and z.shape[0] > self.bf16.above_tokens:
+            return moe_bf16.moe_bf16(z, expert_ids, expert_weights.float(), *self.weights, scratch=self.bf16.scratch)
         return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights)
+
+    def warm_bf16(self, num_tokens: int) -> None:
+        """One step of `num_tokens` tokens (zeros, routed round-robin over the held experts) through the bf16
+        path: its kernels compile and the caching allocator keeps its temporaries, so that the first large
+        step served does neither."""
+        num_experts, hidden, _ = moe_mxfp4.check_weights(*self.weights)
+        device = self.weights.w13_packed.device
+        z = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+        ids = (torch.arange(num_tokens * self.top_k, device=device) % num_experts).view(num_tokens, self.top_k)
+        weights = torch.full((num_tokens, self.top_k), 1.0 / self.top_k, device=device)
+        moe_bf16.moe_bf16(z, ids, weights, *self.weights, scratch=self.bf16.scratch)
 
 
 def _packed_pair(moe: LatentMoE, expert: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,14 +168,41 @@ def _share_stacked_storage(experts: list[nn.Module], stacked: moe_mxfp4.StackedE
         expert.w2.weight_packed, expert.w2.weight_scale = stacked.w2_packed[i], stacked.w2_scale[i]
 
 
-def install_expert_kernels(model: KimiK3ForCausalLM) -> int:
+def install_expert_kernels(model: KimiK3ForCausalLM, max_step_tokens: int | None = None) -> int:
     """Route every latent MoE's packed experts through the MXFP4 kernels (bf16 models on a supported
-    GPU). Returns how many layers were switched."""
+    GPU). Returns how many layers were switched.
+
+    Where a step may hold more tokens (max_step_tokens: the scheduler's token budget) than
+    `moe_bf16.bf16_threshold()` and the GPU runs `moe_bf16`, such steps run it: one bf16 scratch for one
+    layer's experts (1.72 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate) is allocated
+    for all layers, and a step of max_step_tokens runs through it once here, so that the first large step
+    served compiles and allocates nothing. Otherwise nothing is allocated.
+    """
     param = next(model.parameters())
     if param.dtype != torch.bfloat16 or not moe_mxfp4.supported(param.device):
         return 0
-    return sum(install_layer_kernel(layer.block_sparse_moe) for layer in model.model.layers
-               if hasattr(layer, "block_sparse_moe"))
+    switched = [layer.block_sparse_moe for layer in model.model.layers
+                if hasattr(layer, "block_sparse_moe") and install_layer_kernel(layer.block_sparse_moe)]
+    above = moe_bf16.bf16_threshold()
+    if max_step_tokens is not None and max_step_tokens > above and moe_bf16.supported(param.device):
+        _install_bf16_path([moe.expert_kernel for moe in switched], above, max_step_tokens)
+    return len(switched)
+
+
+def _install_bf16_path(kernels: list[MXFP4Experts], above: int, max_step_tokens: int) -> None:
+    """Give every layer's kernel the bf16 path, one scratch per expert shape (K3: one for all layers), and
+    warm each scratch once. A kernel that has a path keeps it (another engine over the same model gave it)."""
+    scratches: dict[tuple[int, int, int], moe_bf16.DequantizedExperts] = {}
+    for kernel in kernels:
+        if kernel.bf16 is not None:
+            continue
+        shape = moe_mxfp4.check_weights(*kernel.weights)
+        fresh = shape not in scratches
+        if fresh:
+            scratches[shape] = moe_bf16.DequantizedExperts.allocate(*shape, kernel.weights.w13_packed.device)
+        kernel.bf16 = moe_bf16.Bf16Path(above, scratches[shape])
+        if fresh:
+            kernel.warm_bf16(max_step_tokens)
 
 
 def install_layer_kernel(moe: LatentMoE) -> bool:
