@@ -307,12 +307,13 @@ def test_gpu_install_allocates_only_for_large_steps(monkeypatch):
         layer = layers[-1]
         reference = copy.deepcopy(layer).float()
         reference.expert_kernel = None  # the torch experts (their buffers: copies of the stack's rows)
-        paths[0].scratch.w13.fill_(float("nan"))
-        x = torch.randn(65, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
-        with torch.no_grad():
-            route = layer.gate(x)
-            z = layer.routed_expert_down_proj(x)
-            got = layer.routed(z, route)
-            expect = reference.routed(z.float(), route)
-        assert not paths[0].scratch.w13.isnan().any()  # the 65-token step ran the bf16 path
-        assert relative_error(got, expect) < BF16_BOUND
+        for num_tokens, bf16_path in ((64, False), (65, True)):
+            paths[0].scratch.w13.fill_(float("nan"))
+            x = torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
+            with torch.no_grad():
+                route = layer.gate(x)
+                z = layer.routed_expert_down_proj(x)
+                got = layer.routed(z, route)
+                expect = reference.routed(z.float(), route)
+            assert bool(paths[0].scratch.w13.isnan().all()) != bf16_path  # which path the step took
+            assert relative_error(got, expect) < BF16_BOUND
