@@ -134,6 +134,10 @@ class ModelKwargs:
     # Decode steps of 1..64 rows replay CUDA graphs (no effect on CPU). Startup fails, naming what is in the
     # way, when the model's decode step cannot be captured (engine/cuda_graphs.py): set it false there.
     cuda_graphs: bool = True
+    # Plan and launch each step while the one before runs on the device (engine/core.py): the host's
+    # scheduling, detokenizing and stop checks hide behind the GPU. Speculative steps run synchronously
+    # either way; false: every step finishes before the next is planned (for comparison).
+    async_scheduling: bool = True
     # Expert-parallel groups among the tp_size ranks (>= 1; must divide tp_size and the checkpoint's
     # num_experts). Group g of tp_size / moe_ep_size consecutive ranks owns experts g*E/ep .. (g+1)*E/ep - 1,
     # split over its ranks by intermediate dim. 1: pure TP (every rank holds a slice of every expert);

@@ -89,6 +89,7 @@ def engine_config(cfg: ServeConfig, speculative: SpeculativeConfig | None = None
         ),
         speculative=speculative,
         cuda_graphs=cfg.model_kwargs.cuda_graphs,
+        async_scheduling=cfg.model_kwargs.async_scheduling,
     )
 
 

@@ -304,3 +304,12 @@ def test_packed_results_read_back_as_the_separate_reads_did():
             assert rows[i].token_logprob(k) == alone
     plain = unpack(pack(finite, tokens, accepted))
     assert [(r.token, r.logprob, r.top) for r in plain] == [(t, None, ()) for t in tokens.tolist()]
+
+
+def test_the_serve_config_switches_it(tiny_dir):
+    from mstar.config import parse_serve_config
+    from mstar.serve import engine_config
+
+    cfg = parse_serve_config({"model": "kimi_k3", "checkpoint": str(tiny_dir), "max_seq_len": 256})
+    assert engine_config(cfg).async_scheduling
+    assert not engine_config(cfg.with_overrides("model_kwargs.async_scheduling=false")).async_scheduling
