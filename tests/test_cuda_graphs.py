@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mstar.engine.core import EngineConfig, EngineCore
-from mstar.engine.cuda_graphs import StepGraphs, capture_blockers, decode_buckets
+from mstar.engine.cuda_graphs import DecodeGraphs, capture_blockers, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
 from mstar.engine.step import SeqStep, StepDecl
@@ -63,7 +63,7 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU KDA path through Triton's interpreter")
 def test_a_staged_verify_step_runs_the_kda_blocks_of_the_real_one(tiny_model):
-    """StepGraphs(rows=k+1) stages a verify step into its fixed buffers and layout (padded to its bucket
+    """DecodeGraphs(rows=k+1) stages a verify step into its fixed buffers and layout (padded to its bucket
     with a sink sequence); the KDA layer on that staged plan gives the real rows' outputs, states, windows
     and pending prefixes of the step itself. (The capture is tests/test_gpu_cuda_graphs.py's.)"""
     pytest.importorskip("fla.ops.kda")
@@ -77,13 +77,13 @@ def test_a_staged_verify_step_runs_the_kda_blocks_of_the_real_one(tiny_model):
     pool.prefix_x.normal_()
     slots = (4, 1, 3)
     pool.prefix_len[4], pool.prefix_len[3] = 2, 3  # accepted rows of the last verify blocks
-    graphs = StepGraphs(ServingModel(tiny_model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=64, rows=r,
+    graphs = DecodeGraphs(ServingModel(tiny_model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=64, rows=r,
                         buckets=(4,))
     plan = BatchPlan(input_ids=torch.zeros(9, dtype=torch.long), seq_starts=(0, 3, 6, 9), num_computed=(5, 9, 2),
                      kv=LatentKVPlan(torch.tensor([[1, 2], [3, 4], [5, 0]]), torch.arange(9), torch.tensor([8, 12, 5])),
                      kda_slots=torch.tensor(slots), sample_rows=torch.arange(9), verify=(True,) * 3, slot_ids=slots)
     assert graphs.can_run(plan)
-    assert graphs.stage(plan) == (3, 4)
+    assert graphs.stage(plan) == 4
     staged = graphs.bucket_plan(4)
     layer = cfg.layer_kinds.index("kda")
     attn = tiny_model.model.layers[layer].self_attn

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mstar.engine.core import EngineConfig, EngineCore
-from mstar.engine.cuda_graphs import StepGraphs, decode_buckets
+from mstar.engine.cuda_graphs import DecodeGraphs, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import kda_fla
@@ -90,7 +90,7 @@ def test_every_bucket_replays_like_the_eager_step(model):
     cfg = model.config
     kv, pool = pools(cfg)
     serving = ServingModel(model, kv, pool, GpuMixerOps())
-    graphs = StepGraphs(serving, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
+    graphs = DecodeGraphs(serving, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
     graphs.capture()
     assert sorted(graphs.graphs) == list(decode_buckets(MAX_BATCH))
     for batch in (1, 3, 8, 11, 16):
@@ -125,7 +125,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
     layout), against the eager run of the same staged step; states, windows and pending prefixes too."""
     cfg = model.config
     kv, pool = pools(cfg)
-    graphs = StepGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=8, max_seq_len=MAX_SEQ,
+    graphs = DecodeGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=8, max_seq_len=MAX_SEQ,
                         rows=DRAFTS + 1, buckets=(1, 4, 8))
     graphs.capture()
     for batch in (1, 3, 8):
@@ -134,7 +134,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
             pool.prefix_len[s] = int(torch.randint(0, DRAFTS + 2, ()))  # 0 .. k + 1 accepted rows pending
         plan = decode_plan(cfg, torch.randint(0, MAX_SEQ - 8, (batch,)).tolist(), slots, rows=DRAFTS + 1)
         ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
-        _, bucket = graphs.stage(plan)
+        bucket = graphs.stage(plan)
         expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(graphs.bucket_plan(bucket))
         for _, (_, (logits, _)) in graphs.graphs.items():
             logits.fill_(float("nan"))
@@ -150,7 +150,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
 
 def test_a_pending_prefix_or_a_long_batch_runs_eagerly(model):
     kv, pool = pools(model.config)
-    graphs = StepGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=MAX_SEQ)
+    graphs = DecodeGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=MAX_SEQ)
     plan = decode_plan(model.config, [5] * 6, list(range(1, 7)))
     assert not graphs.can_run(plan)
     assert not graphs.can_run(replace(decode_plan(model.config, [5], [1]), decode=False))

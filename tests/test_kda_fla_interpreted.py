@@ -118,6 +118,35 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
 
 
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize(("lengths", "num_rows"), [([5, 1, 13], 24), ([2, 7, 1, 3, 9, 1, 4, 6], 33), ([6, 2], 8)])
+def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
+    """kda_prefill_step on a PrefillLayout of at most 8 sequences over num_rows rows: ragged sequences
+    (shorter than the conv window too) continue their slots' states and windows; the rows past them form a
+    padding sequence on the sink slot, the sequences after it are empty (their offsets what fla's graph
+    mode takes). Outputs, states and windows of every slot but the sink end as the torch mixer leaves them,
+    though the layout came from device tensors alone."""
+    attn, pool = layer_and_pool()
+    if stacked:
+        kda_fla.stack_input_projections(attn)
+    slots = (7, 2, 5, 1, 8, 3, 4, 6)[: len(lengths)]
+    plan, x, ref, expect = step_against_torch(attn, pool, lengths, (), slots)
+    n = x.shape[0]
+    layout = kda_fla.PrefillLayout.allocate(num_rows, torch.zeros(9, dtype=torch.long))
+    layout.slots[: len(slots)] = torch.tensor(slots)  # the padding sequence and the empty ones: the sink, 0
+    layout.stage(torch.tensor(plan.seq_starts))
+    assert layout.num_seqs == 9
+    assert layout.cu_seqlens.tolist() == [*plan.seq_starts] + [num_rows] * (9 - len(lengths))
+    padding = [len(lengths)] * (num_rows - n)  # the padding sequence follows the step's
+    assert layout.row_seq.tolist() == [b for b, m in enumerate(lengths) for _ in range(m)] + padding
+    padded = torch.cat([x, torch.randn(num_rows - n, HIDDEN)])
+    y = kda_fla.kda_prefill_step(attn, 0, padded, layout, pool, kda_fla.DecodeConstants.of(attn))
+    assert y.shape == padded.shape and torch.isfinite(y).all()
+    assert rel(y[:n], expect) < 1e-5, rel(y[:n], expect)
+    for name in ("state", "conv"):  # slot 0 is the sink, which the padding sequence wrote
+        assert rel(getattr(pool, name)[:, 1:], getattr(ref, name)[:, 1:]) < 1e-5, name
+
+
 def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_reference(tiny_model, tiny_dirs):
     """The engine with DSpark (k=3) on the tiny fp32 model, its KDA layers through GpuMixerOps (decode,
     short-block verify with pending prefixes, ragged prefill) run by the interpreter: greedy tokens

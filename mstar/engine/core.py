@@ -156,17 +156,24 @@ class EngineCore:
         self.profiler = StepProfiler.from_env(device)
 
     def _capture_graphs(self) -> list[StepGraphs]:
-        """Decode steps, and with speculation the verify blocks of every draft count the schedule uses,
-        captured for batch sizes up to MAX_GRAPH_BATCH (a TP follower captures what rank 0 does)."""
+        """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
+        batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the scheduler's token budget
+        (engine/prefill_graphs.py). All share one memory pool; a TP follower captures what rank 0 does."""
+        from mstar.engine.cuda_graphs import DecodeGraphs, capture_all
+        from mstar.engine.prefill_graphs import PrefillGraphs
+
         config, spec = self.config, self.config.speculative
+        taps = spec.taps() if spec else ()
         shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
-                 "tap_layers": spec.taps() if spec else ()}
-        graphs = [StepGraphs(self.serving, **shape)]
+                 "tap_layers": taps}
+        graphs: list[StepGraphs] = [DecodeGraphs(self.serving, **shape)]
         if spec is not None:
             graphs += verify_graphs(self.serving, DraftSchedule.from_config(spec.speculative_tokens, spec.schedule),
                                     **shape)
-        for g in graphs:
-            g.capture()
+        # last: GraphedServing replays the first set that takes a step, and a decode step fits a prefill graph too
+        graphs.append(PrefillGraphs(self.serving, max_tokens=config.scheduler.max_num_batched_tokens,
+                                    max_seq_len=config.max_seq_len, tap_layers=taps))
+        capture_all(graphs)
         return graphs
 
     # --- requests ---------------------------------------------------------------------------

@@ -14,6 +14,10 @@ ordinary row), and
   the state once, after the last folded row (one launch; fla's state-indexed kernel would store a
   state after every row, 786 KB per row at one TP8 rank of K3).
 
+The conv kernels take each row's sequence and each sequence's first row and fold count from device
+tensors, so they serve sequences of any length: a captured prefill step runs its conv through them too
+(kda_fla.kda_prefill_step), with its recurrence in fla's chunked kernel.
+
 The gate (K3's bounded form or Kimi-Linear's softplus form), the L2 norms of q and k and the sigmoid
 of beta are computed in the kernel, all in fp32, as in kda.py. Loops over a sequence's rows are
 `while` loops: Triton 3.6's interpreter cannot `range` over a run-time bound.

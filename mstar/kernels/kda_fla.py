@@ -26,12 +26,18 @@ conv windows are updated by slot index, and fla's recurrent kernel reads and wri
 state in the pool in place (its continuous-batching mode, `ssm_state_indices`), so no state is
 gathered or scattered and the step is CUDA-graph capturable.
 
+Captured prefill steps (`kda_prefill_step`: up to a fixed number of sequences of any lengths, no
+pending prefix) take their lengths from a `PrefillLayout` staged on the device: the conv of every row
+continues its slot's window (kernels/kda_blocks.py, as verify blocks do), the states are gathered and
+scattered by slot on the device, and fla's chunked kernel runs over row offsets padded to a fixed
+count (`chunk_kda(use_graph=True)`), so nothing reads a length on the host.
+
 The torch path (serving.TorchMixerOps.kda) is the oracle this is tested against.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -45,12 +51,17 @@ from mstar.resources.recurrent_pool import RecurrentStatePool
 RECURRENT_MAX_ROWS = 16  # at most this many rows per sequence: the recurrent kernel; else the chunked one
 
 
+def exact_recurrence(dtype: torch.dtype) -> bool:
+    """Whether rows of this dtype must take the recurrent kernel at any length: it is exact fp32
+    arithmetic, while `chunk_kda` multiplies on tensor cores (TF32 for fp32 inputs), which flips
+    near-tied greedy tokens of an fp32 model against the fp32 reference (seen on the H200)."""
+    return dtype in (torch.float32, torch.float64)
+
+
 def use_recurrent_kernel(lengths: list[int], dtype: torch.dtype) -> bool:
-    """The recurrent kernel is exact fp32 arithmetic at any length; `chunk_kda` multiplies on tensor
-    cores (TF32 for fp32 inputs), which flips near-tied greedy tokens of an fp32 model against the fp32
-    reference (seen on the H200). So fp32/fp64 models always take the recurrent kernel; bf16 and fp16
-    models take the chunked one for sequences longer than RECURRENT_MAX_ROWS (prefill)."""
-    return max(lengths) <= RECURRENT_MAX_ROWS or dtype in (torch.float32, torch.float64)
+    """fp32/fp64 models always take the recurrent kernel (`exact_recurrence`); bf16 and fp16 models take
+    the chunked one for sequences longer than RECURRENT_MAX_ROWS (prefill)."""
+    return max(lengths) <= RECURRENT_MAX_ROWS or exact_recurrence(dtype)
 
 
 def available() -> bool:
@@ -227,6 +238,94 @@ def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout
     prefix_x[layout.keep_dest] = x[layout.keep_src].to(prefix_x.dtype)  # after the prefix rows were read
     o = attn.o_norm(o[layout.x_dest].to(x.dtype), gate[layout.x_dest].reshape(-1, H, K))
     return attn.o_proj(o.reshape(x.shape[0], -1))
+
+
+@dataclass(frozen=True)
+class PrefillLayout:
+    """The rows of a captured prefill step as device tensors whose sizes depend only on the capacity
+    (max_seqs sequences, num_rows rows); staged per step (`stage`), shared by all its KDA layers.
+
+    The step's B <= max_seqs sequences come first. The rows after them, up to num_rows, form one padding
+    sequence, and the sequences after that are empty (fla's `chunk_kda(use_graph=True)` takes its row
+    offsets padded with zero-length tail sequences). The padding sequence exists so that every row
+    belongs to a sequence and every kernel writes defined values into it: a row that no sequence owns
+    keeps whatever its buffer held, possibly NaN, and a NaN row's router picks expert ids that do not
+    exist. Its outputs are never read; its slot (like the empty sequences') is the caller's sink.
+    """
+
+    cu_seqlens: torch.Tensor  # [max_seqs + 2] row offsets
+    lengths: torch.Tensor  # [max_seqs + 1] rows of each sequence (all of them fold into its state and window)
+    row_seq: torch.Tensor  # [num_rows] sequence of each row
+    slots: torch.Tensor  # [max_seqs + 1] KDA slot of each sequence: the caller stages these (padding: its sink)
+
+    @classmethod
+    def allocate(cls, num_rows: int, slots: torch.Tensor) -> PrefillLayout:
+        """A layout of len(slots) - 1 sequences at most over num_rows rows, reading its slots from `slots`."""
+        index = {"dtype": torch.long, "device": slots.device}
+        seqs = slots.shape[0]
+        return cls(torch.zeros(seqs + 1, **index), torch.zeros(seqs, **index), torch.zeros(num_rows, **index), slots)
+
+    @property
+    def num_rows(self) -> int:
+        return self.row_seq.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences the kernels see, padding ones included (fla's `max_num_seqs`)."""
+        return self.lengths.shape[0]
+
+    def first_rows(self, num_rows: int) -> PrefillLayout:
+        """This layout over its first num_rows rows (a smaller capture bucket shares the tensors)."""
+        return replace(self, row_seq=self.row_seq[:num_rows])
+
+    def stage(self, seq_starts: torch.Tensor) -> None:
+        """Lay out the sequences whose row offsets are `seq_starts` ([B + 1] on the device, B <= max_seqs,
+        the last offset at most num_rows: the caller checks that, since reading it would wait for the
+        device). The padding, the lengths and each row's sequence are made on the device."""
+        count = seq_starts.shape[0] - 1
+        if not 0 <= count < self.num_seqs:
+            raise ValueError(f"a prefill layout of at most {self.num_seqs - 1} sequences cannot take {count}")
+        self.cu_seqlens[: count + 1].copy_(seq_starts)
+        self.cu_seqlens[count + 1:] = self.num_rows  # the padding sequence ends here; the ones after are empty
+        ends = self.cu_seqlens[1:]
+        torch.sub(ends, self.cu_seqlens[:-1], out=self.lengths)
+        rows = torch.arange(self.num_rows, device=self.row_seq.device)
+        torch.searchsorted(ends, rows, right=True, out=self.row_seq)  # the first sequence ending after the row
+
+
+def kda_prefill_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout: PrefillLayout,
+                     pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
+    """One KDA layer for a captured prefill step: row r of `x` [num_rows, D] belongs to sequence
+    layout.row_seq[r], which continues the state and conv window of its slot and folds all its rows. No
+    host logic: the conv reads every row's sequence from the layout (kda_blocks.block_conv), the states
+    are gathered and scattered by slot on the device, and fla's chunked kernel takes the padded offsets as
+    `chunk_kda(use_graph=True)` (fp32/fp64 models: the recurrent kernel, see `exact_recurrence`)."""
+    from fla.ops.kda import chunk_kda
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    (H, K), M = (attn.num_heads, attn.head_dim), x.shape[0]
+    if layout.num_rows != M:
+        raise ValueError(f"{M} rows run through a prefill layout of {layout.num_rows}")
+    q, k, v, f, beta, gate = input_projections(attn, x)
+    conv, starts = pool.conv[layer], layout.cu_seqlens[:-1]
+    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, starts, consts.conv_weight)
+    kda_blocks.fold_windows(q, k, v, conv, layout.slots, starts, layout.lengths)  # after the conv read them
+    states = pool.state[layer]
+    args = dict(
+        q=qkv[0].view(1, M, H, K), k=qkv[1].view(1, M, H, K), v=qkv[2].view(1, M, H, K), g=f.view(1, M, H, K),
+        beta=beta.view(1, M, H).float().contiguous(), A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
+        initial_state=states[layout.slots].float(), output_final_state=True, cu_seqlens=layout.cu_seqlens,
+        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+        lower_bound=attn.gate_lower_bound,
+    )
+    if exact_recurrence(x.dtype):
+        o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
+    else:
+        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, use_graph=True,
+                             max_num_seqs=layout.num_seqs, **args)
+    states[layout.slots] = final.to(states.dtype)  # the padding and empty sequences all land on the sink
+    o = attn.o_norm(o.view(M, H, K).to(x.dtype), gate.reshape(M, H, K))
+    return attn.o_proj(o.reshape(M, -1))
 
 
 def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: tuple[int, ...],

@@ -55,6 +55,8 @@ class GpuMixerOps(TorchMixerOps):
         consts = self.kda_constants[layer]
         if plan.decode:
             return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, consts)
+        if isinstance(plan.kda_layout, kda_fla.PrefillLayout):  # a captured prefill step: its layout is staged
+            return kda_fla.kda_prefill_step(attn, layer, x, plan.kda_layout, pool, consts)
         if plan.kda_layout is not None:  # a captured verify step: its layout is staged
             return kda_fla.kda_block_step(attn, layer, x, plan.kda_layout, pool, consts)
         layout = self._short_block_layout(plan, pool, x.device)
@@ -95,7 +97,10 @@ class GpuMixerOps(TorchMixerOps):
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
         scale = attn.scale
         rows = [plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(plan.num_computed))]
-        if max(rows) == 1:
+        if plan.max_query_len is not None:  # a captured prefill step: its lengths are on the device only
+            mla_attention.paged_mla_prefill(q_abs, cache, table, plan.cu_seqlens, lens, scale, out,
+                                            max_query_len=plan.max_query_len)
+        elif max(rows) == 1:
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
             mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
         else:

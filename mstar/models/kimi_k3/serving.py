@@ -40,9 +40,13 @@ class BatchPlan:
     # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
     slot_ids: tuple[int, ...] = ()
     # Device copies a captured step reads instead of making them from host values during capture:
-    # seq_starts (the MLA multi-row kernel's cu_seqlens) and the KDA short-block layout (kda_fla.BlockLayout).
+    # seq_starts (the MLA multi-row kernel's cu_seqlens) and the KDA layout: kda_fla.BlockLayout for short
+    # blocks, kda_fla.PrefillLayout for a prefill step.
     cu_seqlens: torch.Tensor | None = None
     kda_layout: object | None = None
+    # Set on a captured prefill step, whose lengths exist only on the device (in cu_seqlens and the KDA
+    # layout): the most rows any sequence may have, which sizes the kernels. No mixer reads seq_starts then.
+    max_query_len: int | None = None
 
     def host_slots(self) -> tuple[int, ...]:
         """The KDA slots on the host (`slot_ids`; hand-built plans without them read the tensor)."""

@@ -1,0 +1,248 @@
+"""Prefill CUDA graphs (mstar/engine/prefill_graphs.py), the parts that run anywhere: the buckets, which
+plans a prefill graph takes, the staging into its fixed buffers (padding on the sinks), and the staged
+step itself run eagerly through the GPU mixers (their Triton kernels in the interpreter) against the
+torch path: one step, and the engine serving prompts through `run`. Capture and replay are
+tests/test_gpu_cuda_graphs.py's."""
+
+import copy
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+from greedy_ties import assert_greedy_matches, random_jobs
+
+from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.cuda_graphs import SINK, GraphedServing
+from mstar.engine.params import SamplingParams
+from mstar.engine.prefill_graphs import MAX_PREFILL_SEQS, MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
+from mstar.engine.scheduler import SchedulerConfig
+from mstar.kernels import mla_attention
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.resources.recurrent_pool import RecurrentStatePool
+
+PAGE, PAGES_PER_SEQ, SLOTS = 8, 8, 10  # max_seq_len 64
+BUCKETS = (16, 32, 64)
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="the GPU mixers' kernels through Triton's interpreter")
+
+
+def test_buckets_are_powers_of_two_up_to_the_step_budget():
+    assert prefill_buckets(2048) == (256, 512, 1024, 2048)
+    assert prefill_buckets(3000) == (256, 512, 1024, 2048, 3000)
+    assert prefill_buckets(100_000) == (256, 512, 1024, 2048, 4096, MAX_PREFILL_TOKENS)
+    assert prefill_buckets(100) == (100,)
+    assert prefill_buckets(64, smallest=16) == BUCKETS
+    for budget in (1, 255, 256, 257, 5000, 9000):
+        buckets = prefill_buckets(budget)
+        top = min(budget, MAX_PREFILL_TOKENS)
+        assert buckets[-1] == top
+        for n in range(1, top + 1):  # every step has a bucket, and pads to less than twice its tokens
+            bucket = next(b for b in buckets if b >= n)
+            assert bucket == buckets[0] or bucket < 2 * n
+    with pytest.raises(ValueError, match="max_tokens=0"):
+        prefill_buckets(0)
+
+
+def pools(cfg):
+    la = cfg.linear_attn
+    kv = PagedLatentKV(cfg.layer_kinds.count("mla"), 1 + MAX_PREFILL_SEQS * PAGES_PER_SEQ, PAGE, cfg.kv_cache_width,
+                       torch.float32)
+    pool = RecurrentStatePool(cfg.layer_kinds.count("kda"), SLOTS, la.num_heads, la.head_dim,
+                              la.short_conv_kernel_size, torch.float32, torch.float32, hidden_size=cfg.hidden_size,
+                              max_block=3)
+    kv.cache.normal_()
+    pool.state.normal_(0, 0.3)
+    pool.conv.normal_()
+    return kv, pool
+
+
+def prefill_plan(cfg, lengths, cached, slots, sample=None):
+    """Sequence b: lengths[b] new rows after cached[b] cached ones (a chunked prompt's continuation when
+    > 0) on KDA slot slots[b] and pages of its own; its last row sampled where sample[b] (default all)."""
+    sample = sample or [True] * len(lengths)
+    table = torch.tensor([[1 + s * PAGES_PER_SEQ + p for p in range(PAGES_PER_SEQ)] for s in range(len(lengths))])
+    starts, written, sample_rows = [0], [], []
+    for b, (n, c) in enumerate(zip(lengths, cached, strict=True)):
+        positions = torch.arange(c, c + n)
+        written.append(table[b, positions // PAGE] * PAGE + positions % PAGE)
+        starts.append(starts[-1] + n)
+        if sample[b]:
+            sample_rows.append(starts[-1] - 1)
+    kv = LatentKVPlan(table, torch.cat(written), torch.tensor(lengths) + torch.tensor(cached))
+    return BatchPlan(input_ids=torch.randint(0, cfg.vocab_size, (starts[-1],)), seq_starts=tuple(starts),
+                     num_computed=tuple(cached), kv=kv, kda_slots=torch.tensor(slots),
+                     sample_rows=torch.tensor(sample_rows, dtype=torch.long), verify=(False,) * len(lengths),
+                     slot_ids=tuple(slots))
+
+
+def prefill_graphs(model, tap_layers=()):
+    kv, pool = pools(model.config)
+    serving = ServingModel(model, kv, pool, GpuMixerOps())
+    return PrefillGraphs(serving, max_tokens=BUCKETS[-1], max_seq_len=PAGE * PAGES_PER_SEQ, tap_layers=tap_layers,
+                         buckets=BUCKETS)
+
+
+def test_which_plans_a_prefill_graph_takes(tiny_model):
+    cfg = tiny_model.config
+    graphs = prefill_graphs(tiny_model)
+    ragged = prefill_plan(cfg, [5, 1, 13], [0, 9, 0], (4, 1, 7))
+    assert graphs.can_run(ragged)
+    assert graphs.can_run(prefill_plan(cfg, [1] * 8, [3] * 8, tuple(range(1, 9))))  # decode rows are rows too
+    assert graphs.can_run(prefill_plan(cfg, [60, 4], [0, 0], (1, 2)))  # the largest bucket, exactly
+    assert not graphs.can_run(prefill_plan(cfg, [1] * 9, [3] * 9, tuple(range(1, 10))))  # too many sequences
+    assert not graphs.can_run(prefill_plan(cfg, [60, 5], [0, 0], (1, 2)))  # too many tokens
+    assert not graphs.can_run(replace(ragged, verify=(False, True, False)))
+    assert not graphs.can_run(replace(ragged, sample_rows=torch.arange(MAX_PREFILL_SEQS + 1)))
+    wide = LatentKVPlan(torch.ones(3, PAGES_PER_SEQ + 1, dtype=torch.long), ragged.kv.slot_mapping,
+                        ragged.kv.context_lens)
+    assert not graphs.can_run(replace(ragged, kv=wide))  # contexts past max_seq_len
+    graphs.serving.pool.prefix_len[1] = 2  # slot 1 has a pending prefix to replay first
+    assert not graphs.can_run(ragged)
+    graphs.serving.pool.prefix_len[1] = 0
+    graphs.stage(ragged)
+    assert not graphs.can_run(graphs.bucket_plan(32))  # a staged plan is not a step to stage
+
+
+def test_staging_pads_the_bucket_with_sinks(tiny_model):
+    """The step's values land in the first entries of each buffer; everything after them, up to the bucket,
+    points at the sinks, whatever an earlier (larger) step left there."""
+    cfg = tiny_model.config
+    graphs = prefill_graphs(tiny_model)
+    graphs.stage(prefill_plan(cfg, [20, 30, 2, 1, 1], [0, 5, 0, 7, 1], (9, 8, 7, 6, 5)))  # leftovers to overwrite
+    plan = prefill_plan(cfg, [5, 1, 13], [0, 9, 0], (4, 1, 7), sample=[True, False, True])
+    assert graphs.stage(plan) == 32
+    staged = graphs.bucket_plan(32)
+    assert staged.input_ids.shape == (32,) and staged.max_query_len == 32
+    assert staged.kv.page_table.shape == (MAX_PREFILL_SEQS + 1, PAGES_PER_SEQ)
+    assert staged.sample_rows.tolist() == [4, 18] + [0] * (MAX_PREFILL_SEQS - 2)
+    assert torch.equal(staged.input_ids, torch.cat([plan.input_ids, torch.zeros(13, dtype=torch.long)]))
+    assert staged.kv.slot_mapping.tolist() == plan.kv.slot_mapping.tolist() + [SINK] * 13
+    assert torch.equal(staged.kv.page_table[:3], plan.kv.page_table)
+    assert (staged.kv.page_table[3:] == SINK).all()
+    assert staged.kv.context_lens.tolist() == [5, 10, 13] + [0] * 6  # padding attends to nothing
+    assert staged.kda_slots.tolist() == [4, 1, 7] + [SINK] * 6
+    layout = staged.kda_layout
+    assert staged.cu_seqlens is layout.cu_seqlens and layout.slots.data_ptr() == staged.kda_slots.data_ptr()
+    assert layout.cu_seqlens.tolist() == [0, 5, 6, 19] + [32] * 6  # then the padding sequence, then empty ones
+    assert layout.lengths.tolist() == [5, 1, 13, 13] + [0] * 5
+    assert layout.row_seq.tolist() == [0] * 5 + [1] + [2] * 13 + [3] * 13
+
+
+def test_a_short_page_table_is_padded_with_the_sink_page(tiny_model):
+    cfg = tiny_model.config
+    graphs = prefill_graphs(tiny_model)
+    graphs.stage(prefill_plan(cfg, [20, 3], [0, 0], (1, 2)))
+    plan = prefill_plan(cfg, [4], [0], (3,))
+    narrow = LatentKVPlan(plan.kv.page_table[:, :1], plan.kv.slot_mapping, plan.kv.context_lens)
+    graphs.stage(replace(plan, kv=narrow))
+    assert graphs.page_table[0].tolist() == [plan.kv.page_table[0, 0].item()] + [SINK] * (PAGES_PER_SEQ - 1)
+
+
+class EagerGraph:
+    """A captured graph's stand-in on the CPU: `replay` runs the bucket's staged step eagerly into the
+    outputs the capture returned, so `run` and the engine take every path a replay takes."""
+
+    def __init__(self, graphs: PrefillGraphs, bucket: int):
+        self.step = lambda: graphs.serving.forward(graphs.bucket_plan(bucket), graphs.tap_layers)
+        graphs._stage_padding(bucket)
+        self.outputs = self.step()
+
+    def replay(self):
+        for out, new in zip(self.outputs, self.step(), strict=True):
+            if out is not None:
+                out.fill_(float("nan"))  # what the replay does not write stays poisoned
+                out.copy_(new)
+
+
+def capture_eagerly(graphs: PrefillGraphs) -> None:
+    for bucket in reversed(graphs.buckets):
+        graph = EagerGraph(graphs, bucket)
+        graphs.graphs[bucket] = (graph, graph.outputs)
+
+
+def rel(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+@interpreted
+def test_a_staged_prefill_step_computes_the_eager_step(tiny_model, monkeypatch):
+    """Three sequences, one a chunked prompt's continuation over its cached pages, one not sampled, through
+    stage + the bucket's plan on the GPU mixers (MLA's Triton kernel, the staged KDA layout) against the
+    torch mixers on the plan itself: sampled logits, DSpark taps, the KV rows written, every KDA slot's state
+    and window but the sink's."""
+    pytest.importorskip("fla.ops.kda")
+    monkeypatch.setattr(GpuMixerOps, "mla_kernel_fits", staticmethod(lambda attn, dtype, device: True))  # fp32 too
+    cfg = tiny_model.config
+    graphs = prefill_graphs(tiny_model, tap_layers=(1, 4))
+    serving = graphs.serving
+    plan = prefill_plan(cfg, [5, 1, 13], [0, 9, 0], (4, 1, 7), sample=[True, False, True])
+    ref_kv, ref_pool = copy.deepcopy(serving.kv), copy.deepcopy(serving.pool)
+    expect, expect_taps = ServingModel(tiny_model, ref_kv, ref_pool, TorchMixerOps()).forward(plan, (1, 4))
+    capture_eagerly(graphs)
+    got, taps = graphs.run(plan)
+    assert got.shape == expect.shape and taps.shape == expect_taps.shape
+    assert rel(got, expect) < 1e-5, rel(got, expect)
+    assert rel(taps, expect_taps) < 1e-5, rel(taps, expect_taps)
+    (_, (_, all_taps)) = graphs.graphs[32]
+    assert torch.isfinite(all_taps).all()  # the padding rows too: they run as a sequence, on the sinks
+    rows = plan.kv.slot_mapping
+    cache, ref_cache = (c.view(c.shape[0], -1, c.shape[-1]) for c in (serving.kv.cache, ref_kv.cache))
+    assert rel(cache[:, rows], ref_cache[:, rows]) < 1e-5
+    for name in ("state", "conv"):
+        assert rel(getattr(serving.pool, name)[:, 1:], getattr(ref_pool, name)[:, 1:]) < 1e-5, name
+    assert graphs.replays == 1
+
+
+@interpreted
+def test_the_padding_sequence_attends_to_nothing_and_empty_ones_are_harmless():
+    """The MLA multi-row kernel over a staged layout: the real sequences' rows equal the reference, the
+    padding sequence (context 0) comes out zero, the empty sequences write nothing."""
+    torch.manual_seed(0)
+    heads, latent, rope, rows = 4, 64, 16, 24
+    cache = torch.randn(12, PAGE, latent + rope)
+    contexts = [5, 12, 9]  # of 5, 1 and 9 rows: the second a continuation
+    layout_cu = torch.tensor([0, 5, 6, 15, rows, rows, rows])  # then a padding sequence of 9 rows, two empty
+    table = torch.tensor([[1, 2, 0], [3, 4, 5], [6, 7, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]])
+    lens = torch.tensor(contexts + [0, 0, 0])
+    q = torch.randn(rows, heads, latent + rope)
+    out = torch.full((rows, heads, latent), float("nan"))
+    mla_attention.paged_mla_prefill(q, cache, table, layout_cu, lens, 0.1, out, max_query_len=rows)
+    expect = mla_attention.paged_mla_prefill_reference(q[:15], cache, table[:3], layout_cu[:4], lens[:3], 0.1,
+                                                       rope_dim=rope)
+    assert rel(out[:15], expect) < 1e-5
+    assert (out[15:] == 0).all()
+
+
+@interpreted
+def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model, tiny_dir, monkeypatch):
+    """The engine (fp32 tiny model, chunked prefill with a 32-token budget) with its prefill steps run
+    through PrefillGraphs.run over eager stand-ins of the graphs: greedy tokens equal the reference's, and
+    chunked continuations went through the staged steps."""
+    pytest.importorskip("fla.ops.kda")
+    monkeypatch.setattr(GpuMixerOps, "mla_kernel_fits", staticmethod(lambda attn, dtype, device: True))
+    jobs = random_jobs(tiny_model, (3, 45, 20), (4, 6))
+    cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, page_size=PAGE, max_num_pages=40, max_kda_slots=5,
+                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
+    core.serving.ops = GpuMixerOps()
+    graphs = PrefillGraphs(core.serving, max_tokens=32, max_seq_len=cfg.max_seq_len, buckets=(16, 32))
+    capture_eagerly(graphs)
+    staged = []
+    run = graphs.run
+    graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
+    core.serving = GraphedServing(core.serving, [graphs])
+    for i, (prompt, max_tokens, _) in enumerate(jobs):
+        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    got = {}
+    while core.has_work():
+        for out in core.step():
+            assert out.error is None, out.error
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    rows = [(c, p.seq_starts[b + 1] - p.seq_starts[b]) for p in staged for b, c in enumerate(p.num_computed)]
+    assert any(cached and n > 1 for cached, n in rows)  # a chunked prompt's continuation ran staged
+    assert graphs.replays == len(staged) > 0
+    assert_greedy_matches(tiny_model, jobs, [got[f"r{i}"] for i in range(len(jobs))])
