@@ -281,6 +281,29 @@ def test_a_stop_costs_one_discarded_row(tiny_model, tokenizer):
     assert (runs[False][1], runs[True][1]) == (3, 4)
 
 
+def test_a_request_preempted_with_its_token_in_flight_is_recomputed_with_it(tiny_model, tokenizer):
+    """Preempted while the step that samples its newest token runs, a request is re-prefilled at once:
+    the prefill's last row is that token, gathered on the device from the step in flight."""
+    prompt = list(range(30, 50))
+    reference = greedy_generate(tiny_model, prompt, 10)
+    engine = make_engine(tiny_model, tokenizer, overlap=True)
+    events = record_events(engine)
+    engine.add_request("a", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    tokens = []
+    for step in range(40):
+        if step == 4:
+            request = engine.requests["a"]
+            assert request.num_inflight == 1 and len(request.output_ids) == 3
+            engine.scheduler._preempt(request)
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+        if not engine.has_work():
+            break
+    assert_greedy_matches(tiny_model, [(prompt, 10, reference)], [tokens])
+    fed = [ids for kind, ids in events if kind == "forward"]
+    assert prompt + tokens[:4] in fed  # the re-prefill: prompt, three tokens on the host, the one in flight
+    assert_pools_empty(engine)
+
+
 # --- one transfer per step ------------------------------------------------------------------------------
 
 
