@@ -47,7 +47,6 @@ class VocabParallelLMHead(nn.Module):
         self.vocab_start, self.vocab_stop = vocab_range(vocab_size, comm)
         self.weight = nn.Parameter(torch.empty(self.vocab_stop - self.vocab_start, hidden_size))
         nn.init.normal_(self.weight, std=hidden_size**-0.5)
-        self.kernel = F.linear  # (x, weight) -> logits shard: the skinny GEMM on a GPU (as models' Linear)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.comm.all_gather(self.kernel(hidden, self.weight))
+        return self.comm.all_gather(F.linear(hidden, self.weight))

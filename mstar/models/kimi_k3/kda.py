@@ -27,7 +27,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import KimiK3Config
-from .linear import Linear
 from .norm import at_least_fp32
 
 # fla's l2norm (`fla/modules/norm/l2norm.py`, and the in-kernel one of `fused_recurrent.py`) computes
@@ -322,24 +321,24 @@ class KimiDeltaAttention(nn.Module):
         self.chunk_size = CHUNK_SIZE
         D, width, hd = config.hidden_size, la.width, la.head_dim
 
-        self.q_proj = Linear(D, width)
-        self.k_proj = Linear(D, width)
-        self.v_proj = Linear(D, width)
+        self.q_proj = nn.Linear(D, width, bias=False)
+        self.k_proj = nn.Linear(D, width, bias=False)
+        self.v_proj = nn.Linear(D, width, bias=False)
         self.q_conv1d = ShortConv(width, self.conv_kernel)
         self.k_conv1d = ShortConv(width, self.conv_kernel)
         self.v_conv1d = ShortConv(width, self.conv_kernel)
         self.A_log = nn.Parameter(_default_A_log(la.num_heads))
         self.dt_bias = nn.Parameter(_default_dt_bias(width))
-        self.f_a_proj = Linear(D, hd)
-        self.f_b_proj = Linear(hd, width)
-        self.b_proj = Linear(D, la.num_heads)
+        self.f_a_proj = nn.Linear(D, hd, bias=False)
+        self.f_b_proj = nn.Linear(hd, width, bias=False)
+        self.b_proj = nn.Linear(D, la.num_heads, bias=False)
         if self.use_full_rank_gate:
-            self.g_proj = Linear(D, width)
+            self.g_proj = nn.Linear(D, width, bias=False)
         else:
-            self.g_a_proj = Linear(D, hd)
-            self.g_b_proj = Linear(hd, width)
+            self.g_a_proj = nn.Linear(D, hd, bias=False)
+            self.g_b_proj = nn.Linear(hd, width, bias=False)
         self.o_norm = GatedHeadNorm(hd, config.rms_norm_eps)
-        self.o_proj = Linear(width, D)
+        self.o_proj = nn.Linear(width, D, bias=False)
         # The projections of x stacked into one GEMM on the GPU (kda_fla.stack_input_projections); the
         # modules above then hold views of it. None: one GEMM per projection.
         self.stacked_inputs = None

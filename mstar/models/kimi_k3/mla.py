@@ -28,7 +28,6 @@ import torch
 from torch import Tensor, nn
 
 from .config import KimiK3Config
-from .linear import Linear
 from .norm import RMSNorm, at_least_fp32
 
 # Moonshot's HF code builds q_a_layernorm and kv_a_layernorm without an eps argument, so they take
@@ -158,16 +157,16 @@ class GatedMLA(nn.Module):
         d, qk = config.hidden_size, config.qk_head_dim
 
         if config.q_lora_rank is None:
-            self.q_proj = Linear(d, h * qk)
+            self.q_proj = nn.Linear(d, h * qk, bias=False)
         else:
-            self.q_a_proj = Linear(d, config.q_lora_rank)
+            self.q_a_proj = nn.Linear(d, config.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(config.q_lora_rank, h * qk)
-        self.kv_a_proj_with_mqa = Linear(d, self.kv_lora_rank + self.rope)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, h * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(d, self.kv_lora_rank + self.rope, bias=False)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.kv_lora_rank, h * (self.nope + self.v_dim))
-        self.g_proj = Linear(d, h * self.v_dim) if config.mla_use_output_gate else None
-        self.o_proj = Linear(h * self.v_dim, d)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_use_output_gate else None
+        self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
 
     # --- projections ---
     def queries(self, x: Tensor) -> tuple[Tensor, Tensor]:

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import KimiK3Config
-from .linear import Linear
 from .norm import at_least_fp32
 
 
@@ -40,9 +39,9 @@ class GatedMLP(nn.Module):
     def __init__(self, config: KimiK3Config, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.config = config
-        self.gate_proj = Linear(hidden_size, intermediate_size)
-        self.up_proj = Linear(hidden_size, intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         # x -> the same output with fewer launches on the GPU (gpu_ops); None: the torch line below
         self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 

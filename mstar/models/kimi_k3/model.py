@@ -36,7 +36,6 @@ from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParall
 from .attn_res import MixNorm, ResidualStream, attn_res_norm
 from .config import KimiK3Config
 from .kda import KDAState, KimiDeltaAttention
-from .linear import Linear
 from .mla import GatedMLA, MLACache
 from .mlp import GatedMLP
 from .moe import LatentMoE
@@ -178,7 +177,7 @@ class KimiK3ForCausalLM(nn.Module):
         self.comm = comm or NullCommunicator()
         self.model = KimiK3Model(config, self.comm, experts)
         if self.comm.world_size == 1:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         else:
             self.lm_head = VocabParallelLMHead(config.hidden_size, config.vocab_size, self.comm)
 

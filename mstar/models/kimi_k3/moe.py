@@ -32,7 +32,6 @@ from mstar.distributed.communicator import Communicator, NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 
 from .config import KimiK3Config
-from .linear import Linear
 from .mlp import Expert, GatedMLP
 from .norm import RMSNorm, at_least_fp32
 
@@ -113,8 +112,8 @@ class LatentMoE(nn.Module):
         d, latent = config.hidden_size, config.moe_input_size
         self.gate = Router(config)
         if config.routed_expert_hidden_size is not None:
-            self.routed_expert_down_proj = Linear(d, latent)
-            self.routed_expert_up_proj = Linear(latent, d)
+            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
         if self.sharding is None:
