@@ -2,7 +2,7 @@
 one TP8 rank of pruned75 (hidden 7168, 12 KDA heads of 128, AttnRes with 9 sources, 224 experts top-16,
 shared-expert width 768):
 
-    python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only skinny]
+    python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200]
 
 Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
 graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
-from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, router_topk, skinny_gemm  # noqa: E402
+from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, router_topk  # noqa: E402
 from mstar.models.kimi_k3 import attn_res, norm  # noqa: E402
 from mstar.models.kimi_k3.kda import GatedHeadNorm  # noqa: E402
 from mstar.models.kimi_k3.mlp import situ  # noqa: E402
@@ -111,18 +111,6 @@ def decode_conv_case(t: int):
             lambda: kda_decode.decode_conv_reference(torch.stack([q, k, v], 1), windows, weight)[0])
 
 
-def linear_case(n: int, k: int):
-    def make(t: int):
-        x, w = torch.randn(t, k, device="cuda", dtype=BF16), torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5
-        return lambda: skinny_gemm.skinny_linear(x, w), lambda: torch.nn.functional.linear(x, w)
-    return make
-
-
-# a TP8 rank's dense projections (N, K): KDA's stacked inputs and o_proj, the latent MoE's projections,
-# MLA's q_a and kv_a, lm_head's vocabulary shard; "torch" is cuBLAS
-LINEARS = {"KDA inputs": (6284, D), "o_proj": (D, 1536), "latent down": (3584, D), "latent up": (D, 3584),
-           "MLA q_a": (1536, D), "MLA kv_a": (576, D), "lm_head": (20480, D)}
-
 CASES = {  # name -> (inputs, floor bytes for t tokens)
     "attn_res_norm": (attn_res_case, lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
     "rms_norm_rows": (rms_case, lambda t: 2 * t * D * 2 + D * 2),
@@ -130,8 +118,6 @@ CASES = {  # name -> (inputs, floor bytes for t tokens)
     "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
     "situ_and_mul": (situ_case, lambda t: 3 * t * SHARED * 2),
     "kda decode_conv": (decode_conv_case, lambda t: t * HEADS * HEAD_DIM * 3 * 2 * (1 + 3 + 3 + 1)),
-    **{f"skinny_linear {name} {n}x{k}": (linear_case(n, k), lambda t, n=n, k=k: (n * k + t * (n + k)) * 2)
-       for name, (n, k) in LINEARS.items()},
 }
 
 
@@ -139,18 +125,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--reps", type=int, default=200)
-    parser.add_argument("--only", default="", help="run the kernels whose name contains this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_kernels: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = []
     for name, (make, floor) in CASES.items():
-        if args.only not in name:
-            continue
         for t in args.tokens:
-            if name.startswith("skinny_linear") and t > skinny_gemm.MAX_ROWS:
-                continue
             results.append(bench(name, t, floor(t), lambda make=make, t=t: make(t), args.reps))
             r = results[-1]
             print(f"{name} T={t}: {r['us']:.2f} us ({r['x_floor']:.1f}x floor), torch {r['torch_us']:.2f} us, "
