@@ -86,6 +86,11 @@ def prefill_graphs(model, tap_layers=()):
                          buckets=BUCKETS)
 
 
+def test_a_model_the_graphs_cannot_capture_is_refused_naming_the_step_kind(tiny_model):
+    with pytest.raises(RuntimeError, match="cannot capture this model's prefill step: .*CUDA device"):
+        prefill_graphs(tiny_model).capture()
+
+
 def test_which_plans_a_prefill_graph_takes(tiny_model):
     cfg = tiny_model.config
     graphs = prefill_graphs(tiny_model)

@@ -14,7 +14,10 @@ latent KV cache and the KDA state pool with random context, and times the servin
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
 - verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
   CUDA graphs like decode;
-- prefill: one fresh sequence of T tokens, its last row sampled (eager).
+- prefill: one fresh sequence of T tokens, its last row sampled, replayed through the prefill graph of
+  the smallest token bucket >= T (`mstar.engine.prefill_graphs`; a T past the largest bucket, 8,192,
+  runs eagerly).
+`--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
 the ratio measured / floor. Timings are medians over `--reps` steps (CUDA events on the GPU) after
 `--warmup` untimed ones; repeating a step rewrites the same cache rows and slots, so the context is
@@ -49,6 +52,8 @@ from torch.profiler import ProfilerActivity, profile
 from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
+from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
+from mstar.engine.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.models.kimi_k3.config import KimiK3Config
 from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
@@ -373,41 +378,50 @@ def check_finite(emulation: Emulation, context: int) -> None:
                            "the random init (fill_random_) no longer keeps activations in range")
 
 
-def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len: int) -> dict[int, object]:
-    """CUDA graphs of the decode and verify steps, as the engine captures them (rows per sequence ->
-    StepGraphs over the buckets the steps' batch sizes run in)."""
-    from mstar.engine.cuda_graphs import StepGraphs, decode_buckets  # CUDA only: the CPU path never needs them
+def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len: int) -> dict[str, StepGraphs]:
+    """CUDA graphs of the steps, as the engine captures them, by step name: decode and verify steps over
+    the batch buckets their sizes run in, prefill steps over the token buckets theirs run in; all in one
+    memory pool. Prefill steps past the largest bucket get none (they run eagerly)."""
 
-    by_rows: dict[int, list[int]] = {}
+    def used(all_buckets: tuple[int, ...], sizes: list[int]) -> tuple[int, ...]:
+        return tuple(sorted({next(b for b in all_buckets if b >= n) for n in sizes}))
+
+    by_name: dict[str, list[Step]] = {}
     for step in steps:
-        if step.kind in ("decode", "verify"):
-            by_rows.setdefault(step.rows, []).append(step.batch)
-    graphs = {}
-    for rows, batches in sorted(by_rows.items()):
-        all_buckets = decode_buckets(max(batches))
-        buckets = tuple(sorted({next(b for b in all_buckets if b >= n) for n in batches}))
-        graphs[rows] = StepGraphs(serving, max_batch=max(batches), max_seq_len=graph_seq_len, rows=rows,
-                                  buckets=buckets if rows > 1 else None)
-        progress(f"capturing {graphs[rows].kind} CUDA graphs for batches {buckets}")
-        graphs[rows].capture()
+        if step.kind != "prefill" or step.tokens <= MAX_PREFILL_TOKENS:
+            by_name.setdefault(step.name, []).append(step)
+    graphs: dict[str, StepGraphs] = {}
+    for name, group in by_name.items():
+        if group[0].kind == "prefill":
+            tokens = [s.tokens for s in group]
+            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seq_len=graph_seq_len,
+                                         buckets=used(prefill_buckets(max(tokens)), tokens))
+        else:
+            rows, batches = group[0].rows, [s.batch for s in group]
+            buckets = used(decode_buckets(max(batches)), batches) if rows > 1 else None
+            graphs[name] = DecodeGraphs(serving, max_batch=max(batches), max_seq_len=graph_seq_len, rows=rows,
+                                        buckets=buckets)
+        note = " (each bucket's warm-up autotunes fla's chunk_kda: minutes)" if group[0].kind == "prefill" else ""
+        progress(f"capturing {graphs[name].kind} CUDA graphs for {graphs[name].buckets} {graphs[name].unit}{note}")
+    capture_all(list(graphs.values()))
     return graphs
 
 
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
             graph_seq_len: int | None) -> tuple[list[Result], dict[int, Callable[[], object]]]:
-    """Time every step, decode and verify through CUDA graphs captured for `graph_seq_len` tokens
-    (None: eager); also return the decode steps' callables by batch (for the profile)."""
+    """Time every step, through CUDA graphs captured for `graph_seq_len` tokens where one takes it (None:
+    all eager); also return the decode steps' callables by batch (for the profile)."""
     serving, device = emulation.serving, emulation.device
     graphs = capture_step_graphs(serving, steps, graph_seq_len) if graph_seq_len is not None else {}
     results, decode_fns = [], {}
     for step in steps:
         plan = emulation.plan_for(step)
-        step_graphs = graphs.get(step.rows) if step.kind != "prefill" else None
+        step_graphs = graphs.get(step.name)
         if step_graphs is not None and step_graphs.can_run(plan):
             mode, fn = "graph", (lambda plan=plan, g=step_graphs: g.run(plan))
         else:
             mode, fn = "eager", (lambda plan=plan: serving.forward(plan))
-        slow = step.kind == "prefill" and device.type == "cuda"
+        slow = step.kind == "prefill" and device.type == "cuda" and mode == "eager"
         note = " (the first call at a new length autotunes fla's chunk_kda: minutes)" if slow else ""
         progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
         for _ in range(warmup):
@@ -488,9 +502,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--reps", type=int, default=20, help="timed steps per row (the median is reported)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before each row")
-    p.add_argument("--eager", action="store_true", help="run decode and verify eagerly too (no CUDA graphs)")
+    p.add_argument("--eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     p.add_argument("--max-seq-len", type=int, default=32768,
-                   help="the decode graphs' capacity, which fixes their MLA split count (the served config's)")
+                   help="the graphs' capacity, which fixes the decode MLA split count (the served config's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pending-prefix", type=int, default=2,
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
@@ -545,7 +559,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
              f"{args.context} ({args.pending_prefix} pending rows per verify sequence), page size {args.page_size}; "
-             f"median of {args.reps} steps; decode and verify graphs "
+             f"median of {args.reps} steps; CUDA graphs "
              f"{f'captured for {graph_seq_len} tokens' if graph_seq_len else 'off'}. Weights "
              f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; all-reduces "
              f"are the identity (null communicator). Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
