@@ -318,10 +318,12 @@ class EngineCore:
         starts, tokens, sample_rows = [0], [], []
         in_flight_rows, in_flight_src = [], []  # rows fed a token the step in flight samples, and where it is
         for b, (s, request) in enumerate(zip(decl.seqs, requests, strict=True)):
+            tokens += s.token_ids
             if s.token_ids[-1] == PLACEHOLDER:  # only a sequence's newest token can be in flight
-                in_flight_rows.append(starts[b] + len(s.token_ids) - 1)
+                tokens[-1] = 0
+                in_flight_rows.append(len(tokens) - 1)
                 in_flight_src.append(self._in_flight.token_row[request])
-            tokens += [max(t, 0) for t in s.token_ids] + [0] * s.num_drafts
+            tokens += [0] * s.num_drafts
             starts.append(starts[-1] + s.num_tokens)
             if s.verify:
                 sample_rows += range(starts[b], starts[b + 1])
@@ -361,7 +363,7 @@ class EngineCore:
                 (verifying if s.verify else sampled).append(b)
             row += n
         device = logits.device
-        tokens = torch.empty(row, dtype=torch.long, device=device)
+        tokens = torch.zeros(row, dtype=torch.long, device=device)
         accepted = torch.zeros(row, dtype=torch.long, device=device)
         if sampled:
             batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
@@ -370,7 +372,7 @@ class EngineCore:
                 at = to_device([rows[b][0] for b in sampled], torch.long, device)
                 tokens[at] = self.sampler.choose(logits[at], batch)
             else:  # every logits row is a sampled one
-                tokens = self.sampler.choose(logits, batch)
+                tokens.copy_(self.sampler.choose(logits, batch))
         if verifying:
             result = self.spec.verify([decl.seqs[b] for b in verifying], [requests[b] for b in verifying],
                                       [logits[rows[b][0] : rows[b][0] + rows[b][1]] for b in verifying],
