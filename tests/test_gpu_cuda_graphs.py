@@ -213,19 +213,15 @@ PREFILL_STEPS = (  # (new rows, cached rows) per sequence
 )
 
 
-def test_every_prefill_bucket_replays_like_the_eager_step(model):
-    """Prefill steps replayed against (a) the same staged step run eagerly (the same kernels: tight) and (b)
-    the eager step of the plan itself (kda_step, fla's chunk_kda without graphs, unpadded GEMMs: bf16
-    rounding apart): sampled logits, KDA states and windows, the KV rows written."""
-    cfg = model.config
-    kv, pool = pools(cfg)
-    serving = ServingModel(model, kv, pool, GpuMixerOps())
-    graphs = PrefillGraphs(serving, max_tokens=1024, max_seq_len=MAX_SEQ)
-    graphs.capture()
-    assert sorted(graphs.graphs) == [256, 512, 1024]
-    for lengths, cached in PREFILL_STEPS:
-        slots = torch.randperm(MAX_BATCH + 1)[: len(lengths)].add(1).tolist()
-        plan = prefill_plan(cfg, lengths, cached, slots)
+def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
+    """Each step (new rows, cached rows per sequence) replayed against (a) the same staged step run eagerly
+    (the same kernels: tight) and (b) the eager step of the plan itself (kda_step, fla's chunk_kda without
+    graphs, unpadded GEMMs: bf16 rounding apart): sampled logits, KDA states and windows, the KV rows."""
+    serving = graphs.serving
+    model, kv, pool = serving.model, serving.kv, serving.pool
+    for lengths, cached in steps:
+        slots = torch.randperm(MAX_BATCH + 1)[: len(lengths)].add(1).tolist()  # never the sink
+        plan = prefill_plan(model.config, lengths, cached, slots)
         assert graphs.can_run(plan)
         bucket = graphs.stage(plan)
         staged_kv, staged_pool = copy.deepcopy(kv), copy.deepcopy(pool)
@@ -244,7 +240,31 @@ def test_every_prefill_bucket_replays_like_the_eager_step(model):
                 assert rel(getattr(pool, name)[:, s], getattr(ref_pool, name)[:, s]) < bound, (lengths, name)
             assert rel(kv.cache.view(kv.cache.shape[0], -1, kv.width)[:, rows],
                        ref_kv.cache.view(kv.cache.shape[0], -1, kv.width)[:, rows]) < bound, lengths
+
+
+def test_every_prefill_bucket_replays_like_the_eager_step(model):
+    kv, pool = pools(model.config)
+    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=1024, max_seq_len=MAX_SEQ)
+    graphs.capture()
+    assert sorted(graphs.graphs) == [256, 512, 1024]
+    replays_like_the_eager_step(graphs, PREFILL_STEPS)
     assert graphs.replays == len(PREFILL_STEPS)
+    plan = prefill_plan(model.config, [40, 300], [0, 5], [1, 2])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # staging and replay never wait for the GPU (async scheduling)
+    try:
+        graphs.run(plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
+    """8,192 tokens: the largest bucket, whose fla chunk list and expert workspaces are the largest."""
+    kv, pool = pools(model.config)
+    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=8192, max_seq_len=MAX_SEQ,
+                           buckets=(8192,))
+    graphs.capture()
+    replays_like_the_eager_step(graphs, [([1000, 900, 1, 1024, 700, 13, 600, 990], [0, 100, 9, 0, 0, 0, 300, 0])])
 
 
 def test_a_failed_prefill_capture_names_its_bucket(model):

@@ -94,6 +94,7 @@ def test_a_model_the_graphs_cannot_capture_is_refused_naming_the_step_kind(tiny_
 def test_which_plans_a_prefill_graph_takes(tiny_model):
     cfg = tiny_model.config
     graphs = prefill_graphs(tiny_model)
+    assert [graphs.bucket_for(n) for n in (1, 16, 17, 33, 64, 65)] == [16, 16, 32, 64, 64, None]
     ragged = prefill_plan(cfg, [5, 1, 13], [0, 9, 0], (4, 1, 7))
     assert graphs.can_run(ragged)
     assert graphs.can_run(prefill_plan(cfg, [1] * 8, [3] * 8, tuple(range(1, 9))))  # decode rows are rows too

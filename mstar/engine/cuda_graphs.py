@@ -140,7 +140,7 @@ class StepGraphs(ABC):
         return {"input_ids": self.input_ids[:rows], "kv": kv, "kda_slots": self.kda_slots[:seqs],
                 "sample_rows": self.sample_rows[:samples]}
 
-    def capture(self, pool: tuple | None = None) -> None:
+    def capture(self, pool: object | None = None) -> None:
         """Capture every bucket, largest first, into `pool` (a new one when None). Raises, naming the
         bucket, if any capture fails."""
         blockers = capture_blockers(self.serving)
@@ -218,8 +218,6 @@ class StepGraphs(ABC):
 class DecodeGraphs(StepGraphs):
     """Captured decode and verify steps: B sequences of `rows` rows each (1: decode; k + 1: verify
     blocks of k drafts), every row sampled, for the batch sizes in `buckets` (default `decode_buckets`)."""
-
-    unit = "sequences"
 
     def __init__(self, serving: ServingModel, *, max_batch: int, max_seq_len: int, tap_layers: tuple[int, ...] = (),
                  rows: int = 1, buckets: tuple[int, ...] | None = None):
