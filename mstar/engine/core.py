@@ -236,7 +236,8 @@ class EngineCore:
         decl = self.scheduler.schedule()
         if decl is None and self._in_flight is None:
             return self.drain_outputs()
-        with self.profiler.step() if self.profiler else contextlib.nullcontext():
+        # The profiler counts model steps: a call that only finishes the step in flight is not one.
+        with self.profiler.step() if self.profiler and decl is not None else contextlib.nullcontext():
             launched = self._launch(decl) if decl is not None else None
             previous, self._in_flight = self._in_flight, None
             if previous is not None:
