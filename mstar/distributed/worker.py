@@ -397,7 +397,12 @@ class Ranks:
 
 
 class LeaderServing:
-    """Rank 0's `EngineCore.serving`: sends each step to the followers, then runs it here."""
+    """Rank 0's `EngineCore.serving`: sends each step to the followers, then runs it here.
+
+    With async scheduling (engine/core.py) a decode step's input ids are the tokens the step in flight
+    samples, gathered on the device; sending them to the followers copies them to the host, which waits
+    for that step to end. The overlap left on rank 0 is its work on one step's outputs while the next
+    runs; the followers replay what they receive, in order, either way."""
 
     def __init__(self, serving: ServingModel, ranks: Ranks, channel: ControlChannel):
         self.serving = serving
