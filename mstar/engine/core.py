@@ -126,7 +126,7 @@ class EngineCore:
         ops = TorchMixerOps()
         if config.kernels == "auto":
             ops = default_mixer_ops(device)
-            install_expert_kernels(model)
+            install_expert_kernels(model, config.scheduler.max_num_batched_tokens)  # bf16 MoE above the threshold
             install_fused_kernels(model)
         self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None

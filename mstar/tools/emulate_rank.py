@@ -355,7 +355,9 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
     model = build_model(config, plan, dtype, device, generator)
-    kernels = install_expert_kernels(model)
+    prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
+    # as EngineCore: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
+    kernels = install_expert_kernels(model, max(prefill_tokens, default=None))
     fused = install_fused_kernels(model)  # as EngineCore does: norms, AttnRes, router, KDA gated norm
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
