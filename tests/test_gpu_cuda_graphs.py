@@ -213,10 +213,11 @@ PREFILL_STEPS = (  # (new rows, cached rows) per sequence
 )
 
 
-def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
+def replays_like_the_eager_step(graphs: PrefillGraphs, steps, logits_bound: float = 5e-2) -> None:
     """Each step (new rows, cached rows per sequence) replayed against (a) the same staged step run eagerly
     (the same kernels: tight) and (b) the eager step of the plan itself (kda_step, fla's chunk_kda without
-    graphs, unpadded GEMMs: bf16 rounding apart): sampled logits, KDA states and windows, the KV rows."""
+    graphs, unpadded GEMMs: bf16 rounding apart): sampled logits (b: within `logits_bound`), KDA states and
+    windows, the KV rows."""
     serving = graphs.serving
     model, kv, pool = serving.model, serving.kv, serving.pool
     for lengths, cached in steps:
@@ -233,7 +234,7 @@ def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
         got, _ = graphs.run(plan)
         assert got.shape == eager.shape and torch.isfinite(got).all()
         assert rel(got, staged[: len(lengths)]) < 2e-2, (lengths, rel(got, staged[: len(lengths)]))
-        assert rel(got, eager) < 5e-2, (lengths, rel(got, eager))
+        assert rel(got, eager) < logits_bound, (lengths, rel(got, eager))
         s, rows = plan.kda_slots, plan.kv.slot_mapping
         for ref_kv, ref_pool, bound in ((staged_kv, staged_pool, 2e-2), (eager_kv, eager_pool, 5e-2)):
             for name in ("state", "conv"):
@@ -264,7 +265,13 @@ def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
     graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=8192, max_seq_len=MAX_SEQ,
                            buckets=(8192,))
     graphs.capture()
-    replays_like_the_eager_step(graphs, [([1000, 900, 1, 1024, 700, 13, 600, 990], [0, 100, 9, 0, 0, 0, 300, 0])])
+    # Two correct bf16 computations of this 5,228-token step differ in their last rows' logits by up to ~8%
+    # (measured on the H200: the eager step of all eight sequences against each sequence run alone, 0.078,
+    # one sequence 0.18; the replay against the sequences alone 0.021): a router near-tie flips an expert
+    # and the random 4-layer model carries it to the last row. The replay is held to the staged step at
+    # 2e-2 above; against the plain eager step its logits get the measured spread, its states and KV 5e-2.
+    replays_like_the_eager_step(graphs, [([1000, 900, 1, 1024, 700, 13, 600, 990], [0, 100, 9, 0, 0, 0, 300, 0])],
+                                logits_bound=0.15)
 
 
 def test_a_failed_prefill_capture_names_its_bucket(model):
