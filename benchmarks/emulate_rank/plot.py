@@ -12,7 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 HERE = Path(__file__).parent
 RUNS = [("1a7aa0b", "h200_1a7aa0b_decode_verify.json", "graphs"),
         ("d7044cf", "h200_d7044cf_decode_profile.json", "+ fused norms, AttnRes, router, KDA conv"),
-        ("5c694d9", "h200_5c694d9_decode.json", "+ retiled AttnRes, stacked projections, MoE decode path")]
+        ("5c694d9", "h200_5c694d9_decode.json", "+ retiled AttnRes, stacked projections, MoE decode path"),
+        ("7c11d4a", "h200_7c11d4a_all.json", "+ AttnRes split over column chunks")]
 
 fig, ax = plt.subplots(figsize=(7, 4))
 for commit, name, label in RUNS:
