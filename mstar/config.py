@@ -131,8 +131,9 @@ class ModelKwargs:
     # scheduler.max_num_seqs. Empty: speculative_tokens drafts at every batch size.
     speculative_schedule: DraftSchedule = ()
     mixed_prefill_decode: bool = True  # run prefill chunks and decode rows in the same step
-    # Decode steps of 1..64 rows replay CUDA graphs (no effect on CPU). Startup fails, naming what is in the
-    # way, when the model's decode step cannot be captured (engine/cuda_graphs.py): set it false there.
+    # Decode and verify steps of 1..64 sequences and prefill steps (up to 8 prompts, token buckets up to 8192)
+    # replay CUDA graphs captured at startup (no effect on CPU). Startup fails, naming what is in the way,
+    # when the model's steps cannot be captured (engine/cuda_graphs.py): set it false there.
     cuda_graphs: bool = True
     # Plan and launch each step while the one before runs on the device (engine/core.py): the host's
     # scheduling, detokenizing and stop checks hide behind the GPU. Speculative steps run synchronously

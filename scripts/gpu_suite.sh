@@ -35,7 +35,7 @@ run() {  # run NAME CMD...: record pass/fail and wall time
 }
 
 want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
-    tests/test_gpu_cuda_graphs.py $(ls tests/test_kernel_*.py 2>/dev/null)
+    tests/test_gpu_cuda_graphs.py tests/test_gpu_async_scheduling.py $(ls tests/test_kernel_*.py 2>/dev/null)
 want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
 # One TP8 rank of pruned75 (93 layers, random weights) on this GPU: decode (CUDA graphs), verify and
 # prefill step times against their floors. EMULATE_ARGS narrows it (e.g. "--steps decode").

@@ -46,10 +46,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from mstar.engine.client import EngineStats
-from mstar.engine.cuda_graphs import GraphedServing, StepGraphs, verify_graphs
+from mstar.engine.cuda_graphs import DecodeGraphs, GraphedServing, StepGraphs, capture_all, verify_graphs
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.prefill_graphs import PrefillGraphs
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
@@ -97,7 +98,9 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
     kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
-    cuda_graphs: bool = False  # decode steps of up to MAX_GRAPH_BATCH rows replay CUDA graphs (CUDA only)
+    # decode and verify steps of up to MAX_GRAPH_BATCH sequences and prefill steps of up to 8 sequences and
+    # 8,192 tokens replay CUDA graphs captured at startup (CUDA only)
+    cuda_graphs: bool = False
     # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next
     async_scheduling: bool = True
 
@@ -159,9 +162,6 @@ class EngineCore:
         """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
         batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the scheduler's token budget
         (engine/prefill_graphs.py). All share one memory pool; a TP follower captures what rank 0 does."""
-        from mstar.engine.cuda_graphs import DecodeGraphs, capture_all
-        from mstar.engine.prefill_graphs import PrefillGraphs
-
         config, spec = self.config, self.config.speculative
         taps = spec.taps() if spec else ()
         shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
