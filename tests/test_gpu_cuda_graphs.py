@@ -167,10 +167,23 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
     assert len(core.graphs[0].graphs) == len(decode_buckets(MAX_BATCH))
     eager = EngineCore(model, tokenizer, replace(cfg, cuda_graphs=False))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 5, 64)]
+    outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=12)
+    assert core.graphs[0].replays >= 10
+    assert all(len(t) == 12 for t in outputs["graphs"].values())
+    # bf16 steps with a different split count and atomic expert sums can flip near-tied greedy tokens,
+    # so exact agreement is not required; the first tokens come from the same eager prefill.
+    same_first = sum(outputs["graphs"][r][0] == outputs["eager"][r][0] for r in outputs["eager"])
+    assert same_first >= len(prompts) - 1, outputs
+
+
+def serve_greedy(engines: dict[str, EngineCore], prompts: list[list[int]], max_tokens: int
+                 ) -> dict[str, dict[str, list[int]]]:
+    """Each engine serves every prompt greedily to completion: its tokens per request; no errors, and every
+    page and slot is back in the pools."""
     outputs = {}
-    for name, engine in (("graphs", core), ("eager", eager)):
+    for name, engine in engines.items():
         for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
         got, errors = {}, []
         while engine.has_work():
             for out in engine.step():
@@ -179,12 +192,7 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
         assert not errors, (name, errors)
         outputs[name] = got
         assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
-    assert core.graphs[0].replays >= 10
-    assert all(len(t) == 12 for t in outputs["graphs"].values())
-    # bf16 steps with a different split count and atomic expert sums can flip near-tied greedy tokens,
-    # so exact agreement is not required; the first tokens come from the same eager prefill.
-    same_first = sum(outputs["graphs"][r][0] == outputs["eager"][r][0] for r in outputs["eager"])
-    assert same_first >= len(prompts) - 1, outputs
+    return outputs
 
 
 def prefill_plan(cfg, lengths, cached, slots):
@@ -301,18 +309,7 @@ def test_engine_serves_prompts_through_the_prefill_graphs(model, tokenizer):
     assert isinstance(prefill, PrefillGraphs) and sorted(prefill.graphs) == [256, 512]
     eager = EngineCore(model, tokenizer, replace(cfg, cuda_graphs=False))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 700, 5, 64, 2)]
-    outputs = {}
-    for name, engine in (("graphs", core), ("eager", eager)):
-        for i, p in enumerate(prompts):
-            engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-        got, errors = {}, []
-        while engine.has_work():
-            for out in engine.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-                errors += [out.error] if out.error else []
-        assert not errors, (name, errors)
-        outputs[name] = got
-        assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
+    outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=8)
     assert prefill.replays >= 3  # 1,179 prompt tokens in steps of at most 512
     assert all(len(t) == 8 for t in outputs["graphs"].values())
     # bf16 steps padded to a bucket round differently from the eager ones and can flip near-tied greedy
