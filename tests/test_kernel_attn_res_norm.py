@@ -68,8 +68,10 @@ def test_too_many_sources_is_refused():
         k.attn_res_norm(torch.randn(17, 1, 8, device=DEVICE), proj, res_w, 1e-6, out_w, 1e-6)
 
 
-@pytest.mark.parametrize("rows, splits, expect", [(1, None, (256, 28)), (64, None, (256, 28)), (1024, None, (3584, 2)), (4096, None, (7168, 1)),
-                                                  (1, 3, (2560, 3)), (1, 100, (256, 28))])
+@pytest.mark.parametrize("rows, splits, expect", [
+    (1, None, (256, 28)), (64, None, (256, 28)), (1024, None, (3584, 2)), (4096, None, (7168, 1)),
+    (1, 3, (2560, 3)), (1, 100, (256, 28)),
+])
 def test_column_chunks_fill_the_gpu_at_few_rows(rows, splits, expect):
     """(columns per chunk, chunks per row) at K3's width and 9 sources (256-column tiles)."""
     assert k._chunks(rows, 7168, 256, splits) == expect
