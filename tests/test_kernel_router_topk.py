@@ -47,3 +47,18 @@ def test_selection_equals_the_torch_router(experts, top_k, renormalize, scale, d
     got_w = weights.gather(1, order.indices)
     want_w = expect.weights.gather(1, expect_order.indices)
     torch.testing.assert_close(got_w, want_w.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_nan_row_still_picks_experts_in_range():
+    """A NaN logits row (a poisoned request) picks ids the expert kernels can index and gets NaN weights;
+    a single NaN logit is never picked; the other rows are routed as without them."""
+    logits = torch.randn(3, 40, device=DEVICE)
+    bias = torch.randn(40, device=DEVICE) * 0.1
+    clean_ids, clean_w = router_topk.select(logits, bias, 6, True, 2.5)
+    logits[1] = float("nan")
+    logits[2, 5] = float("nan")
+    ids, w = router_topk.select(logits, bias, 6, True, 2.5)
+    assert ((ids >= 0) & (ids < 40)).all()
+    assert torch.isnan(w[1]).all()
+    assert torch.equal(ids[0], clean_ids[0]) and torch.equal(w[0], clean_w[0])
+    assert 5 not in ids[2].tolist() and torch.isfinite(w[2]).all()

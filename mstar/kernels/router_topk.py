@@ -51,7 +51,11 @@ def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, TOP_K: 
     experts = tl.arange(0, E_PAD)
     live = experts < E
     s = tl.sigmoid(tl.load(logits_ptr + t * E + experts, mask=live, other=0.0))
-    choice = tl.where(live, s + tl.load(bias_ptr + experts, mask=live, other=0.0), float("-inf"))
+    choice = s + tl.load(bias_ptr + experts, mask=live, other=0.0)
+    # A NaN row (a poisoned request, or rows no sequence owns) must still pick ids the expert kernels can
+    # index: NaN never equals the maximum, which would make every pick E_PAD, out of bounds. Its weights
+    # stay NaN, so the row's output is non-finite and the engine fails only that request.
+    choice = tl.where(live & (choice == choice), choice, float("-inf"))
     slots = tl.arange(0, K_PAD)
     picked = tl.zeros([K_PAD], dtype=tl.int64)
     w = tl.zeros([K_PAD], dtype=tl.float32)
@@ -59,6 +63,7 @@ def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, TOP_K: 
         best = tl.max(choice, axis=0)
         # the lowest id among equal maxima
         idx = tl.min(tl.where(choice == best, experts, E_PAD), axis=0)
+        idx = tl.minimum(idx, E - 1)  # in range even if every choice is -inf after NaNs
         hit = experts == idx
         picked = tl.where(slots == j, idx.to(tl.int64), picked)
         w = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), w)
