@@ -176,6 +176,9 @@ def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, c
         assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["floor"]["floor_s"])
         assert (r["tokens_per_s"] is not None) == (r["step"] == "decode")
     markdown = (tmp_path / "emulate_rank.md").read_text()
-    assert "Profile of one decode step" in markdown and "| verify k=2 | 1 | 3 | eager |" in markdown
+    assert "Profile of one step of each kind" in markdown and "| verify k=2 | 1 | 3 | eager |" in markdown
+    for label in ("decode, batch 1, 1 rows", "decode, batch 2, 2 rows", "verify k=2, batch 1, 3 rows",
+                  "prefill, batch 1, 16 rows"):
+        assert f"### {label} (eager): " in markdown, label
     printed = capsys.readouterr().out
     assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 1 | 16 |")

@@ -410,12 +410,12 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
 
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
-            graph_seq_len: int | None) -> tuple[list[Result], dict[int, Callable[[], object]]]:
+            graph_seq_len: int | None) -> tuple[list[Result], dict[str, Callable[[], object]]]:
     """Time every step, through CUDA graphs captured for `graph_seq_len` tokens where one takes it (None:
-    all eager); also return the decode steps' callables by batch (for the profile)."""
+    all eager); also return, for the profile, the first and last step of each kind as run, by label."""
     serving, device = emulation.serving, emulation.device
     graphs = capture_step_graphs(serving, steps, graph_seq_len) if graph_seq_len is not None else {}
-    results, decode_fns = [], {}
+    results, fns = [], {}
     for step in steps:
         plan = emulation.plan_for(step)
         step_graphs = graphs.get(step.name)
@@ -432,19 +432,20 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
         seconds = median_seconds(fn, reps, device)
         results.append(Result(step, mode, step.floor(rank), seconds))
         progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor)")
-        if step.kind == "decode":
-            decode_fns[step.batch] = fn
-    return results, decode_fns
+        same_kind = [other for other in steps if other.kind == step.kind]
+        if step in (same_kind[0], same_kind[-1]):
+            fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({mode})"] = fn
+    return results, fns
 
 
-def profile_decode(fns: dict[int, Callable[[], object]], device: torch.device, top: int = 25) -> str:
-    """Markdown: the kernels of one decode step at the smallest and largest batch, by total time."""
+def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, top: int = 25) -> str:
+    """Markdown: the kernels of one run of each labelled step, by total time."""
     cuda = device.type == "cuda"
     sections = []
-    for batch in sorted({min(fns), max(fns)}):
+    for label, fn in fns.items():
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            fns[batch]()
+            fn()
             synchronize(device)
         # kernels on the GPU; torch operators (self time) on the CPU
         events = [e for e in prof.key_averages()
@@ -455,16 +456,16 @@ def profile_decode(fns: dict[int, Callable[[], object]], device: torch.device, t
         events.sort(key=total, reverse=True)
         what = "CUDA kernels" if cuda else "torch operators (CPU self time)"
         if not events:
-            sections.append(f"### decode batch {batch}: the profiler recorded no {what}")
+            sections.append(f"### {label}: the profiler recorded no {what}")
             continue
-        lines = [f"### decode batch {batch}: {len(events)} distinct {what}, {step_us / 1e3:.3f} ms in all",
+        lines = [f"### {label}: {len(events)} distinct {what}, {step_us / 1e3:.3f} ms in all",
                  "", "| name | calls | total µs | mean µs | share |", "|---|--:|--:|--:|--:|"]
         for e in events[:top]:
             name = e.key if len(e.key) <= 100 else e.key[:97] + "..."
             lines.append(f"| `{name.replace('|', '/')}` | {e.count} | {total(e):,.1f} | {total(e) / e.count:,.2f} "
                          f"| {total(e) / step_us:.1%} |")
         sections.append("\n".join(lines))
-    return "## Profile of one decode step\n\n" + "\n\n".join(sections)
+    return "## Profile of one step of each kind\n\n" + "\n\n".join(sections)
 
 
 # --- the report ---------------------------------------------------------------------------------
@@ -512,7 +513,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
                         "steps have ~1-3; the floor does not count them)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one decode step at the smallest and largest batch: top kernels by time")
+                   help="also profile one run of the first and last step of each kind: top kernels by time")
     p.add_argument("--out", type=Path, default=None, help="write emulate_rank.md and emulate_rank.json here")
     args = p.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
@@ -521,8 +522,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--steps: unknown {unknown}; choose from {','.join(STEP_KINDS)}")
     if args.reps < 1 or args.warmup < 0:
         p.error("--reps must be >= 1 and --warmup >= 0")
-    if args.profile and ("decode" not in args.steps or not args.batch):
-        p.error("--profile profiles decode steps: keep decode in --steps and a --batch")
     return args
 
 
@@ -542,9 +541,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
     emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
                       pending_prefix=args.pending_prefix)
-    results, decode_fns = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
-                                  graph_seq_len=graph_seq_len)
-    profile_md = profile_decode(decode_fns, device) if args.profile and decode_fns else ""
+    results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
+                                graph_seq_len=graph_seq_len)
+    profile_md = profile_steps(profiled, device) if args.profile else ""
 
     header = {
         "config": args.config, "tp": args.tp, "ep": args.ep, "rank": 0, "layers": config.num_hidden_layers,
