@@ -137,8 +137,9 @@ class ModelKwargs:
     cuda_graphs: bool = True
     # Plan and launch each step while the one before runs on the device (engine/core.py): the host's
     # scheduling, detokenizing and stop checks hide behind the GPU. Speculative steps run synchronously
-    # either way; false: every step finishes before the next is planned (for comparison).
-    async_scheduling: bool = True
+    # either way; false: every step finishes before the next is planned (for comparison). Unset: on for
+    # CUDA devices (on a CPU every op runs at once, so nothing would overlap).
+    async_scheduling: bool | None = None
     # Expert-parallel groups among the tp_size ranks (>= 1; must divide tp_size and the checkpoint's
     # num_experts). Group g of tp_size / moe_ep_size consecutive ranks owns experts g*E/ep .. (g+1)*E/ep - 1,
     # split over its ranks by intermediate dim. 1: pure TP (every rank holds a slice of every expert);

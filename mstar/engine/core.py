@@ -11,7 +11,7 @@ depend on which tokens come out. Finishing waits for the results (the step's onl
 synchronization), commits a verify step with what verification kept, and appends, detokenizes
 and applies the stop conditions.
 
-Async scheduling (`EngineConfig.async_scheduling`, the default): `step()` schedules and launches
+Async scheduling (`EngineConfig.async_scheduling`, by default on CUDA devices): `step()` schedules and launches
 step N+1 *before* it finishes step N, so the GPU runs N+1 while the host turns N's tokens into
 outputs, and plans the step after while N+1 runs. The scheduler declares N+1 assuming every
 running request goes on: a request's token that N samples is still in flight (`num_inflight`,
@@ -101,8 +101,9 @@ class EngineConfig:
     # decode and verify steps of up to MAX_GRAPH_BATCH sequences and prefill steps of up to 8 sequences and
     # 8,192 tokens replay CUDA graphs captured at startup (CUDA only)
     cuda_graphs: bool = False
-    # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next
-    async_scheduling: bool = True
+    # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next;
+    # None: on for CUDA devices (a CPU runs every op at once: nothing would overlap, only the bookkeeping)
+    async_scheduling: bool | None = None
 
 
 class EngineCore:
@@ -153,7 +154,8 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
         # launched and not yet finished.
-        self._overlap = config.async_scheduling and self.spec is None
+        overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
         self.profiler = StepProfiler.from_env(device)
