@@ -26,3 +26,27 @@ def test_mismatched_inputs_or_biases_are_refused():
         StackedLinear([nn.Linear(4, 2, bias=False), nn.Linear(5, 2, bias=False)])
     with pytest.raises(ValueError, match="bias-free"):
         StackedLinear([nn.Linear(4, 2, bias=True)])
+
+
+def test_an_mla_layer_with_stacked_inputs_computes_what_it_did():
+    """GatedMLA's q_a, kv_a and output-gate projections as one GEMM (gpu_ops.stack_mla_inputs): the same
+    outputs and cache rows, prefill then a decode row, in fp64."""
+    from mstar.models.kimi_k3.config import parse_config
+    from mstar.models.kimi_k3.gpu_ops import stack_mla_inputs
+    from mstar.models.kimi_k3.mla import GatedMLA
+    from mstar.tools.make_tiny import k3_fixture
+
+    cfg = parse_config(k3_fixture())
+    layer = next(i for i, kind in enumerate(cfg.layer_kinds) if kind == "mla")
+    attn = GatedMLA(cfg, layer).double()
+    assert attn.g_proj is not None and attn.q_lora_rank is not None  # all three projections stack
+    x, step = torch.randn(6, cfg.hidden_size, dtype=torch.float64), torch.randn(1, cfg.hidden_size, dtype=torch.float64)
+    y, cache = attn(x)
+    y_next, _ = attn(step, cache, absorbed=True)
+    stack_mla_inputs(attn)
+    assert attn.stacked_inputs is not None
+    got, got_cache = attn(x)
+    got_next, _ = attn(step, got_cache, absorbed=True)
+    torch.testing.assert_close(got, y, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_cache.rows(), cache.rows(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_next, y_next, rtol=1e-10, atol=1e-12)

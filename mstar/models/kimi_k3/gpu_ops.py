@@ -28,6 +28,7 @@ from mstar.kernels import (
     moe_mxfp4,
     router_topk,
 )
+from mstar.kernels.stacked_linear import StackedLinear
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -88,9 +89,10 @@ class GpuMixerOps(TorchMixerOps):
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
         if not self.mla_kernel_fits(attn, x.dtype, x.device):
             return super().mla(attn, layer, x, plan, kv)
-        c_kv, k_pe = attn.latent_rows(x)
+        q_first, kv_a, gate = attn.input_projections(x)
+        c_kv, k_pe = attn.latent_rows(kv_a)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
-        q_nope, q_pe = attn.queries(x)
+        q_nope, q_pe = attn.queries(q_first)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         q_abs = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
         out = torch.empty(x.shape[0], attn.num_heads, attn.kv_lora_rank, device=x.device, dtype=x.dtype)
@@ -107,7 +109,7 @@ class GpuMixerOps(TorchMixerOps):
             cu = plan.cu_seqlens if plan.cu_seqlens is not None else torch.tensor(plan.seq_starts, device=x.device)
             mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows))
         o = torch.einsum("thr,hvr->thv", out, w_uv)
-        return attn.output(o, x)
+        return attn.output(o, gate)
 
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")
@@ -231,8 +233,8 @@ def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
     """One-launch Triton kernels for the small operations of a bf16/fp16 model on CUDA: every RMSNorm,
     every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py),
     the routers' selection (kernels/router_topk.py) and the dense SiTU MLPs (kernels/gated_mlp.py);
-    KDA's input projections become one GEMM (kernels/stacked_linear.py). Whether they were installed. fp32/fp64
-    models keep the torch path, whose exact summation order the CPU reference shares."""
+    KDA's and MLA's input projections become one GEMM each (kernels/stacked_linear.py). Whether they were
+    installed. fp32/fp64 models keep the torch path, whose exact summation order the CPU reference shares."""
     param = next(model.parameters())
     if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
         return False
@@ -247,9 +249,17 @@ def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
             module.kernel = gated_mlp.fused_forward(module)  # once: it restacks the weights
         elif isinstance(module, KimiDeltaAttention) and module.stacked_inputs is None:
             kda_fla.stack_input_projections(module)
+        elif isinstance(module, GatedMLA) and module.stacked_inputs is None:
+            stack_mla_inputs(module)
     if model.config.attn_res_block_size is not None:
         model.model.mix_norm = attn_res_norm.attn_res_norm
     return True
+
+
+def stack_mla_inputs(attn: GatedMLA) -> None:
+    """Make x's projections in an MLA layer one GEMM (q_a or q, kv_a, the output gate; `StackedLinear`)."""
+    first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+    attn.stacked_inputs = StackedLinear([first, attn.kv_a_proj_with_mqa] + ([attn.g_proj] if attn.g_proj else []))
 
 
 def _router_kernel(router: Router):

@@ -167,17 +167,29 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_use_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
+        # x's three projections (q_a or q, kv_a, the output gate) as one GEMM on the GPU
+        # (gpu_ops.install_fused_kernels, kernels/stacked_linear.py); the modules above then hold views of
+        # it. None: one GEMM each.
+        self.stacked_inputs = None
 
     # --- projections ---
-    def queries(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, D] -> (q_nope [T, H, nope], q_pe [T, H, rope])."""
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(x.shape[0], self.num_heads, self.nope + self.rope)
+    def input_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """x [T, D] -> (q_a(x), or q(x) without a query LoRA; kv_a(x) = [latent | k_pe]; g(x) or None)."""
+        if self.stacked_inputs is not None:
+            q, kv, *gate = self.stacked_inputs(x)
+            return q, kv, gate[0] if gate else None
+        first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+        return first(x), self.kv_a_proj_with_mqa(x), self.g_proj(x) if self.g_proj is not None else None
+
+    def queries(self, q_first: Tensor) -> tuple[Tensor, Tensor]:
+        """q's first projection [T, *] -> (q_nope [T, H, nope], q_pe [T, H, rope])."""
+        q = q_first if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_first))
+        q = q.view(q_first.shape[0], self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :]
 
-    def latent_rows(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, D] -> the new cache rows (c_kv [T, kv_lora_rank] normed, k_pe [T, rope] as projected)."""
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+    def latent_rows(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+        """kv_a(x) [T, kv_lora_rank + rope] -> the new cache rows (c_kv normed, k_pe as projected)."""
+        c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
         return self.kv_a_layernorm(c), k_pe
 
     def kv_b_weights(self) -> tuple[Tensor, Tensor]:
@@ -202,12 +214,11 @@ class GatedMLA(nn.Module):
         o_lat = absorbed_attention(q_abs, cache.rows(), offset, self.scale, kv_lora_rank=self.kv_lora_rank)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
-    def output(self, o: Tensor, x: Tensor) -> Tensor:
-        """o [T, H, v] -> y [T, D]: the sigmoid output gate (computed in at least fp32), then o_proj."""
+    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+        """o [T, H, v] -> y [T, D]: the sigmoid output gate g(x) (computed in at least fp32), then o_proj."""
         o = o.reshape(o.shape[0], self.num_heads * self.v_dim)
-        if self.g_proj is not None:
-            gate = torch.sigmoid(at_least_fp32(self.g_proj(x)))
-            o = (at_least_fp32(o) * gate).to(x.dtype)
+        if gate is not None:
+            o = (at_least_fp32(o) * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)  # x.dtype: g(x) is in it
         return self.o_proj(o)
 
     def forward(self, x: Tensor, cache: MLACache | None = None, absorbed: bool = False) -> tuple[Tensor, MLACache]:
@@ -220,10 +231,11 @@ class GatedMLA(nn.Module):
             cache = MLACache.empty(self.kv_lora_rank, self.rope, dtype=x.dtype, device=x.device)
         self._check_cache(cache, x)
         offset = len(cache)
-        cache = cache.append(*self.latent_rows(x))
-        q_nope, q_pe = self.queries(x)
+        q_first, kv, gate = self.input_projections(x)
+        cache = cache.append(*self.latent_rows(kv))
+        q_nope, q_pe = self.queries(q_first)
         attend = self.attend_absorbed if absorbed else self.attend_expanded
-        return self.output(attend(q_nope, q_pe, cache, offset), x), cache
+        return self.output(attend(q_nope, q_pe, cache, offset), gate), cache
 
     def _check_cache(self, cache: MLACache, x: Tensor) -> None:
         if x.dim() != 2:
