@@ -1,11 +1,12 @@
 """DSpark speculative decoding inside the engine step.
 
-Before the target runs, each verify row's drafts are proposed from the draft's context cache and
-the anchor (the last emitted token). The target then runs [anchor, d_1..d_k] for every verify row;
-`verify` keeps the drafts the target agrees with (greedy, or lossless rejection sampling) and adds
-the correction or bonus token. Commit keeps only the anchor and accepted rows: the target KV is
-trimmed by length, the KDA block stays a pending prefix of that length, and the draft's context
-gets rows for exactly those positions (written from the target's taps).
+Before the target runs, the drafts of every verify row are proposed together (one draft forward)
+from the draft's context cache and each row's anchor (the last emitted token). The target then
+runs [anchor, d_1..d_k] for every verify row; `verify` keeps the drafts the target agrees with
+(greedy, or lossless rejection sampling) and adds the correction or bonus token. Commit keeps only
+the anchor and accepted rows: the target KV is trimmed by length, the KDA block stays a pending
+prefix of that length, and the draft's context gets rows for exactly those positions (written from
+the target's taps).
 """
 
 from __future__ import annotations
@@ -39,16 +40,16 @@ class Speculation:
         self.accepted_by_position = [0] * k
 
     def propose(self, decl: StepDecl, requests: dict[str, Request]) -> dict[int, DraftProposal]:
-        """Drafts for every verify row of the step, keyed by row index in `decl`."""
+        """Drafts for every verify row of the step, keyed by row index in `decl`: one draft forward for
+        all of them (per-request forwards would cost ~100 small kernel launches each)."""
         self.draft_plan = self.proposer.kv.plan(decl)
-        drafts = {}
-        for b, s in enumerate(decl.seqs):
-            if s.verify and s.num_drafts:
-                r = requests[s.request_id]
-                context = self.proposer.context(self.draft_plan, b, s.num_computed)
-                drafts[b] = self.proposer.propose(context, s.token_ids[0], s.num_computed, s.num_drafts, r.params,
-                                                  r.generator)
-        return drafts
+        rows = [b for b, s in enumerate(decl.seqs) if s.verify and s.num_drafts]
+        if not rows:
+            return {}
+        drafting = [requests[decl.seqs[b].request_id] for b in rows]
+        proposals = self.proposer.propose(decl, self.draft_plan, rows, [r.params for r in drafting],
+                                          [r.generator for r in drafting])
+        return dict(zip(rows, proposals, strict=True))
 
     def verify(self, seqs: list[SeqStep], requests: list[Request], row_logits: list[torch.Tensor],
                drafts: list[DraftProposal | None]) -> VerifyResult:

@@ -14,13 +14,15 @@ full-vocabulary copies for the draft (mstar/distributed/worker.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mstar.engine.params import SamplingParams
 from mstar.engine.step import StepDecl
-from mstar.models.dspark.model import DraftCache, DraftProposal, Embed, K3DSparkModel, LMHead
+from mstar.engine.transfer import to_device
+from mstar.models.dspark.model import BlockBatch, DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 
@@ -42,6 +44,31 @@ class VocabHeads:
                 "VocabHeads (SpeculativeConfig.heads; mstar.distributed.worker.start_ranks loads them on rank 0)"
             )
         return cls(target.model.embed_tokens, target.lm_head)
+
+
+class PagedContext(Sequence[torch.Tensor]):
+    """Per draft layer, the context rows of B requests, [B, length, width], gathered from their pages when
+    that layer is read. The draft reads its layers one after another, so one layer's copy is alive at a
+    time, not all of them (B x length x width x layers elements at once).
+
+    Rows at or past a request's own length (its page table's 0-padding, or its last page's tail) are
+    zeroed: the draft's mask hides them, but a reused page may still hold a finished request's rows,
+    NaN ones included, and a hidden row still enters the attention's value sum with weight 0."""
+
+    def __init__(self, kv: PagedLatentKV, page_table: torch.Tensor, lengths: torch.Tensor, context_len: int):
+        self.kv = kv
+        self.page_table = page_table[:, : -(-context_len // kv.page_size)]  # the pages holding context_len rows
+        self.context_len = context_len
+        self.hidden = (torch.arange(context_len, device=lengths.device) >= lengths[:, None])[..., None]
+
+    def __len__(self) -> int:
+        return self.kv.cache.shape[0]
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        if not 0 <= layer < len(self):
+            raise IndexError(f"draft layer {layer} of {len(self)}")
+        rows = self.kv.cache[layer, self.page_table].flatten(1, 2)[:, : self.context_len]
+        return rows.masked_fill(self.hidden, 0)
 
 
 class DSparkProposer:
@@ -72,22 +99,31 @@ class DSparkProposer:
         self.kv.release(request_id)
 
     # --- proposals ----------------------------------------------------------------------------
-    def context(self, plan: LatentKVPlan, b: int, length: int) -> DraftCache:
-        """Row b's first `length` context rows of every draft layer, gathered from its pages."""
-        rows = [self.kv.rows(layer, plan.page_table[b], length) for layer in range(self.config.num_hidden_layers)]
-        return DraftCache(rows)
-
     @torch.no_grad()
-    def propose(self, context: DraftCache, anchor: int, anchor_pos: int, num_drafts: int, params: SamplingParams,
-                generator: torch.Generator | None) -> DraftProposal:
-        """Draft `num_drafts` tokens after `anchor`, drawn as the request samples (greedy at T=0)."""
-        return self.draft.propose(
-            context, anchor, anchor_pos, num_drafts, self.heads.embed, self.heads.lm_head,
-            temperature=params.temperature,
-            top_k=params.top_k or None,
-            top_p=params.top_p if params.top_p < 1 else None,
-            generator=generator,
+    def propose(self, decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[DraftProposal]:
+        """Drafts for the step's rows `rows` in one draft forward: row b drafts num_drafts tokens after its
+        anchor (token_ids[0], at position num_computed, over its num_computed context rows), drawn as its
+        request samples (greedy at T=0) with params[i] and generators[i]."""
+        seqs = [decl.seqs[b] for b in rows]
+        for s in seqs:  # each anchor needs the rows of every position before it committed to the draft KV
+            self.draft.check_block(s.token_ids[0], s.num_computed, s.num_drafts, self.kv.lengths.get(s.request_id, 0))
+        context_len = max(s.num_computed for s in seqs)
+        device = self.kv.cache.device
+        starts = to_device([s.num_computed for s in seqs], torch.long, device)
+        blocks = BlockBatch(
+            anchors=to_device([s.token_ids[0] for s in seqs], torch.long, device),
+            starts=starts,
+            num_drafts=tuple(s.num_drafts for s in seqs),
+            context=PagedContext(self.kv, plan.page_table[to_device(list(rows), torch.long, device)], starts,
+                                 context_len),
+            context_len=context_len,
         )
+        sampling = [
+            DraftSampling(p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None, g)
+            for p, g in zip(params, generators, strict=True)
+        ]
+        return self.draft.propose_blocks(blocks, self.heads.embed, self.heads.lm_head, sampling)
 
     @torch.no_grad()
     def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor,

@@ -1,4 +1,4 @@
-"""The DSpark draft for Kimi K3 (Inferact/Kimi-K3-DSpark) as a plain, single-request PyTorch reference.
+"""The DSpark draft for Kimi K3 (Inferact/Kimi-K3-DSpark) as a plain PyTorch reference.
 
 Context (once per accepted target token; DSpark paper eq. 2 and 3):
 
@@ -18,8 +18,13 @@ Block proposal (anchor = the last token the target emitted, at position p; k dra
     c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b)                (confidence head, eq. 7; not used for verification)
 
 The block's own K/V rows are scratch: they are built, attended over and dropped, never written to the cache.
-Inference (`context_kv`, `block_hidden`: no autograd) and the trainer (mstar/training/draft.py, many blocks in
+Inference (`context_kv`, `blocks_hidden`: no autograd) and the trainer (mstar/training/draft.py, many blocks in
 one masked attention) run the same differentiable cores, `context_rows` and `block_forward`.
+
+The engine drafts all verify rows of a step together (`propose_blocks`): the B blocks run as one padded
+[B, max k, D] forward, each over its own request's context rows (padded to the longest, masked to its own
+length), with one lm_head GEMM; the Markov chain runs once for all greedy blocks, and per block for sampled ones
+(each request's generator draws as it would alone). `propose` is the same path with B = 1.
 
 The draft has no embedding or lm_head of its own: `propose` takes the *target's* `embed_tokens` and `lm_head`
 as arguments (any callables ids -> [k, D] and [k, D] -> [k, V]), so one draft object serves whatever target
@@ -149,6 +154,54 @@ class DraftProposal:
     greedy: bool
 
 
+@dataclass(frozen=True)
+class DraftSampling:
+    """How one block's drafts are drawn: greedy at temperature 0, else from q_j (see `K3DSparkModel.propose`)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    generator: torch.Generator | None = None
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """B blocks drafted in one forward. Block b is [anchors[b], mask x (num_drafts[b] - 1)] at positions
+    starts[b] + j; it sees the context rows at positions < starts[b] and its own slots, as it would alone.
+
+    anchors, starts  [B] long, on the draft's device (the host values are checked by `check_block`)
+    num_drafts       k_b per block, on the host: they set the padded shape [B, max k_b]
+    context          per draft layer, [B, context_len, width]; row s of block b holds position s. Rows at
+                     positions >= starts[b] are hidden but must be finite (a hidden row still enters the value
+                     sum with weight 0, and 0 * NaN is NaN). Any Sequence: each layer's rows are read once,
+                     when that layer runs, so the engine gathers them from its pages one layer at a time.
+    """
+
+    anchors: Tensor
+    starts: Tensor
+    num_drafts: tuple[int, ...]
+    context: Sequence[Tensor]
+    context_len: int
+
+    def __post_init__(self) -> None:
+        n = len(self.num_drafts)
+        if n == 0 or self.anchors.shape != (n,) or self.starts.shape != (n,):
+            raise ValueError(
+                f"BlockBatch needs one anchor and one start per block: {n} num_drafts, anchors "
+                f"{tuple(self.anchors.shape)}, starts {tuple(self.starts.shape)}"
+            )
+
+    def visibility(self) -> Tensor:
+        """[B, 1, context_len + k_max] bool: what every query of block b sees (the block is bidirectional, so
+        one row serves all its slots): context rows before its anchor and its own real slots, not padding."""
+        device = self.starts.device
+        context = torch.arange(self.context_len, device=device) < self.starts[:, None]
+        slots = torch.ones(len(self.num_drafts), max(self.num_drafts), dtype=torch.bool, device=device)
+        for b, k in enumerate(self.num_drafts):
+            slots[b, k:] = False  # a host slice per shorter block: no device copy of num_drafts needed
+        return torch.cat([context, slots], dim=1)[:, None, :]
+
+
 # --- sampling helpers (the draft distribution q) -------------------------------------------------------
 
 
@@ -220,17 +273,20 @@ class DSparkMLA(nn.Module):
         self.rotary = YarnRotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
     def latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x [T, D] -> latent rows [T, kv_lora_rank + rope] = [kv_a_layernorm(c) | RoPE(k_pe, positions)]."""
+        """x [..., T, D] -> latent rows [..., T, kv_lora_rank + rope] = [kv_a_layernorm(c) | RoPE(k_pe, positions)]."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotary(k_pe, positions)], dim=-1)
+        return torch.cat([self.kv_a_layernorm(c), self.rotate(k_pe, positions)], dim=-1)
 
     def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [T, D] -> (q_nope [T, H, nope], q_pe [T, H, rope] rotated to its position)."""
+        """x [..., T, D] -> (q_nope [..., T, H, nope], q_pe [..., T, H, rope] rotated to its position)."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(x.shape[0], self.num_heads, self.nope + self.rope_dim).split(
-            [self.nope, self.rope_dim], dim=-1
-        )
-        return q_nope, self.rotary(q_pe, positions)
+        q_nope, q_pe = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope_dim], dim=-1)
+        return q_nope, self.rotate(q_pe, positions)
+
+    def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
+        """RoPE of x [..., T, *rest] at positions [..., T] (the rotary itself takes one flat row dimension)."""
+        flat = positions.reshape(-1)
+        return self.rotary(x.reshape(flat.shape[0], *x.shape[positions.dim() :]), flat).view(x.shape)
 
     def kv_b_weights(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj per head: (W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank])."""
@@ -238,22 +294,22 @@ class DSparkMLA(nn.Module):
         return w[:, : self.nope], w[:, self.nope :]
 
     def forward(self, x: Tensor, positions: Tensor, context_rows: Tensor, visible: Tensor | None = None) -> Tensor:
-        """x [k, D] (the normed block) attends over context_rows [S, width] followed by its own k rows.
+        """x [..., k, D] (the normed block) attends over context_rows [..., S, width] followed by its own k rows;
+        leading dims are independent blocks (the engine drafts B of them at once).
 
-        visible [k, S + k] (bool) says which of those rows each query sees; None: all of them (inference passes
-        exactly the rows one block may see; the trainer batches many blocks and masks). Returns [k, D]; the
-        block's rows are not kept."""
-        rows = torch.cat([context_rows, self.latent_rows(x, positions)])
+        visible [..., k, S + k] or [..., 1, S + k] (bool, the 1 broadcast over the queries) says which of those
+        rows each query sees; None: all of them. Returns [..., k, D]; the block's rows are not kept."""
+        rows = torch.cat([context_rows, self.latent_rows(x, positions)], dim=-2)
         q_nope, q_pe = self.queries(x, positions)
         w_uk, w_uv = self.kv_b_weights()
-        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
-        scores = at_least_fp32(torch.einsum("thc,sc->ths", q_abs, rows)) * self.scale
+        q_abs = torch.cat([torch.einsum("...thn,hnr->...thr", q_nope, w_uk), q_pe], dim=-1)
+        scores = at_least_fp32(torch.einsum("...thc,...sc->...ths", q_abs, rows)) * self.scale
         if visible is not None:
-            scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+            scores = scores.masked_fill(~visible[..., None, :], float("-inf"))
         p = scores.softmax(dim=-1).to(x.dtype)
-        o_latent = torch.einsum("ths,sr->thr", p, rows[:, : self.kv_lora_rank])
-        o = torch.einsum("thr,hvr->thv", o_latent, w_uv)
-        return self.o_proj(o.reshape(x.shape[0], self.num_heads * self.v_dim))
+        o_latent = torch.einsum("...ths,...sr->...thr", p, rows[..., : self.kv_lora_rank])
+        o = torch.einsum("...thr,hvr->...thv", o_latent, w_uv)
+        return self.o_proj(o.flatten(-2))
 
 
 class DSparkMLP(nn.Module):
@@ -379,43 +435,65 @@ class K3DSparkModel(nn.Module):
         positions = torch.arange(start, start + taps.shape[0], device=taps.device)
         cache.append(self.context_kv(taps, positions))
 
-    # --- the block -----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def block_hidden(
-        self, cache: DraftCache, anchor_token: int, anchor_pos: int, num_drafts: int, embed: Embed
-    ) -> Tensor:
-        """Final-normed hidden states h [k, D] of the block [anchor, mask x (k - 1)] at positions anchor_pos + j.
-
-        Context rows at positions >= anchor_pos (rows of rejected tokens not yet trimmed) are not visible."""
+    # --- the blocks ----------------------------------------------------------------------------------
+    def check_block(self, anchor_token: int, anchor_pos: int, num_drafts: int, context_len: int) -> None:
+        """Host-side checks of one block's arguments (plain ints: nothing is read back from the device)."""
         cfg = self.config
         if num_drafts < 1:
             raise ValueError(f"num_drafts={num_drafts} must be >= 1")
         if not 0 <= anchor_token < cfg.vocab_size:
             raise ValueError(f"anchor_token={anchor_token} is outside the vocabulary 0..{cfg.vocab_size - 1}")
-        if not 0 <= anchor_pos <= cache.num_tokens:
+        if not 0 <= anchor_pos <= context_len:
             raise ValueError(
                 f"anchor_pos={anchor_pos} needs context rows for positions 0..{anchor_pos - 1}, but the cache holds "
-                f"{cache.num_tokens}; feed the target taps of every token before the anchor first"
+                f"{context_len}; feed the target taps of every token before the anchor first"
             )
+
+    def cache_block(self, cache: DraftCache, anchor_token: int, anchor_pos: int, num_drafts: int) -> BlockBatch:
+        """One request's block as a batch of one. Context rows at positions >= anchor_pos (rows of rejected
+        tokens not yet trimmed) are left out."""
+        self.check_block(anchor_token, anchor_pos, num_drafts, cache.num_tokens)
         device = self.context_proj.weight.device
-        ids = torch.full((num_drafts,), cfg.mask_token_id, dtype=torch.long, device=device)
-        ids[0] = anchor_token
-        x = embed(ids)
-        if x.shape != (num_drafts, cfg.hidden_size) or x.dtype != self.dtype:
+        return BlockBatch(
+            anchors=torch.tensor([anchor_token], device=device),
+            starts=torch.tensor([anchor_pos], device=device),
+            num_drafts=(num_drafts,),
+            context=[rows[None, :anchor_pos] for rows in cache.rows],
+            context_len=anchor_pos,
+        )
+
+    @torch.no_grad()
+    def block_hidden(
+        self, cache: DraftCache, anchor_token: int, anchor_pos: int, num_drafts: int, embed: Embed
+    ) -> Tensor:
+        """Final-normed hidden states h [k, D] of one block [anchor, mask x (k - 1)] at positions anchor_pos + j."""
+        return self.blocks_hidden(self.cache_block(cache, anchor_token, anchor_pos, num_drafts), embed)[0]
+
+    @torch.no_grad()
+    def blocks_hidden(self, blocks: BlockBatch, embed: Embed) -> Tensor:
+        """Final-normed hidden states h [B, k_max, D] of B blocks in one forward. Slots at or past a block's
+        num_drafts are padding: they run, but no real slot sees them, and the caller drops them."""
+        cfg = self.config
+        n, k_max = len(blocks.num_drafts), max(blocks.num_drafts)
+        slots = torch.arange(k_max, device=blocks.anchors.device)
+        ids = torch.where(slots == 0, blocks.anchors[:, None], cfg.mask_token_id)
+        x = embed(ids.flatten())
+        if x.shape != (n * k_max, cfg.hidden_size) or x.dtype != self.dtype:
             raise ValueError(
-                f"embed returned {tuple(x.shape)} {x.dtype}; expected [{num_drafts}, {cfg.hidden_size}] {self.dtype} "
+                f"embed returned {tuple(x.shape)} {x.dtype}; expected [{n * k_max}, {cfg.hidden_size}] {self.dtype} "
                 "(pass the target's embed_tokens in the draft's dtype)"
             )
-        positions = anchor_pos + torch.arange(num_drafts, device=device)
-        return self.block_forward(x, positions, [rows[:anchor_pos] for rows in cache.rows])
+        positions = blocks.starts[:, None] + slots
+        return self.block_forward(x.view(n, k_max, -1), positions, blocks.context, blocks.visibility())
 
     def block_forward(
         self, x: Tensor, positions: Tensor, context_rows: Sequence[Tensor], visible: Tensor | None = None
     ) -> Tensor:
-        """The differentiable block stack: embedded block inputs x [k, D] at positions [k] -> final-normed h [k, D].
+        """The differentiable block stack: embedded block inputs x [..., k, D] at positions [..., k] -> final-normed
+        h [..., k, D] (leading dims: independent blocks).
 
-        context_rows: per draft layer, the [S, width] rows the queries may attend to; visible: the optional
-        [k, S + k] mask of `DSparkMLA.forward` (None: every context row and every block slot)."""
+        context_rows: per draft layer, the [..., S, width] rows the queries may attend to, read once, when that
+        layer runs; visible: the optional mask of `DSparkMLA.forward` (None: every context row and block slot)."""
         for layer, rows in zip(self.layers, context_rows, strict=True):
             x = layer(x, positions, rows, visible)
         return self.final_norm(x)
@@ -440,47 +518,95 @@ class K3DSparkModel(nn.Module):
         temperature 0: greedy, x_j = argmax(U_j + W2 W1[x_{j-1}]). temperature > 0: x_j ~ q_j =
         softmax((U_j + W2 W1[x_{j-1}]) / T), optionally top-k then top-p filtered (as the target's sampler would;
         the verifier must use exactly these q_j). `generator` drives the draws (torch.multinomial)."""
-        hidden = self.block_hidden(cache, anchor_token, anchor_pos, num_drafts, embed)
-        base_logits = lm_head(hidden)
+        block = self.cache_block(cache, anchor_token, anchor_pos, num_drafts)
+        sampling = DraftSampling(temperature, top_k, top_p, generator)
+        return self.propose_blocks(block, embed, lm_head, [sampling])[0]
+
+    @torch.no_grad()
+    def propose_blocks(
+        self, blocks: BlockBatch, embed: Embed, lm_head: LMHead, sampling: Sequence[DraftSampling]
+    ) -> list[DraftProposal]:
+        """Draft every block of `blocks` (block b drawn as sampling[b] says, see `propose`) with one forward and
+        one lm_head GEMM for all of them; each proposal equals the one its block would get alone."""
+        n, k_max = len(blocks.num_drafts), max(blocks.num_drafts)
+        if len(sampling) != n:
+            raise ValueError(f"propose_blocks got {len(sampling)} sampling settings for {n} blocks")
+        hidden = self.blocks_hidden(blocks, embed)
+        base_logits = lm_head(hidden.flatten(0, 1))  # padding slots ride along: the GEMM's cost is the weight
         vocab = self.config.draft_vocab_size
-        if base_logits.shape != (num_drafts, vocab):
-            raise ValueError(f"lm_head returned {tuple(base_logits.shape)}; expected [{num_drafts}, {vocab}]")
-        tokens, logits, probs = self.markov_sample(
-            base_logits, anchor_token, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator
-        )
-        prev_tokens = torch.cat([tokens.new_tensor([anchor_token]), tokens[:-1]])
-        return DraftProposal(
-            tokens=tokens,
-            probs=probs,
-            logits=logits,
-            base_logits=base_logits,
-            hidden=hidden,
-            confidence=self.confidence(hidden, prev_tokens),
-            greedy=temperature == 0,
-        )
+        if base_logits.shape != (n * k_max, vocab):
+            raise ValueError(f"lm_head returned {tuple(base_logits.shape)}; expected [{n * k_max}, {vocab}]")
+        base_logits = base_logits.view(n, k_max, vocab)
+        tokens, drawn = self.markov_blocks(base_logits, blocks, sampling)
+        prev_tokens = torch.cat([blocks.anchors[:, None], tokens[:, :-1]], dim=1)
+        confidence = self.confidence(hidden, prev_tokens)
+        return [
+            DraftProposal(
+                tokens=tokens[b, :k],
+                probs=probs,
+                logits=logits,
+                base_logits=base_logits[b, :k],
+                hidden=hidden[b, :k],
+                confidence=None if confidence is None else confidence[b, :k],
+                greedy=s.temperature == 0,
+            )
+            for b, (k, s, (logits, probs)) in enumerate(zip(blocks.num_drafts, sampling, drawn, strict=True))
+        ]
+
+    def markov_blocks(
+        self, base_logits: Tensor, blocks: BlockBatch, sampling: Sequence[DraftSampling]
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The Markov stage of B blocks: (tokens [B, k_max], per block (logits [k, V], q [k, V])).
+
+        Greedy blocks run as one batch: all B rows go through one argmax chain, which costs no more than
+        picking the greedy rows out, and a sampled block's row of it is overwritten. A sampled block runs
+        alone, so its generator makes exactly the calls it made when that block was drafted by itself."""
+        greedy = [s.temperature == 0 for s in sampling]
+        if any(greedy):
+            tokens, logits, probs = self.markov_sample(base_logits, blocks.anchors)
+        else:
+            tokens = blocks.anchors.new_zeros(base_logits.shape[:2])
+        drawn = []
+        for b, (k, s) in enumerate(zip(blocks.num_drafts, sampling, strict=True)):
+            if greedy[b]:
+                drawn.append((logits[b, :k], probs[b, :k]))
+                continue
+            block_tokens, block_logits, block_probs = self.markov_sample(
+                base_logits[b, :k], blocks.anchors[b], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                generator=s.generator,
+            )
+            tokens[b, :k] = block_tokens
+            drawn.append((block_logits, block_probs))
+        return tokens, drawn
 
     @torch.no_grad()
     def markov_sample(
         self,
         base_logits: Tensor,
-        anchor_token: int,
+        anchor_tokens: int | Tensor,
         *,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """The sequential stage: base logits U [k, V] -> (tokens [k], logits [k, V], q [k, V]), left to right,
-        slot j conditioned on x_{j-1} (x_0 = the anchor). See `DraftProposal` for what logits and q hold."""
+        """The sequential stage: base logits U [..., k, V] -> (tokens [..., k], logits [..., k, V], q [..., k, V]),
+        left to right, slot j conditioned on x_{j-1} (x_0 = the anchor, anchor_tokens [...]). See `DraftProposal`
+        for what logits and q hold. Greedy chains may be batched (leading dims); a sampled one is one block
+        ([k, V]), since its draws come from the generator of one request."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
+        if temperature > 0 and base_logits.dim() != 2:
+            raise ValueError(
+                f"a sampled draft is one block: base_logits must be [k, V]; got {tuple(base_logits.shape)}"
+            )
         vocab = self.config.draft_vocab_size
-        prev = torch.tensor(anchor_token, device=base_logits.device)
+        prev = torch.as_tensor(anchor_tokens, device=base_logits.device)
         tokens, logits, probs = [], [], []
-        for j in range(base_logits.shape[0]):  # sequential: slot j's bias depends on the token drawn at j - 1
-            corrected = self.markov_logits(base_logits[j], prev)
+        for j in range(base_logits.shape[-2]):  # sequential: slot j's bias depends on the token drawn at j - 1
+            corrected = self.markov_logits(base_logits[..., j, :], prev)
             if temperature == 0:
-                token = corrected.argmax()
+                token = corrected.argmax(dim=-1)
                 row_logits, row_probs = corrected, one_hot_probs(token.clamp(0, vocab - 1), vocab, corrected.dtype)
             else:
                 row_logits, row_probs = draft_distribution(corrected, temperature, top_k, top_p)
@@ -491,7 +617,7 @@ class K3DSparkModel(nn.Module):
             tokens.append(prev)
             logits.append(row_logits)
             probs.append(row_probs)
-        return torch.stack(tokens), torch.stack(logits), torch.stack(probs)
+        return torch.stack(tokens, dim=-1), torch.stack(logits, dim=-2), torch.stack(probs, dim=-2)
 
     def markov_logits(self, base_logits: Tensor, prev_tokens: Tensor) -> Tensor:
         """U_j + W2 W1[prev_j] for all slots at once (prev_tokens [k] = [x_0 = anchor, x_1 .. x_{k-1}])."""
