@@ -17,6 +17,8 @@ if ls .whl/serve/*.whl >/dev/null 2>&1; then
 fi
 BASE_PYTHONPATH=$PWD:/tmp/serve-site
 export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# fla's chunk_kda autotunes per process (~100 s at a TP8 rank's shapes): later processes reuse the result
+export TRITON_CACHE_AUTOTUNING=1
 # SUITE picks sections (default: all): kernels served emulate benches mini
 SUITE=${SUITE:-kernels served emulate benches mini}
 want() { [[ " $SUITE " == *" $1 "* ]]; }
