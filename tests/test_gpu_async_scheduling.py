@@ -5,6 +5,7 @@ rank's true K3 shapes (MXFP4 experts through the Triton kernel), decode steps re
 
 import pytest
 import torch
+from packed_experts import hold_packed
 
 from mstar.engine.core import EngineConfig, EngineCore
 from mstar.engine.params import SamplingParams
@@ -14,8 +15,6 @@ from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import install_expert_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.quant.mxfp4 import random_mxfp4
-from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.tools.make_tiny import real_dims_raw_config
 
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
@@ -35,10 +34,7 @@ def model(tokenizer):
     with torch.device("cuda"):
         m = KimiK3ForCausalLM(parse_config(raw)).to(torch.bfloat16).eval()
     for layer in m.model.layers:
-        for e in getattr(getattr(layer, "block_sparse_moe", None), "experts", ()):
-            for name in ("w1", "w3", "w2"):
-                dense = getattr(e, name)
-                setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+        hold_packed(getattr(getattr(layer, "block_sparse_moe", None), "experts", ()), gen)
     assert install_expert_kernels(m) == 3
     return m
 

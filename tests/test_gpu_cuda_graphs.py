@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from packed_experts import hold_packed
 
 from mstar.engine.core import EngineConfig, EngineCore
 from mstar.engine.cuda_graphs import DecodeGraphs, decode_buckets
@@ -20,8 +21,6 @@ from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels, in
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.quant.mxfp4 import random_mxfp4
-from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.make_tiny import real_dims_raw_config
@@ -44,11 +43,8 @@ def model(tokenizer):
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
     with torch.device("cuda"):
         m = KimiK3ForCausalLM(cfg).to(BF16).eval()
-    for layer in m.model.layers:
-        for e in getattr(getattr(layer, "block_sparse_moe", None), "experts", ()):
-            for name in ("w1", "w3", "w2"):  # held packed, as loaded from an MXFP4 checkpoint
-                dense = getattr(e, name)
-                setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+    for layer in m.model.layers:  # experts held packed, as loaded from an MXFP4 checkpoint
+        hold_packed(getattr(getattr(layer, "block_sparse_moe", None), "experts", ()), gen)
     assert install_expert_kernels(m) == 3
     assert install_fused_kernels(m)  # as EngineCore installs them
     return m

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from packed_experts import hold_packed
 
 from mstar.engine.step import SeqStep, StepDecl
 from mstar.kernels import kda_fla
@@ -16,8 +17,6 @@ from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
-from mstar.quant.mxfp4 import random_mxfp4
-from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.make_tiny import real_dims_raw_config
@@ -85,10 +84,7 @@ def test_expert_kernel_matches_torch_experts(cfg):
     with torch.device("cuda"):
         moe = LatentMoE(cfg).to(BF16)
     gen = torch.Generator(device="cuda").manual_seed(int(torch.randint(0, 2**31, ())))
-    for e in moe.experts:  # held packed, as loaded from an MXFP4 checkpoint
-        for name in ("w1", "w3", "w2"):
-            dense = getattr(e, name)
-            setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+    hold_packed(moe.experts, gen)  # held packed, as loaded from an MXFP4 checkpoint
     with torch.no_grad():
         for tokens in (1, 8, 64, 300):
             x = torch.randn(tokens, cfg.hidden_size, device="cuda", dtype=BF16)

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from packed_experts import hold_packed
 from test_kernel_moe_mxfp4 import (
     BF16_BOUND,
     INTERPRET,
@@ -39,7 +40,6 @@ from mstar.kernels import moe_mxfp4 as moe
 from mstar.models.kimi_k3.gpu_ops import install_expert_kernels, install_layer_kernel
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
-from mstar.quant.mxfp4_linear import MXFP4Linear
 
 GPU_E = 32  # experts in the GPU tests: real per-rank expert shapes, fewer of them to keep it quick
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and moe_bf16.supported("cuda")) or INTERPRET,
@@ -183,10 +183,7 @@ def packed_latent_moe(tiny_model, gen, sharding: ExpertSharding | None = None) -
     comm = None if sharding is None else NullCommunicator(sharding.tp_size, sharding.rank)
     with torch.device(TINY_DEVICE):
         layer = LatentMoE(config, comm, sharding).to(torch.bfloat16)
-    for expert in layer.experts:
-        for name in ("w1", "w3", "w2"):
-            dense = getattr(expert, name)
-            setattr(expert, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+    hold_packed(layer.experts, gen)
     return layer
 
 
@@ -294,10 +291,7 @@ def test_gpu_install_allocates_only_for_large_steps(monkeypatch):
         with torch.device("cuda"):
             model = KimiK3ForCausalLM(cfg).to(torch.bfloat16).eval()
         layers = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
-        for e in (e for layer in layers for e in layer.experts):
-            for name in ("w1", "w3", "w2"):
-                dense = getattr(e, name)
-                setattr(e, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+        hold_packed((e for layer in layers for e in layer.experts), gen)
         assert install_expert_kernels(model, max_step_tokens=max_step_tokens) == len(layers)
         paths = [layer.expert_kernel.bf16 for layer in layers]
         if not expect_path:

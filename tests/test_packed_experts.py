@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from packed_experts import hold_packed
 from torch import nn
 
 from mstar.checkpoint.safetensors_io import CheckpointReader
@@ -150,10 +151,7 @@ def kernel_moe(tiny_model, gen: torch.Generator, sharding: ExpertSharding | None
     comm = None if sharding is None else NullCommunicator(sharding.tp_size, sharding.rank)
     with torch.device(KERNEL_DEVICE):
         moe = LatentMoE(config, comm, sharding).to(torch.bfloat16)
-    for expert in moe.experts:
-        for name in ("w1", "w3", "w2"):
-            dense = getattr(expert, name)
-            setattr(expert, name, MXFP4Linear.from_packed(*random_mxfp4(dense.out_features, dense.in_features, gen)))
+    hold_packed(moe.experts, gen)
     return moe
 
 
