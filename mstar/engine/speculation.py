@@ -82,7 +82,3 @@ class Speculation:
 
     def write_context(self, decl: StepDecl, taps: torch.Tensor, seq_starts: tuple[int, ...]) -> None:
         self.proposer.write_context(decl, self.draft_plan, taps, seq_starts)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
