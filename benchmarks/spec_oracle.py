@@ -27,7 +27,7 @@ from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
-from mstar.spec.oracle import OracleSpeculation
+from mstar.speculative.oracle import OracleSpeculation
 from mstar.tools.make_tiny import write_tiny
 
 

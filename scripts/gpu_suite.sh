@@ -36,9 +36,9 @@ run() {  # run NAME CMD...: record pass/fail and wall time
     tail -n 5 "$OUT/$name.log"
 }
 
-want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kda.py tests/test_gpu_real_dims.py tests/test_packed_experts.py \
-    tests/test_gpu_cuda_graphs.py tests/test_gpu_async_scheduling.py $(ls tests/test_kernel_*.py 2>/dev/null)
-want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/test_gpu_serving.py
+want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py tests/models/kimi_k3/test_gpu_real_dims.py tests/models/kimi_k3/test_packed_experts.py \
+    tests/engine/test_gpu_cuda_graphs.py tests/engine/test_gpu_async_scheduling.py $(ls tests/kernels/test_kernel_*.py 2>/dev/null)
+want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/serve/test_gpu_serving.py
 # One TP8 rank of pruned75 (93 layers, random weights) on this GPU: decode (CUDA graphs), verify and
 # prefill step times against their floors. EMULATE_ARGS narrows it (e.g. "--steps decode").
 want emulate && run emulate-pruned75-rank python3 -m mstar.tools.emulate_rank --out "$OUT/emulate" ${EMULATE_ARGS:-}

@@ -64,7 +64,7 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
-from mstar.spec.proposer import VocabHeads
+from mstar.speculative.proposer import VocabHeads
 
 from .comm_choice import CommConfig, build_communicator
 from .communicator import Communicator

@@ -66,8 +66,8 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
-from mstar.spec.proposer import DSparkProposer, VocabHeads
-from mstar.spec.schedule import DraftSchedule
+from mstar.speculative.proposer import DSparkProposer, VocabHeads
+from mstar.speculative.schedule import DraftSchedule
 
 
 @dataclass(frozen=True)

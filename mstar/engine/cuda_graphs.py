@@ -41,7 +41,7 @@ from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.resources.latent_kv import LatentKVPlan
-from mstar.spec.schedule import DraftSchedule
+from mstar.speculative.schedule import DraftSchedule
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from mstar.engine.step import SeqStep, StepDecl
 from mstar.engine.transfer import to_device
 from mstar.models.dspark.model import DraftProposal
 from mstar.resources.latent_kv import LatentKVPlan
-from mstar.spec.proposer import DSparkProposer
-from mstar.spec.schedule import DraftSchedule
-from mstar.spec.verify import VerifyResult, verify
+from mstar.speculative.proposer import DSparkProposer
+from mstar.speculative.schedule import DraftSchedule
+from mstar.speculative.verify import VerifyResult, verify
 
 
 class Speculation:

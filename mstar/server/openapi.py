@@ -11,7 +11,7 @@ choices) is checked by the server and answered with a 400.
 
 Responses: every status an operation can answer is listed, with its body (OpenAI's error shape
 for all errors) and the headers it always carries (`Retry-After` on a 429, `WWW-Authenticate`
-on a 401). The fuzz test (tests/test_hardening_fuzz.py) holds the server to this document.
+on a 401). The fuzz test (tests/server/test_hardening_fuzz.py) holds the server to this document.
 """
 
 from __future__ import annotations

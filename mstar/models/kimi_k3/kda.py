@@ -38,8 +38,8 @@ L2_NORM_EPS = 1e-6
 CHUNK_SIZE = 64
 
 # Up to this many tokens the layer runs the token-by-token recurrence, above it the chunked form. Both give
-# the same numbers to rounding (tests/test_kda.py), so this is only about speed: per token and head both do
-# O(K*V + L*K) work on CPU, and the recurrence's Python loop only costs more once T is in the tens, while
+# the same numbers to rounding (tests/models/kimi_k3/test_kda.py), so this is only about speed: per token and head
+# both do O(K*V + L*K) work on CPU, and the recurrence's Python loop only costs more once T is in the tens, while
 # a partial chunk for 1..16 tokens wastes its pairwise-decay set-up. Decode (T = 1, like HF's fused_recurrent
 # path) and short speculative-verification windows take the recurrence; prefill takes chunks.
 RECURRENT_MAX_TOKENS = 16

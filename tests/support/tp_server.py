@@ -1,7 +1,7 @@
 """mstar-serve's tensor-parallel path as a script, for the tests: what serve.py runs once it builds its
 engine with `build_tp_engine` (load the config, build the TP engine, serve, drain, stop the ranks).
 
-    python tests/tp_server.py CONFIG PORT [key=value ...]
+    python tests/support/tp_server.py CONFIG PORT [key=value ...]
 
 TP_SERVER_CONTROL_S (tests only) sets how long a follower waits to hear from rank 0 (default 10 s).
 """

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.configuration import set_hypothesis_home_dir
 from live_server import LiveServer, wait_until
+from paths import ROOT
 from schemathesis import GenerationMode
 from schemathesis.checks import max_response_time, not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -37,7 +37,7 @@ from mstar.config import load_serve_config
 from mstar.serve import build_engine, server_options
 from mstar.server import build_app
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 API_KEY = "fuzz-test-key"
 MAX_EXAMPLES = int(os.environ.get("MSTAR_FUZZ_EXAMPLES", "40"))  # per operation and mode; raise it for a long run

@@ -17,11 +17,11 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import Counter
-from pathlib import Path
 
 import httpx
 import pytest
 from live_server import LiveServer, start_mstar_serve, wait_until
+from paths import ROOT
 
 from mstar.config import load_serve_config
 from mstar.engine.faults import FaultInjector, FaultPlan, FaultSpecError, parse_fault_spec
@@ -29,7 +29,7 @@ from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.serve import EXIT_ENGINE_FAILED, build_engine
 from mstar.server import build_app
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 POISON = "POISONED-LOGITS"
 INF = "INFINITE-LOGITS"

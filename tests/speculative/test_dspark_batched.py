@@ -20,8 +20,8 @@ from mstar.engine.speculation import Speculation
 from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.dspark.model import BlockBatch, DraftCache, K3DSparkModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.spec.proposer import DSparkProposer
-from mstar.spec.schedule import DraftSchedule
+from mstar.speculative.proposer import DSparkProposer
+from mstar.speculative.schedule import DraftSchedule
 
 PAGE_SIZE = 4
 GREEDY = SamplingParams(temperature=0)

@@ -13,7 +13,7 @@ from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.spec.oracle import OracleSpeculation
+from mstar.speculative.oracle import OracleSpeculation
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,7 @@
 plans a prefill graph takes, the staging into its fixed buffers (padding on the sinks), and the staged
 step itself run eagerly through the GPU mixers (their Triton kernels in the interpreter) against the
 torch path: one step, and the engine serving prompts through `run`. Capture and replay are
-tests/test_gpu_cuda_graphs.py's."""
+tests/engine/test_gpu_cuda_graphs.py's."""
 
 import copy
 import os

@@ -1,5 +1,6 @@
-"""Rank processes behind the HTTP server (tests/tp_server.py, serve.py's TP path) on configs/kimi_k3_tiny_tp2.yaml:
-greedy over HTTP equals the reference, SIGTERM drains every rank, and a dead rank ends everything in seconds."""
+"""Rank processes behind the HTTP server (tests/support/tp_server.py, serve.py's TP path) on
+configs/kimi_k3_tiny_tp2.yaml: greedy over HTTP equals the reference, SIGTERM drains every rank, and a dead rank
+ends everything in seconds."""
 
 from __future__ import annotations
 
@@ -15,14 +16,14 @@ from pathlib import Path
 
 import httpx
 import pytest
+from paths import ROOT, SUPPORT
 
 from mstar.distributed.worker import EXIT_RANK_FAILED
 from mstar.models.kimi_k3.generate import greedy_generate
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "kimi_k3_tiny_tp2.yaml"
 EP2_CONFIG = ROOT / "configs" / "kimi_k3_tiny_ep2.yaml"  # the same two ranks, routed experts split by expert
-SCRIPT = Path(__file__).resolve().parent / "tp_server.py"
+SCRIPT = SUPPORT / "tp_server.py"
 MODEL = "kimi_k3_tiny"
 
 

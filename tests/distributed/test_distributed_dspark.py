@@ -10,13 +10,12 @@ heads), every rank verifies, and greedy output equals the single-rank reference.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import pytest
 import torch
 from greedy_ties import assert_greedy_matches, random_jobs
 from live_server import start_mstar_serve
+from paths import ROOT
 from test_distributed_sharding import _Healthy, _Recorder
 
 from mstar.distributed.loader import load_vocab_heads
@@ -35,9 +34,9 @@ from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.spec.oracle import OracleSpeculation
+from mstar.speculative.oracle import OracleSpeculation
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny_tp2_dspark.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny_tp2_dspark.yaml"
 TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
 GREEDY = dict(temperature=0, ignore_eos=True)
 

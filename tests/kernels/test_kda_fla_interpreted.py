@@ -1,7 +1,7 @@
 """The GPU KDA path (mstar/kernels/kda_fla.py: fla's recurrent kernel, the decode conv, stacked
 projections, host-indexed state pool) run on the CPU through Triton's interpreter in fp32, against the
 torch mixer. It catches layout and indexing bugs before the GPU does (a strided beta that fla read as
-contiguous gave 5% error here). On a GPU machine the same paths run in tests/test_gpu_kda.py."""
+contiguous gave 5% error here). On a GPU machine the same paths run in tests/kernels/test_gpu_kda.py."""
 
 import copy
 import os

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 
 from live_server import LiveServer
+from paths import ROOT
 
 from mstar.config import load_serve_config
 from mstar.serve import build_engine
@@ -14,7 +14,7 @@ from mstar.server import build_app
 from mstar.tools import bench_serve
 from mstar.tools.bench_serve import SpecCounters
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny_dspark.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny_dspark.yaml"
 PROMPTS = resources.files("mstar.training").joinpath("heldout_prompts.json")
 
 

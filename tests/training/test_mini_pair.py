@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 from importlib import resources
-from pathlib import Path
 
 import pytest
 import torch
 from greedy_ties import assert_greedy_matches
+from paths import ROOT
 
 from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
 from mstar.engine.params import SamplingParams
@@ -19,7 +19,7 @@ from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
 
-MODELS = Path(__file__).resolve().parent.parent / "models"
+MODELS = ROOT / "models"
 MAX_TOKENS = 48
 # Measured on the shipped pair with this test's setup: mean accepted length 2.36 (k=7, greedy, fp32).
 # The floor leaves room for fp32 noise across machines, not for a broken draft or verifier (~1.0).

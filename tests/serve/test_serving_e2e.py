@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from greedy_ties import assert_greedy_matches
 from live_server import LiveServer, start_mstar_serve, wait_until
+from paths import ROOT
 
 from mstar.config import load_serve_config
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.serve import build_engine
 from mstar.server import build_app
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 
 

@@ -6,15 +6,15 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from paths import ROOT
 
 from mstar.models.kimi_k3.config import KimiK3Config, parse_config
 from mstar.models.kimi_k3.mla import LATENT_NORM_EPS, GatedMLA, MLACache, absorbed_attention
 
-FIXTURE = Path(__file__).resolve().parents[1] / "mstar/models/kimi_k3/fixtures/kimi_k3_config.json"
+FIXTURE = ROOT / "mstar/models/kimi_k3/fixtures/kimi_k3_config.json"
 MLA_LAYER = 3  # 0-based; 1-based layer 4 is a full-attention layer in the fixture
 F64 = dict(rtol=1e-10, atol=1e-10)
 

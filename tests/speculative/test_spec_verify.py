@@ -15,8 +15,8 @@ import torch
 
 from mstar.engine.params import SamplingParams
 from mstar.engine.sampler import SamplingBatch, filter_logits, request_generator
-from mstar.spec.schedule import DraftSchedule
-from mstar.spec.verify import verify, verify_block, verify_chain, verify_greedy
+from mstar.speculative.schedule import DraftSchedule
+from mstar.speculative.verify import verify, verify_block, verify_chain, verify_greedy
 
 CPU = torch.device("cpu")
 ROWS = 100_000  # Monte Carlo rows: the standard error of a probability is at most sqrt(0.25 / ROWS)

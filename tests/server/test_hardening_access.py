@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from pathlib import Path
 
 import httpx
 import pytest
 from fake_engine import FakeEngine, shared_tokenizer
 from fastapi.testclient import TestClient
 from live_server import LiveServer, wait_until
+from paths import ROOT
 
 from mstar.config import ServeConfigError, load_serve_config, parse_serve_config
 from mstar.engine.errors import EngineDeadError
@@ -26,7 +26,7 @@ from mstar.server.options import ServerOptions
 
 MODEL = "kimi-k3-guarded"
 KEYS = ("sk-first-key", "sk-second-key")
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from paths import ROOT
 
 from mstar.config import (
     ServeConfig,
@@ -18,7 +19,7 @@ from mstar.config import (
     resolve_device,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = ROOT / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
 
 

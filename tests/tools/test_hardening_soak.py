@@ -7,11 +7,11 @@ empty at the end. The full run is documented in the README
 
 from __future__ import annotations
 
-from pathlib import Path
+from paths import ROOT
 
 from mstar.tools.soak import Job, check_whole, format_summary, make_plan, percentile, soak_config
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "kimi_k3_tiny.yaml"
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 
 
 def test_short_soak_loses_nothing(tiny_dir, capsys):
