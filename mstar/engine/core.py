@@ -46,11 +46,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from mstar.engine.client import EngineStats
-from mstar.engine.cuda_graphs import DecodeGraphs, GraphedServing, StepGraphs, capture_all, verify_graphs
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
-from mstar.engine.prefill_graphs import PrefillGraphs
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
@@ -60,7 +58,6 @@ from mstar.engine.step import StepDecl
 from mstar.engine.step_results import LaunchedStep, pack
 from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
-from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -128,7 +125,10 @@ class EngineCore:
                                        dtype, device, hidden_size=cfg.hidden_size,
                                        max_block=spec.speculative_tokens + 1 if spec else 0)
         ops = TorchMixerOps()
-        if config.kernels == "auto":
+        if config.kernels == "auto" and device.type == "cuda":
+            # The GPU kernels (Triton, fla-core) are imported only here: a CPU install has neither.
+            from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
+
             ops = default_mixer_ops(device)
             install_expert_kernels(model, config.scheduler.max_num_batched_tokens)  # bf16 MoE above the threshold
             install_fused_kernels(model)
@@ -143,8 +143,10 @@ class EngineCore:
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None)
-        self.graphs: list[StepGraphs] = []
+        self.graphs = []
         if config.cuda_graphs and device.type == "cuda":
+            from mstar.engine.cuda_graphs import GraphedServing
+
             self.graphs = self._capture_graphs()
             self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
@@ -160,10 +162,13 @@ class EngineCore:
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
         self.profiler = StepProfiler.from_env(device)
 
-    def _capture_graphs(self) -> list[StepGraphs]:
+    def _capture_graphs(self) -> list:
         """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
         batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the scheduler's token budget
         (engine/prefill_graphs.py). All share one memory pool; a TP follower captures what rank 0 does."""
+        from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, verify_graphs
+        from mstar.engine.prefill_graphs import PrefillGraphs
+
         config, spec = self.config, self.config.speculative
         taps = spec.taps() if spec else ()
         shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
