@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -61,11 +61,12 @@ def main() -> None:
     refs = {f"r{i}": pr + greedy_generate(model, pr, args.max_tokens) for i, pr in enumerate(prompts)}
 
     def engine(spec: bool) -> EngineCore:
-        sc = SpeculativeConfig(draft=draft, speculative_tokens=args.k) if spec else None
         c = args.concurrency
-        return EngineCore(model, tokenizer, EngineConfig(
-            max_seq_len=1024, page_size=16, max_num_pages=64 * (c + 1), max_kda_slots=c + 1,
-            scheduler=SchedulerConfig(max_num_seqs=c, max_num_batched_tokens=4096), speculative=sc))
+        config = EngineConfig(max_seq_len=1024, resources={"mla_kv": {"page_size": 16, "max_num_pages": 64 * (c + 1)},
+                                                           "kda_state": {"max_slots": c + 1}},
+                              scheduler={"max_num_seqs": c, "max_num_batched_tokens": 4096},
+                              model_kwargs={"speculative_tokens": args.k if spec else 0})
+        return EngineCore(model, tokenizer, config, SpeculativeModels(draft) if spec else None)
 
     plain_out, plain_steps, plain_s = run(engine(False), prompts, args.max_tokens)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

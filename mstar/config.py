@@ -1,16 +1,22 @@
-"""Serve configuration: a YAML file plus `key.sub=value` overrides, parsed into a typed, immutable
-`ServeConfig` and validated as a whole before anything is allocated.
+"""The configuration: a YAML file plus `key.sub=value` overrides, parsed into one typed, immutable,
+validated model that the engine takes as it is, and the environment knobs, read once.
 
-The dataclasses below are the schema: each field is one YAML key, its type hint is the type the
-key must have, its default applies when the key is absent, and its comment says what it means.
-Parsing walks the dataclasses, so a key cannot be known to the parser but missing from the
-schema. Every error names the full dotted key (`scheduler.max_num_seqs`) and what is expected.
+The pydantic models below are the schema: each field is one YAML key, its type is the type the key
+must have, its default applies when the key is absent, its comment says what it means, and the
+checks that relate keys to each other are the models' validators. `EngineConfig` is what the engine
+reads (sequence length, pools, batching, speculation, graphs); `ServeConfig` is an `EngineConfig`
+plus what to load and how to serve it, so `mstar-serve` hands its config to the engine unchanged.
+Every error names the full dotted key (`scheduler.max_num_seqs`) and what is expected; an unknown
+key gets the closest known one as a suggestion.
 
 Relative paths (`checkpoint`, `model_kwargs.speculative_draft`) resolve against the folder of the
 YAML file that holds them; relative paths given as overrides resolve against the working directory,
 where the command line was typed. A checkpoint need not exist when the config is loaded (the tiny
 configs point at `checkpoints/`, which `mstar-make-tiny checkpoints/` fills); `check_paths` says
 what is missing when the server is about to load it.
+
+`Environment` declares every environment variable mstar reads; `Environment.read()` reads them once
+at startup and the values are passed down from there (no module reads the environment itself).
 """
 
 from __future__ import annotations
@@ -18,89 +24,169 @@ from __future__ import annotations
 import copy
 import difflib
 import os
-import types
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ServeConfigError(ValueError):
-    """A serve config (YAML key or override) that mstar cannot run; the message names the key."""
+    """A config (YAML key, override or environment variable) that mstar cannot run; the message names it."""
 
 
+class _Problem(ValueError):
+    """Raised by a field's validator: what is wrong with the value, said after the key (and `suffix`,
+    e.g. `[2]` for a list entry), which the validator does not know and the error message adds."""
+
+    def __init__(self, message: str, suffix: str = ""):
+        super().__init__(message)
+        self.message, self.suffix = message, suffix
+
+
+def _shown(value: Any) -> str:
+    return f"{type(value).__name__} ({value!r})"
+
+
+# --- value types that YAML writes differently from how a config holds them -------------------------
+
+
+def _to_path(value: Any) -> Any:
+    if isinstance(value, Path):
+        return value
+    if not isinstance(value, str) or not value:
+        raise _Problem(f"must be a directory path, got {_shown(value)}")
+    return Path(value)
+
+
+def _to_schedule(value: Any) -> Any:
+    if isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
+        value = dict(value)  # the stored pairs form, as a config holds it
+    if not isinstance(value, Mapping):
+        raise _Problem(f"must map decode batch buckets to drafts per row, e.g. {{16: 7, 32: 4, 64: 0}}; "
+                       f"got {_shown(value)}")
+    for bucket, drafts in value.items():
+        for what, v in (("bucket", bucket), ("draft count", drafts)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise _Problem(f": {what} {v!r} must be an integer (in entry {bucket!r}: {drafts!r})")
+        if bucket < 1:
+            raise _Problem(f": bucket {bucket} must be >= 1")
+    return tuple(sorted(value.items()))
+
+
+def api_key_problem(item: Any) -> str | None:
+    """What is wrong with an API key (None when it can be used); the key itself is never quoted."""
+    if not isinstance(item, str):
+        return f"must be a string, got {type(item).__name__}"
+    if not item:
+        return "is empty; give a non-empty key"
+    if any(c.isspace() or c == "," or not c.isprintable() for c in item):
+        return "holds whitespace, a comma or an unprintable character; keys are single printable tokens"
+    return None
+
+
+def _to_api_keys(value: Any) -> Any:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list | tuple):
+        raise _Problem(f"must be a list of key strings, got {type(value).__name__}")
+    for i, item in enumerate(value):
+        problem = api_key_problem(item)
+        if problem:
+            raise _Problem(problem, suffix=f"[{i}]")
+    return tuple(value)
+
+
+DirPath = Annotated[Path, BeforeValidator(_to_path), PlainSerializer(str)]
+# (batch bucket, drafts per row) pairs in increasing bucket order; written in YAML as a mapping.
+ScheduleEntries = Annotated[tuple[tuple[int, int], ...], BeforeValidator(_to_schedule), PlainSerializer(dict)]
+ApiKeys = Annotated[tuple[str, ...], BeforeValidator(_to_api_keys), PlainSerializer(list)]
 ModelName = Literal["kimi_k3"]  # the model registry: keys mstar knows how to build
 Dtype = Literal["float32", "bfloat16", "float16", "float64"]
 Device = Literal["cpu", "cuda", "auto"]
-# (batch bucket, drafts per row) pairs in increasing bucket order; written in YAML as a mapping.
-DraftSchedule = tuple[tuple[int, int], ...]
-
-_PATH_KEYS = ("checkpoint", "model_kwargs.speculative_draft")
 
 
-# --- schema -----------------------------------------------------------------------------------
+# --- schema -----------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MlaKvConfig:
+class _Section(BaseModel):
+    """A config section: strict types (`true` is not 1, "8" is not 8), no unknown keys, immutable."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_section_takes_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data  # `scheduler:` in YAML with every key commented out
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"a config is immutable ({type(self).__name__}.{name}): build another with "
+                             "with_overrides('key.sub=value')")
+
+
+class MlaKvConfig(_Section):
     """`resources.mla_kv`: the paged latent KV of the MLA layers (one pool per rank)."""
 
-    page_size: int = 64  # tokens per page
-    max_num_pages: int = 1792  # pages in the pool; must hold at least one max_seq_len request
+    page_size: int = Field(64, ge=1)  # tokens per page
+    # Pages in the pool. Page 0 is a sink that padding rows of a captured batch write into, so the
+    # pool holds (max_num_pages - 1) * page_size tokens: at least one max_seq_len request.
+    max_num_pages: int = Field(1792, ge=1)
 
 
-@dataclass(frozen=True)
-class KdaStateConfig:
+class KdaStateConfig(_Section):
     """`resources.kda_state`: per-request recurrent state of the KDA layers (state + conv window)."""
 
     # Slots in the pool. Slot 0 is a sink that padding rows of a captured batch write into, so at
     # most max_slots - 1 requests run at once: must exceed scheduler.max_num_seqs.
-    max_slots: int = 65
+    max_slots: int = Field(65, ge=2)
 
 
-@dataclass(frozen=True)
-class DSparkKvConfig:
+class DSparkKvConfig(_Section):
     """`resources.dspark_kv`: the paged latent KV of the DSpark draft's layers."""
 
-    # Pages in the draft's pool; the page size is resources.mla_kv.page_size. When the section is
-    # absent and speculation is on, it gets as many pages as resources.mla_kv.
-    max_num_pages: int = 1792
+    # Pages in the draft's pool (page 0 is its sink too); the page size is resources.mla_kv.page_size.
+    # When the section is absent and speculation is on, it gets as many pages as resources.mla_kv.
+    max_num_pages: int = Field(1792, ge=1)
 
 
-@dataclass(frozen=True)
-class ResourcesConfig:
+class ResourcesConfig(_Section):
     """`resources`: how large each per-request resource pool is."""
 
-    mla_kv: MlaKvConfig = field(default_factory=MlaKvConfig)
-    kda_state: KdaStateConfig = field(default_factory=KdaStateConfig)
+    mla_kv: MlaKvConfig = MlaKvConfig()
+    kda_state: KdaStateConfig = KdaStateConfig()
     dspark_kv: DSparkKvConfig | None = None  # draft KV; None when speculation is off
 
 
-@dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(_Section):
     """`scheduler`: continuous batching limits."""
 
-    max_num_seqs: int = 64  # requests running at once = the largest decode batch
+    max_num_seqs: int = Field(64, ge=1)  # requests running at once = the largest decode batch
     # Requests that prefill (a chunk of) their prompt in one step; a prefilling request is running,
     # so max_num_seqs also caps it (not an error, so that overriding max_num_seqs alone works).
-    max_prefill_seqs: int = 8
+    max_prefill_seqs: int = Field(8, ge=1)
     # Tokens one step may run: prefill chunks plus decode rows (each row with its drafts).
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = Field(8192, ge=1)
     # Split prompts longer than the token budget over several steps. Off: a prompt prefills in one
     # step, so the budget must hold max_seq_len tokens.
     chunked_prefill: bool = True
     # Requests queued for admission. The server admits at most max_num_seqs + max_waiting engine
     # requests (one per choice) at once and answers 429 with Retry-After beyond that.
-    max_waiting: int = 1024
+    max_waiting: int = Field(1024, ge=1)
 
 
-ApiKeys = tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ServerSection:
+class ServerSection(_Section):
     """`server`: the HTTP front end's access control and per-request limits (see README, Operating)."""
 
     # Bearer keys accepted on every /v1/* route (any one of them). Empty: no key needed, unless
@@ -109,27 +195,31 @@ class ServerSection:
     api_keys: ApiKeys = ()
     protect_health: bool = False  # GET /health needs a key too (when keys are set); default open for probes
     protect_metrics: bool = False  # GET /metrics needs a key too (when keys are set)
-    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused with 413
-    max_n: int = 16  # choices per prompt (`n`); more is a 400
-    max_tokens: int = 0  # cap on max_tokens / max_completion_tokens (also the omitted default); 0: the context
-    retry_after_s: int = 1  # the Retry-After header of a 429 (engine requests beyond the waiting queue)
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)  # larger request bodies are refused with 413
+    max_n: int = Field(16, ge=1, le=128)  # choices per prompt (`n`); more is a 400 (128: OpenAI's own bound)
+    # cap on max_tokens / max_completion_tokens (also the omitted default); 0: the context
+    max_tokens: int = Field(0, ge=0)
+    retry_after_s: int = Field(1, ge=1)  # the Retry-After header of a 429 (engine requests beyond the waiting queue)
     # Consecutive failed engine steps after which the engine gives up: mstar-serve then exits with
     # status 3 (for a supervisor to restart it). A single failed step fails the requests in flight
     # with an error and the server goes on.
-    max_step_failures: int = 3
+    max_step_failures: int = Field(3, ge=1)
     log_requests: bool = False  # log each request's prompt and parameters (never logged otherwise)
 
 
-@dataclass(frozen=True)
-class ModelKwargs:
+class ModelKwargs(_Section):
     """`model_kwargs`: choices fixed at server start (baked into weights layout and graph captures)."""
 
-    speculative_tokens: int = 0  # k: DSpark drafts per verify step; 0 turns speculation off
-    speculative_draft: Path | None = None  # DSpark draft checkpoint directory; required when k > 0
+    # k: DSpark drafts per verify step. 0 turns speculation off, whatever the other speculative_*
+    # keys say: the schedule is then cleared and the draft is not loaded, so that overriding
+    # speculative_tokens=0 alone turns off a config written for speculation.
+    speculative_tokens: int = Field(0, ge=0)
+    speculative_draft: DirPath | None = None  # DSpark draft checkpoint directory; required when k > 0
     # Drafts per row by decode batch bucket, e.g. {16: 7, 32: 4, 64: 0}: a batch of n rows uses the
-    # smallest bucket >= n. Values are in 0..speculative_tokens; the largest bucket must cover
-    # scheduler.max_num_seqs. Empty: speculative_tokens drafts at every batch size.
-    speculative_schedule: DraftSchedule = ()
+    # smallest bucket >= n (mstar/speculative/schedule.py). Buckets are integers >= 1; with speculation
+    # on, values are in 0..speculative_tokens and the largest bucket must cover scheduler.max_num_seqs.
+    # Empty: speculative_tokens drafts at every batch size.
+    speculative_schedule: ScheduleEntries = ()
     mixed_prefill_decode: bool = True  # run prefill chunks and decode rows in the same step
     # Decode and verify steps of 1..64 sequences and prefill steps (up to 8 prompts, token buckets up to 8192)
     # replay CUDA graphs captured at startup (no effect on CPU). Startup fails, naming what is in the way,
@@ -145,72 +235,258 @@ class ModelKwargs:
     # split over its ranks by intermediate dim. 1: pure TP (every rank holds a slice of every expert);
     # = tp_size: pure EP (whole experts). Per-rank expert memory is the same either way; see
     # mstar/distributed/expert_sharding.py and docs/multi_node.md.
-    moe_ep_size: int = 1
-
-    @property
-    def max_drafts(self) -> int:
-        """The most drafts any row can carry; sizes verify buffers and per-row state."""
-        if not self.speculative_schedule:
-            return self.speculative_tokens
-        return max(drafts for _, drafts in self.speculative_schedule)
-
-    def drafts_for_batch(self, num_rows: int) -> int:
-        """Drafts per row for a decode batch of `num_rows` rows."""
-        if not self.speculative_schedule:
-            return self.speculative_tokens
-        for bucket, drafts in self.speculative_schedule:
-            if num_rows <= bucket:
-                return drafts
-        raise ValueError(f"a decode batch of {num_rows} rows is above every speculative_schedule bucket")
+    moe_ep_size: int = Field(1, ge=1)
 
 
-@dataclass(frozen=True)
-class ServeConfig:
-    """One served model: what to load, where to run it, and how large its pools and batches are."""
+class EngineConfig(_Section):
+    """What the engine runs: the longest request, its pools, its batching and its speculation."""
 
-    model: ModelName  # registry key of the model implementation
-    checkpoint: Path  # HF checkpoint directory (absolute once parsed)
-    tp_size: int = 1  # tensor-parallel ranks, one per GPU (gloo processes on CPU)
-    max_seq_len: int = 8192  # longest request, prompt plus output, in tokens
-    dtype: Dtype = "bfloat16"  # activations and unquantized weights
-    device: Device = "auto"  # "auto": CUDA when available, else CPU
-    served_model_name: str = ""  # name in /v1/models and responses (default: the checkpoint folder's name)
-    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    model_kwargs: ModelKwargs = field(default_factory=ModelKwargs)
-    server: ServerSection = field(default_factory=ServerSection)
+    max_seq_len: int = Field(8192, ge=1)  # longest request, prompt plus output, in tokens
+    resources: ResourcesConfig = ResourcesConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    model_kwargs: ModelKwargs = ModelKwargs()
 
     @property
     def speculative(self) -> bool:
         return self.model_kwargs.speculative_tokens > 0
 
+    @property
+    def dspark_kv_pages(self) -> int:
+        """Pages of the draft's KV pool: resources.dspark_kv's, or as many as the target's."""
+        r = self.resources
+        return (r.dspark_kv or r.mla_kv).max_num_pages
+
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML/JSON-ready values (paths as strings, the schedule as a mapping), for logging.
         `parse_serve_config(cfg.to_dict()) == cfg`."""
-        return _plain(self)
+        return self.model_dump()
 
-    def with_overrides(self, *overrides: str) -> ServeConfig:
+    def with_overrides(self, *overrides: str) -> EngineConfig:
         """A copy with `key.sub=value` overrides applied and validated again."""
-        return parse_serve_config(apply_overrides(self.to_dict(), overrides))
+        return _validated(type(self), apply_overrides(self.to_dict(), overrides), Path.cwd())
+
+    def _with_derived_defaults(self) -> EngineConfig:
+        """Defaults that depend on other keys, filled once the config is valid."""
+        mk, r = self.model_kwargs, self.resources
+        if not self.speculative:
+            if not mk.speculative_schedule:
+                return self
+            return self.model_copy(update={"model_kwargs": mk.model_copy(update={"speculative_schedule": ()})})
+        if r.dspark_kv is not None:
+            return self
+        pages = DSparkKvConfig(max_num_pages=self.dspark_kv_pages)
+        return self.model_copy(update={"resources": r.model_copy(update={"dspark_kv": pages})})
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> EngineConfig:
+        _check_scheduler(self)
+        _check_pools(self)
+        if self.speculative:
+            _check_speculation(self)
+        return self
 
 
-def _plain(value: Any) -> Any:
-    if is_dataclass(value):
-        return {f.name: _plain_field(f.name, getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+class ServeConfig(EngineConfig):
+    """One served model: what to load, where to run it, and the engine config it runs with."""
+
+    model: ModelName  # registry key of the model implementation
+    checkpoint: DirPath  # HF checkpoint directory (absolute once parsed)
+    tp_size: int = Field(1, ge=1)  # tensor-parallel ranks, one per GPU (gloo processes on CPU)
+    dtype: Dtype = "bfloat16"  # activations and unquantized weights
+    device: Device = "auto"  # "auto": CUDA when available, else CPU
+    served_model_name: str = ""  # name in /v1/models and responses (default: the checkpoint folder's name)
+    server: ServerSection = ServerSection()
+
+    def _with_derived_defaults(self) -> ServeConfig:
+        cfg = super()._with_derived_defaults()
+        return cfg if cfg.served_model_name else cfg.model_copy(update={"served_model_name": cfg.checkpoint.name})
+
+    @model_validator(mode="after")
+    def _check_serving(self) -> ServeConfig:
+        mk = self.model_kwargs
+        if self.speculative and mk.speculative_draft is None:
+            raise ServeConfigError(
+                f"'model_kwargs.speculative_tokens' is {mk.speculative_tokens} but 'model_kwargs.speculative_draft' "
+                "is not set: give the DSpark draft checkpoint directory, or set speculative_tokens to 0"
+            )
+        if self.tp_size % mk.moe_ep_size:
+            raise ServeConfigError(
+                f"'model_kwargs.moe_ep_size' ({mk.moe_ep_size}) must divide 'tp_size' ({self.tp_size}): the ranks "
+                "form moe_ep_size expert-parallel groups of equal size"
+            )
+        return self
 
 
-def _plain_field(name: str, value: Any) -> Any:
-    if name == "speculative_schedule":
-        return dict(value)
-    return _plain(value)
+# --- checks that relate keys to each other ----------------------------------------------------------
 
 
-# --- loading ----------------------------------------------------------------------------------
+def _check_scheduler(cfg: EngineConfig) -> None:
+    s = cfg.scheduler
+    if s.max_num_batched_tokens < s.max_num_seqs:
+        raise ServeConfigError(
+            f"'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be >= "
+            f"'scheduler.max_num_seqs' ({s.max_num_seqs}): a full decode batch takes one token per request"
+        )
+    if not s.chunked_prefill and s.max_num_batched_tokens < cfg.max_seq_len:
+        raise ServeConfigError(
+            f"'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be >= 'max_seq_len' "
+            f"({cfg.max_seq_len}) when 'scheduler.chunked_prefill' is false: a prompt then prefills in one step"
+        )
+
+
+def _check_pools(cfg: EngineConfig) -> None:
+    r, s = cfg.resources, cfg.scheduler
+    if r.kda_state.max_slots <= s.max_num_seqs:
+        raise ServeConfigError(
+            f"'resources.kda_state.max_slots' ({r.kda_state.max_slots}) must be > 'scheduler.max_num_seqs' "
+            f"({s.max_num_seqs}): slot 0 is the sink for padding rows, so set it to at least {s.max_num_seqs + 1}"
+        )
+    page = r.mla_kv.page_size
+    pools = [("resources.mla_kv.max_num_pages", r.mla_kv.max_num_pages)]
+    if r.dspark_kv is not None or cfg.speculative:
+        pools.append(("resources.dspark_kv.max_num_pages", cfg.dspark_kv_pages))
+    needed = 1 + -(-cfg.max_seq_len // page)  # page 0 is the sink: it holds no request's tokens
+    for key, pages in pools:
+        if pages < needed:
+            raise ServeConfigError(
+                f"'{key}' ({pages} pages of {page} tokens, page 0 the sink: {(pages - 1) * page} tokens) cannot hold "
+                f"one request of 'max_seq_len' ({cfg.max_seq_len}) tokens; it needs at least {needed} pages"
+            )
+
+
+def _check_speculation(cfg: EngineConfig) -> None:
+    mk = cfg.model_kwargs
+    k = mk.speculative_tokens
+    for bucket, drafts in mk.speculative_schedule:
+        if not 0 <= drafts <= k:
+            raise ServeConfigError(
+                f"'model_kwargs.speculative_schedule': bucket {bucket} maps to {drafts}; drafts per row must be "
+                f"in 0..'model_kwargs.speculative_tokens' ({k})"
+            )
+    if mk.speculative_schedule and mk.speculative_schedule[-1][0] < cfg.scheduler.max_num_seqs:
+        raise ServeConfigError(
+            f"'model_kwargs.speculative_schedule': the largest bucket ({mk.speculative_schedule[-1][0]}) must "
+            f"cover 'scheduler.max_num_seqs' ({cfg.scheduler.max_num_seqs})"
+        )
+    budget = cfg.scheduler.max_num_batched_tokens
+    rows, tokens = _largest_decode_step(cfg)
+    if tokens > budget:
+        raise ServeConfigError(
+            f"'scheduler.max_num_batched_tokens' ({budget}) cannot hold a decode step of {rows} rows with "
+            f"{tokens // rows - 1} drafts each ({tokens} tokens); raise it or lower 'model_kwargs.speculative_tokens' "
+            "/ 'model_kwargs.speculative_schedule'"
+        )
+
+
+def _largest_decode_step(cfg: EngineConfig) -> tuple[int, int]:
+    """(rows, tokens) of the decode step with the most tokens: every row carries its drafts."""
+    mk, max_rows = cfg.model_kwargs, cfg.scheduler.max_num_seqs
+    if not mk.speculative_schedule:
+        return max_rows, max_rows * (1 + mk.speculative_tokens)
+    steps = []
+    for bucket, drafts in mk.speculative_schedule:
+        rows = min(bucket, max_rows)
+        steps.append((rows, rows * (1 + drafts)))
+    return max(steps, key=lambda step: step[1])
+
+
+def check_expert_parallel(cfg: ServeConfig, num_experts: int) -> None:
+    """Raise ServeConfigError, naming the key, unless moe_ep_size splits the checkpoint's experts evenly."""
+    ep = cfg.model_kwargs.moe_ep_size
+    if num_experts % ep:
+        raise ServeConfigError(
+            f"'model_kwargs.moe_ep_size' ({ep}) must divide the checkpoint's num_experts ({num_experts}): "
+            "each expert-parallel group owns num_experts / moe_ep_size whole experts"
+        )
+
+
+# --- the environment --------------------------------------------------------------------------------
+
+DEFAULT_PROFILE_START, DEFAULT_PROFILE_COUNT = 10, 5
+
+
+class ProfileWindow(BaseModel):
+    """`MSTAR_TORCH_PROFILE=DIR[:START[:COUNT]]`: trace engine steps START .. START+COUNT-1 into DIR."""
+
+    model_config = ConfigDict(frozen=True)
+
+    directory: Path
+    start: int = Field(DEFAULT_PROFILE_START, ge=0)  # past the first steps, which compile kernels and warm allocators
+    count: int = Field(DEFAULT_PROFILE_COUNT, ge=1)
+
+
+def _to_profile_window(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    directory, *numbers = value.split(":")
+    if len(numbers) > 2 or not directory or not all(n.strip().isdigit() for n in numbers):
+        raise _Problem(f"={value!r}: expected DIR[:START[:COUNT]] with whole numbers, e.g. /tmp/prof:10:5")
+    start, count = ([int(n) for n in numbers] + [DEFAULT_PROFILE_START, DEFAULT_PROFILE_COUNT][len(numbers):])[:2]
+    if count < 1:
+        raise _Problem(f"={value!r}: COUNT must be >= 1")
+    return ProfileWindow(directory=Path(directory), start=start, count=count)
+
+
+def _to_threshold(value: Any) -> Any:
+    text = value.strip() if isinstance(value, str) else value
+    if isinstance(text, str) and text.isdigit():
+        return int(text)
+    if isinstance(text, int) and not isinstance(text, bool) and text >= 0:
+        return text
+    raise _Problem(f"must be a non-negative integer (steps of more tokens run the MoE as bf16 grouped GEMMs), "
+                   f"got {value!r}")
+
+
+def _to_env_api_keys(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    keys = [k.strip() for k in value.split(",") if k.strip()]
+    for i, key in enumerate(keys):
+        problem = api_key_problem(key)
+        if problem:
+            raise _Problem(problem, suffix=f" entry {i + 1}")
+    return tuple(keys)
+
+
+class Environment(BaseModel):
+    """Every environment variable mstar reads (each field's alias is the variable), read once at startup
+    by `Environment.read()` and passed down as values. Not YAML keys: they choose how a process runs
+    (profiling, test faults, secrets, a kernel threshold), not what it serves."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_by_name=True, validate_by_alias=True)
+
+    # Steps of more tokens than this run the routed experts as bf16 grouped GEMMs on weights dequantized
+    # once per layer (kernels/moe_bf16.py; sm_90 only); fewer run the MXFP4 kernel.
+    moe_bf16_tokens: Annotated[int, BeforeValidator(_to_threshold)] = Field(6144, alias="MSTAR_MOE_BF16_TOKENS")
+    # A torch.profiler trace of a window of engine steps (engine/profiling.py). Off unless set.
+    torch_profile: Annotated[ProfileWindow | None, BeforeValidator(_to_profile_window)] = Field(
+        None, alias="MSTAR_TORCH_PROFILE")
+    # Test-only fault injection (engine/faults.py spells the entries). Off unless set.
+    fault_inject: str | None = Field(None, alias="MSTAR_FAULT_INJECT")
+    # API keys (comma-separated), accepted besides server.api_keys and --api-key; kept out of the process list.
+    api_keys: Annotated[tuple[str, ...], BeforeValidator(_to_env_api_keys)] = Field((), alias="MSTAR_API_KEY")
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        """The variables from `environ` (default: the process environment); an empty one counts as unset."""
+        environ = os.environ if environ is None else environ
+        names = [info.alias for info in cls.model_fields.values()]
+        try:
+            return cls.model_validate({name: environ[name] for name in names if environ.get(name)})
+        except ValidationError as e:
+            problem = e.errors()[0]
+            cause = (problem.get("ctx") or {}).get("error")
+            name = problem["loc"][0]
+            if isinstance(cause, _Problem):
+                space = "" if cause.message.startswith("=") else " "
+                raise ServeConfigError(f"{name}{cause.suffix}{space}{cause.message}") from None
+            raise ServeConfigError(f"{name}={environ.get(name)!r}: {problem['msg']}") from None
+
+
+NO_ENV = Environment()  # every variable unset: the defaults (tests, tools that take no environment)
+
+
+# --- loading ----------------------------------------------------------------------------------------
 
 
 def load_serve_config(path: str | Path, overrides: Sequence[str] = ()) -> ServeConfig:
@@ -238,23 +514,33 @@ def load_serve_config(path: str | Path, overrides: Sequence[str] = ()) -> ServeC
 def parse_serve_config(raw: Mapping[str, Any], base_dir: str | Path | None = None) -> ServeConfig:
     """Build and validate a ServeConfig from a mapping (a YAML file's content). Relative paths
     resolve against `base_dir` (default: the working directory)."""
+    return _validated(ServeConfig, raw, Path(base_dir or Path.cwd()))
+
+
+def _validated(cls: type[EngineConfig], raw: Mapping[str, Any], base: Path) -> Any:
     if not isinstance(raw, Mapping):
         raise ServeConfigError(f"a serve config must be a mapping of keys, got {type(raw).__name__}")
-    raw = _absolute_paths(raw, Path(base_dir or Path.cwd()).absolute())
-    cfg = _build(ServeConfig, raw, "")
-    cfg = _fill_defaults(cfg)
-    validate(cfg)
-    return cfg
+    try:
+        cfg = cls.model_validate(_absolute_paths(raw, base.absolute()))
+    except ValidationError as e:
+        raise ServeConfigError(_first_problem(e)) from None
+    return cfg._with_derived_defaults()
 
 
-def _fill_defaults(cfg: ServeConfig) -> ServeConfig:
-    """Defaults that depend on other keys."""
-    if not cfg.served_model_name:
-        cfg = replace(cfg, served_model_name=cfg.checkpoint.name)
-    if cfg.speculative and cfg.resources.dspark_kv is None:
-        pages = DSparkKvConfig(max_num_pages=cfg.resources.mla_kv.max_num_pages)
-        cfg = replace(cfg, resources=replace(cfg.resources, dspark_kv=pages))
-    return cfg
+def _path_keys(cls: type[BaseModel], where: str = "") -> list[str]:
+    """The dotted keys whose values are paths (they resolve against the YAML file's folder)."""
+    keys = []
+    for name, info in cls.model_fields.items():
+        section = _section_class(info.annotation)
+        if section is not None:
+            keys += _path_keys(section, _dotted(where, name))
+        elif _holds_path(info.annotation):
+            keys.append(_dotted(where, name))
+    return keys
+
+
+def _holds_path(hint: Any) -> bool:
+    return hint is Path or any(_holds_path(arg) for arg in get_args(hint))
 
 
 def _absolute_paths(raw: Mapping[str, Any], base: Path) -> dict[str, Any]:
@@ -264,12 +550,59 @@ def _absolute_paths(raw: Mapping[str, Any], base: Path) -> dict[str, Any]:
         holder: Any = out
         for part in parents:
             holder = holder.get(part) if isinstance(holder, dict) else None
-        if isinstance(holder, dict) and isinstance(holder.get(leaf), str | Path):
+        if isinstance(holder, dict) and isinstance(holder.get(leaf), str | Path) and holder[leaf]:
             holder[leaf] = str(Path(os.path.normpath(base / Path(holder[leaf]).expanduser())))
     return out
 
 
-# --- overrides --------------------------------------------------------------------------------
+# --- errors -----------------------------------------------------------------------------------------
+
+_EXPECTED = {
+    "int_type": "must be an integer",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
+    "model_type": "must be a mapping of keys",
+    "dict_type": "must be a mapping of keys",
+}
+
+
+def _first_problem(error: ValidationError) -> str:
+    """One message for a failed validation, naming the key: an unknown key first (a misspelt key
+    leaves its value at the default, which may be what fails next), else the first problem."""
+    problems = error.errors()
+    unknown = [p for p in problems if p["type"] == "extra_forbidden"]
+    return _message(unknown[0] if unknown else problems[0])
+
+
+def _message(problem: Mapping[str, Any]) -> str:
+    loc = [str(part) for part in problem["loc"]]
+    key, kind, value = ".".join(loc), problem["type"], problem.get("input")
+    ctx = problem.get("ctx") or {}
+    if kind == "extra_forbidden":
+        where = ".".join(loc[:-1])
+        return _unknown_key_error(where, loc[-1], _level(where)).args[0]
+    if kind == "missing":
+        return f"the required key '{key}' is missing"
+    if kind == "value_error":
+        cause = ctx["error"]
+        if isinstance(cause, _Problem):
+            space = "" if cause.message.startswith(":") else " "
+            return f"'{key}{cause.suffix}'{space}{cause.message}"
+        return str(cause)  # a check that relates keys names them itself
+    if value is None:
+        return f"'{key}' must be set, got null"
+    if kind in _EXPECTED:
+        return f"'{key}' {_EXPECTED[kind]}, got {_shown(value)}"
+    if kind == "literal_error":
+        return f"'{key}' must be one of {ctx['expected']}, got {value!r}"
+    if kind == "greater_than_equal":
+        return f"'{key}' must be >= {ctx['ge']}, got {value}"
+    if kind == "less_than_equal":
+        return f"'{key}' must be <= {ctx['le']}, got {value}"
+    return f"'{key}': {problem['msg']} (got {_shown(value)})"
+
+
+# --- overrides --------------------------------------------------------------------------------------
 
 
 def apply_overrides(raw: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -309,24 +642,23 @@ def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
     holder[leaf] = value
 
 
-# --- the schema as key names, for checks and suggestions --------------------------------------
+# --- the schema as key names, for checks and suggestions --------------------------------------------
 
 
-def _section_class(hint: Any) -> type | None:
-    """The dataclass a field holds (also through `X | None`), or None for a plain value."""
-    for candidate in (hint, *get_args(hint)):
-        if isinstance(candidate, type) and is_dataclass(candidate):
+def _section_class(hint: Any) -> type[BaseModel] | None:
+    """The section model a field holds (also through `X | None`), or None for a plain value."""
+    for candidate in (hint, *getattr(hint, "__args__", ())):
+        if isinstance(candidate, type) and issubclass(candidate, _Section):
             return candidate
     return None
 
 
-def _key_tree(cls: type) -> dict[str, Any]:
+def _key_tree(cls: type[BaseModel]) -> dict[str, Any]:
     """{key: subtree} for sections, {key: None} for values."""
-    hints = get_type_hints(cls)
     tree: dict[str, Any] = {}
-    for f in fields(cls):
-        section = _section_class(hints[f.name])
-        tree[f.name] = _key_tree(section) if section else None
+    for name, info in cls.model_fields.items():
+        section = _section_class(info.annotation)
+        tree[name] = _key_tree(section) if section else None
     return tree
 
 
@@ -345,11 +677,19 @@ def _all_keys(tree: Mapping[str, Any], where: str = "") -> list[str]:
 
 _KEY_TREE = _key_tree(ServeConfig)
 _ALL_KEYS = _all_keys(_KEY_TREE)
+_PATH_KEYS = _path_keys(ServeConfig)
 
 
 def known_keys() -> list[str]:
     """Every dotted key a serve config may set (sections included)."""
     return list(_ALL_KEYS)
+
+
+def _level(where: str) -> Mapping[str, Any]:
+    level = _KEY_TREE
+    for part in where.split(".") if where else ():
+        level = level[part]
+    return level
 
 
 def _unknown_key_error(where: str, key: str, level: Mapping[str, Any]) -> ServeConfigError:
@@ -383,249 +723,7 @@ def _check_known_key(key: str) -> None:
         level, where = level[part], _dotted(where, part)
 
 
-# --- typed parsing ----------------------------------------------------------------------------
-
-
-def _build(cls: type, raw: Any, where: str) -> Any:
-    if not isinstance(raw, Mapping):
-        raise ServeConfigError(f"'{where or 'config'}' must be a mapping of keys, got {type(raw).__name__} ({raw!r})")
-    hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    for key in raw:
-        if key not in known:
-            raise _unknown_key_error(where, key, _key_tree(cls))
-    values = {}
-    for f in fields(cls):
-        key = _dotted(where, f.name)
-        if f.name in raw:
-            values[f.name] = _convert(hints[f.name], raw[f.name], key)
-        elif f.default is MISSING and f.default_factory is MISSING:
-            raise ServeConfigError(f"the required key '{key}' is missing")
-    return cls(**values)
-
-
-def _convert(hint: Any, value: Any, key: str) -> Any:
-    options = get_args(hint) if get_origin(hint) in (Union, types.UnionType) else (hint,)
-    if value is None:
-        if type(None) in options:
-            return None
-        if _section_class(hint) is not None:
-            return _section_class(hint)()  # `scheduler:` with every key commented out: the defaults
-        raise ServeConfigError(f"'{key}' must be set, got null")
-    (hint,) = [t for t in options if t is not type(None)]
-    section = _section_class(hint)
-    if section is not None:
-        return _build(section, value, key)
-    if hint == DraftSchedule:
-        return _parse_schedule(value, key)
-    if hint == ApiKeys:
-        return _parse_api_keys(value, key)
-    if get_origin(hint) is Literal:
-        choices = get_args(hint)
-        if value not in choices:
-            raise ServeConfigError(f"'{key}' must be one of {', '.join(map(repr, choices))}, got {value!r}")
-        return value
-    if hint is Path:
-        if not isinstance(value, str | Path) or not str(value):
-            raise ServeConfigError(f"'{key}' must be a directory path, got {type(value).__name__} ({value!r})")
-        return Path(value)
-    return _scalar(hint, value, key)
-
-
-_TYPE_WORDS = {bool: "true or false", int: "an integer", str: "a string"}
-
-
-def _scalar(hint: type, value: Any, key: str) -> Any:
-    # bool is a subclass of int: `max_num_seqs: true` must not read as 1.
-    ok = isinstance(value, hint) and (hint is bool or not isinstance(value, bool))
-    if not ok:
-        raise ServeConfigError(f"'{key}' must be {_TYPE_WORDS[hint]}, got {type(value).__name__} ({value!r})")
-    return value
-
-
-def _parse_schedule(value: Any, key: str) -> DraftSchedule:
-    if isinstance(value, tuple | list) and all(isinstance(p, tuple | list) and len(p) == 2 for p in value):
-        value = dict(value)  # the stored pairs form, as a ServeConfig holds it
-    if not isinstance(value, Mapping):
-        raise ServeConfigError(
-            f"'{key}' must map decode batch buckets to drafts per row, e.g. {{16: 7, 32: 4, 64: 0}}; "
-            f"got {type(value).__name__} ({value!r})"
-        )
-    for bucket, drafts in value.items():
-        for what, v in (("bucket", bucket), ("draft count", drafts)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise ServeConfigError(f"'{key}': {what} {v!r} must be an integer (in entry {bucket!r}: {drafts!r})")
-    return tuple(sorted(value.items()))
-
-
-def _parse_api_keys(value: Any, key: str) -> ApiKeys:
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list | tuple):
-        raise ServeConfigError(f"'{key}' must be a list of key strings, got {type(value).__name__}")
-    for i, item in enumerate(value):
-        problem = api_key_problem(item)
-        if problem:
-            raise ServeConfigError(f"'{key}[{i}]' {problem}")
-    return tuple(value)
-
-
-def api_key_problem(item: Any) -> str | None:
-    """What is wrong with an API key (None when it can be used); the key itself is never quoted."""
-    if not isinstance(item, str):
-        return f"must be a string, got {type(item).__name__}"
-    if not item:
-        return "is empty; give a non-empty key"
-    if any(c.isspace() or c == "," or not c.isprintable() for c in item):
-        return "holds whitespace, a comma or an unprintable character; keys are single printable tokens"
-    return None
-
-
-# --- validation -------------------------------------------------------------------------------
-
-_AT_LEAST = {
-    "tp_size": 1,
-    "max_seq_len": 1,
-    "resources.mla_kv.page_size": 1,
-    "resources.mla_kv.max_num_pages": 1,
-    "resources.kda_state.max_slots": 2,
-    "resources.dspark_kv.max_num_pages": 1,
-    "scheduler.max_num_seqs": 1,
-    "scheduler.max_prefill_seqs": 1,
-    "scheduler.max_num_batched_tokens": 1,
-    "scheduler.max_waiting": 1,
-    "model_kwargs.speculative_tokens": 0,
-    "model_kwargs.moe_ep_size": 1,
-    "server.max_body_bytes": 1024,
-    "server.max_n": 1,
-    "server.max_tokens": 0,
-    "server.retry_after_s": 1,
-    "server.max_step_failures": 1,
-}
-_AT_MOST = {
-    "server.max_n": 128,  # OpenAI's own bound, and what the request schema allows at most
-}
-
-
-def _get(cfg: ServeConfig, dotted: str) -> Any:
-    value: Any = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part) if value is not None else None
-    return value
-
-
-def validate(cfg: ServeConfig) -> None:
-    """Raise ServeConfigError for out-of-range values and keys that contradict each other."""
-    for key, least in _AT_LEAST.items():
-        value = _get(cfg, key)
-        if value is not None and value < least:
-            raise ServeConfigError(f"'{key}' must be >= {least}, got {value}")
-    for key, most in _AT_MOST.items():
-        value = _get(cfg, key)
-        if value is not None and value > most:
-            raise ServeConfigError(f"'{key}' must be <= {most}, got {value}")
-    _validate_scheduler(cfg)
-    _validate_pools(cfg)
-    _validate_speculation(cfg)
-    _validate_expert_parallel(cfg)
-
-
-def _validate_expert_parallel(cfg: ServeConfig) -> None:
-    ep = cfg.model_kwargs.moe_ep_size
-    if cfg.tp_size % ep:
-        raise ServeConfigError(
-            f"'model_kwargs.moe_ep_size' ({ep}) must divide 'tp_size' ({cfg.tp_size}): the ranks form moe_ep_size "
-            "expert-parallel groups of equal size"
-        )
-
-
-def check_expert_parallel(cfg: ServeConfig, num_experts: int) -> None:
-    """Raise ServeConfigError, naming the key, unless moe_ep_size splits the checkpoint's experts evenly."""
-    ep = cfg.model_kwargs.moe_ep_size
-    if num_experts % ep:
-        raise ServeConfigError(
-            f"'model_kwargs.moe_ep_size' ({ep}) must divide the checkpoint's num_experts ({num_experts}): "
-            "each expert-parallel group owns num_experts / moe_ep_size whole experts"
-        )
-
-
-def _validate_scheduler(cfg: ServeConfig) -> None:
-    s = cfg.scheduler
-    if s.max_num_batched_tokens < s.max_num_seqs:
-        raise ServeConfigError(
-            f"'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be >= "
-            f"'scheduler.max_num_seqs' ({s.max_num_seqs}): a full decode batch takes one token per request"
-        )
-    if not s.chunked_prefill and s.max_num_batched_tokens < cfg.max_seq_len:
-        raise ServeConfigError(
-            f"'scheduler.max_num_batched_tokens' ({s.max_num_batched_tokens}) must be >= 'max_seq_len' "
-            f"({cfg.max_seq_len}) when 'scheduler.chunked_prefill' is false: a prompt then prefills in one step"
-        )
-
-
-def _validate_pools(cfg: ServeConfig) -> None:
-    r, s = cfg.resources, cfg.scheduler
-    if r.kda_state.max_slots <= s.max_num_seqs:
-        raise ServeConfigError(
-            f"'resources.kda_state.max_slots' ({r.kda_state.max_slots}) must be > 'scheduler.max_num_seqs' "
-            f"({s.max_num_seqs}): slot 0 is the sink for padding rows, so set it to at least {s.max_num_seqs + 1}"
-        )
-    page = r.mla_kv.page_size
-    pools = [("resources.mla_kv.max_num_pages", r.mla_kv.max_num_pages)]
-    if r.dspark_kv is not None:
-        pools.append(("resources.dspark_kv.max_num_pages", r.dspark_kv.max_num_pages))
-    for key, pages in pools:
-        if pages * page < cfg.max_seq_len:
-            raise ServeConfigError(
-                f"'{key}' ({pages} pages of {page} tokens = {pages * page}) cannot hold one request of "
-                f"'max_seq_len' ({cfg.max_seq_len}) tokens; it needs at least {-(-cfg.max_seq_len // page)} pages"
-            )
-
-
-def _validate_speculation(cfg: ServeConfig) -> None:
-    mk = cfg.model_kwargs
-    k = mk.speculative_tokens
-    if k > 0 and mk.speculative_draft is None:
-        raise ServeConfigError(
-            f"'model_kwargs.speculative_tokens' is {k} but 'model_kwargs.speculative_draft' is not set: "
-            "give the DSpark draft checkpoint directory, or set speculative_tokens to 0"
-        )
-    for bucket, drafts in mk.speculative_schedule:
-        if bucket < 1:
-            raise ServeConfigError(f"'model_kwargs.speculative_schedule': bucket {bucket} must be >= 1")
-        if not 0 <= drafts <= k:
-            raise ServeConfigError(
-                f"'model_kwargs.speculative_schedule': bucket {bucket} maps to {drafts}; drafts per row must be "
-                f"in 0..'model_kwargs.speculative_tokens' ({k})"
-            )
-    if mk.speculative_schedule and mk.speculative_schedule[-1][0] < cfg.scheduler.max_num_seqs:
-        raise ServeConfigError(
-            f"'model_kwargs.speculative_schedule': the largest bucket ({mk.speculative_schedule[-1][0]}) must "
-            f"cover 'scheduler.max_num_seqs' ({cfg.scheduler.max_num_seqs})"
-        )
-    budget = cfg.scheduler.max_num_batched_tokens
-    rows, tokens = _largest_decode_step(cfg)
-    if tokens > budget:
-        raise ServeConfigError(
-            f"'scheduler.max_num_batched_tokens' ({budget}) cannot hold a decode step of {rows} rows with "
-            f"{tokens // rows - 1} drafts each ({tokens} tokens); raise it or lower 'model_kwargs.speculative_tokens' "
-            "/ 'model_kwargs.speculative_schedule'"
-        )
-
-
-def _largest_decode_step(cfg: ServeConfig) -> tuple[int, int]:
-    """(rows, tokens) of the decode step with the most tokens: every row carries its drafts."""
-    mk, max_rows = cfg.model_kwargs, cfg.scheduler.max_num_seqs
-    if not mk.speculative_schedule:
-        return max_rows, max_rows * (1 + mk.speculative_tokens)
-    steps = []
-    for bucket, drafts in mk.speculative_schedule:
-        rows = min(bucket, max_rows)
-        steps.append((rows, rows * (1 + drafts)))
-    return max(steps, key=lambda step: step[1])
-
-
-# --- runtime resolution -----------------------------------------------------------------------
+# --- runtime resolution -----------------------------------------------------------------------------
 
 
 def resolve_device(cfg: ServeConfig) -> str:
@@ -638,6 +736,13 @@ def resolve_device(cfg: ServeConfig) -> str:
     if cfg.device == "cuda" and not available:
         raise ServeConfigError("'device' is 'cuda' but torch sees no CUDA GPU; set device=cpu or device=auto")
     return cfg.device
+
+
+def torch_dtype(name: Dtype) -> torch.dtype:
+    """The torch dtype a `dtype` key names."""
+    import torch
+
+    return getattr(torch, name)
 
 
 def check_paths(cfg: ServeConfig) -> None:

@@ -8,9 +8,10 @@ use if it is missing. SIGTERM or Ctrl-C drains: open requests finish, new ones a
 the engine thread stops and the process exits 0.
 
 API keys come from the config's `server.api_keys`, every `--api-key`, and `MSTAR_API_KEY` (comma-
-separated), all accepted. A failed engine step fails the requests in flight and serving goes on;
-`server.max_step_failures` failures in a row, or a crash of the engine thread, stop the engine:
-the server then stops and exits with status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
+separated), all accepted; the environment is read once, here (`mstar.config.Environment`). A failed
+engine step fails the requests in flight and serving goes on; `server.max_step_failures` failures in
+a row, or a crash of the engine thread, stop the engine: the server then stops and exits with
+status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
 Exit status 2: the config or the command line is wrong.
 """
 
@@ -18,15 +19,15 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 import uvicorn
 
 from mstar.config import (
+    NO_ENV,
+    Environment,
     ServeConfig,
     ServeConfigError,
     api_key_problem,
@@ -34,18 +35,15 @@ from mstar.config import (
     check_paths,
     load_serve_config,
     resolve_device,
+    torch_dtype,
 )
 from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
-from mstar.engine.faults import ENV_VAR as FAULT_ENV_VAR
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.faults import FaultInjector
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.server.options import ServerOptions
 
 log = logging.getLogger("mstar.serve")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-           "float64": torch.float64}
 TINY_NAMES = ("kimi_k3_tiny",)
 TENSOR_COMM_PROTOCOLS = ("SHM", "TCP", "NCCL", "GLOO")
 API_KEY_ENV = "MSTAR_API_KEY"
@@ -73,50 +71,29 @@ def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
     write_tiny(cfg.checkpoint.parent)
 
 
-def engine_config(cfg: ServeConfig, speculative: SpeculativeConfig | None = None) -> EngineConfig:
-    s = cfg.scheduler
-    return EngineConfig(
-        max_seq_len=cfg.max_seq_len,
-        page_size=cfg.resources.mla_kv.page_size,
-        max_num_pages=cfg.resources.mla_kv.max_num_pages,
-        max_kda_slots=cfg.resources.kda_state.max_slots,
-        scheduler=SchedulerConfig(
-            max_num_seqs=s.max_num_seqs,
-            max_prefill_seqs=s.max_prefill_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            chunked_prefill=s.chunked_prefill,
-            mixed_prefill_decode=cfg.model_kwargs.mixed_prefill_decode,
-        ),
-        speculative=speculative,
-        cuda_graphs=cfg.model_kwargs.cuda_graphs,
-        async_scheduling=cfg.model_kwargs.async_scheduling,
-    )
-
-
-def speculative_config(cfg: ServeConfig, dtype: torch.dtype, device: str) -> SpeculativeConfig | None:
+def speculative_models(cfg: ServeConfig, device: str) -> SpeculativeModels | None:
+    """The DSpark draft, loaded when the config speculates."""
     kw = cfg.model_kwargs
-    if not kw.speculative_tokens:
+    if not cfg.speculative:
         return None
     from mstar.models.dspark.model import K3DSparkModel
 
     log.info("loading the DSpark draft %s (k=%d, schedule %s)", kw.speculative_draft, kw.speculative_tokens,
              dict(kw.speculative_schedule) or "none")
-    draft = K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=dtype).to(device)
-    pages = cfg.resources.dspark_kv.max_num_pages if cfg.resources.dspark_kv else None
-    return SpeculativeConfig(draft=draft, speculative_tokens=kw.speculative_tokens,
-                             schedule=tuple(kw.speculative_schedule), max_num_pages=pages)
+    draft = K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=torch_dtype(cfg.dtype)).to(device)
+    return SpeculativeModels(draft)
 
 
-def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: FaultInjector | None = None,
-                 tensor_comm_protocol: str = "SHM") -> AsyncEngine:
+def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool | None = None,
+                 faults: FaultInjector | None = None, tensor_comm_protocol: str = "SHM") -> AsyncEngine:
     """Load the model and start the engine thread. `faults` (tests only) defaults to what
-    MSTAR_FAULT_INJECT asks for, when it is set."""
+    `env.fault_inject` (MSTAR_FAULT_INJECT) asks for, when it is set."""
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
 
-    faults = faults if faults is not None else FaultInjector.from_env()
-    if faults is not None:
-        log.warning("fault injection is ON (%s=%s): for tests only", FAULT_ENV_VAR, os.environ.get(FAULT_ENV_VAR))
+    if faults is None and env.fault_inject:
+        faults = FaultInjector.from_spec(env.fault_inject)
+        log.warning("fault injection is ON (MSTAR_FAULT_INJECT=%s): for tests only", env.fault_inject)
 
     ensure_tiny_checkpoint(cfg)
     check_paths(cfg)
@@ -126,40 +103,34 @@ def build_engine(cfg: ServeConfig, *, progress: bool | None = None, faults: Faul
         from mstar.models.kimi_k3.config import load_config
 
         check_expert_parallel(cfg, load_config(cfg.checkpoint).num_experts)
-        engine = engine_config(cfg, speculative_config(cfg, _DTYPES[cfg.dtype], device))
-        return build_tp_engine(cfg, engine, device=device, tensor_comm_protocol=tensor_comm_protocol,
-                               ep_size=cfg.model_kwargs.moe_ep_size, max_step_failures=cfg.server.max_step_failures,
-                               faults=faults)
+        return build_tp_engine(cfg, speculative_models(cfg, device), env=env, device=device,
+                               tensor_comm_protocol=tensor_comm_protocol,
+                               max_step_failures=cfg.server.max_step_failures, faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
-    model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device=device, progress=progress)
+    model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
-    core = EngineCore(model, tokenizer, engine_config(cfg, speculative_config(cfg, _DTYPES[cfg.dtype], device)))
+    core = EngineCore(model, tokenizer, cfg, speculative_models(cfg, device), env=env)
     return AsyncEngine(core, cfg.served_model_name, max_step_failures=cfg.server.max_step_failures,
                        faults=faults).start()
 
 
-def api_keys(cfg: ServeConfig, cli_keys: Sequence[str] = (), environ: Mapping[str, str] | None = None
-             ) -> tuple[str, ...]:
-    """Every accepted key: the config's, then `--api-key`s, then MSTAR_API_KEY's (comma-separated),
-    without repeats. A malformed one is a ServeConfigError that says where it came from (never the key)."""
-    environ = os.environ if environ is None else environ
-    env_keys = [k.strip() for k in environ.get(API_KEY_ENV, "").split(",") if k.strip()]
+def api_keys(cfg: ServeConfig, cli_keys: Sequence[str] = (), env: Environment = NO_ENV) -> tuple[str, ...]:
+    """Every accepted key: the config's, then `--api-key`s, then MSTAR_API_KEY's (`env.api_keys`), without
+    repeats. A malformed one is a ServeConfigError that says where it came from (never the key)."""
     keys = list(cfg.server.api_keys)
-    sources = [(f"--api-key #{i + 1}", k) for i, k in enumerate(cli_keys)]
-    sources += [(f"{API_KEY_ENV} entry {i + 1}", k) for i, k in enumerate(env_keys)]
-    for where, key in sources:
+    for i, key in enumerate(cli_keys):
         problem = api_key_problem(key)
         if problem:
-            raise ServeConfigError(f"{where} {problem}")
+            raise ServeConfigError(f"--api-key #{i + 1} {problem}")
         keys.append(key)
-    return tuple(dict.fromkeys(keys))
+    return tuple(dict.fromkeys(keys + list(env.api_keys)))
 
 
 def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests: bool = False,
-                   environ: Mapping[str, str] | None = None) -> ServerOptions:
+                   env: Environment = NO_ENV) -> ServerOptions:
     srv, sched = cfg.server, cfg.scheduler
     return ServerOptions(
-        api_keys=api_keys(cfg, cli_keys, environ),
+        api_keys=api_keys(cfg, cli_keys, env),
         protect_health=srv.protect_health,
         protect_metrics=srv.protect_metrics,
         max_body_bytes=srv.max_body_bytes,
@@ -189,9 +160,10 @@ def serve_main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     try:
+        env = Environment.read()
         cfg = load_serve_config(args.config, args.overrides)
-        options = server_options(cfg, args.api_key, args.log_requests)
-        engine = build_engine(cfg, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
+        options = server_options(cfg, args.api_key, args.log_requests, env)
+        engine = build_engine(cfg, env=env, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -40,6 +40,7 @@ from bench_moe_mxfp4 import (
     time_graphs,
 )
 
+from mstar.config import NO_ENV
 from mstar.kernels import moe_bf16
 from mstar.kernels import moe_mxfp4 as moe
 from mstar.kernels.gated_mlp import situ_and_mul
@@ -100,7 +101,7 @@ def main() -> None:
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs; torch {torch.__version__}; "
-          f"{moe_bf16.THRESHOLD_ENV} default {moe_bf16.DEFAULT_THRESHOLD}")
+          f"MSTAR_MOE_BF16_TOKENS default {NO_ENV.moe_bf16_tokens}")
     gen = torch.Generator(device=DEVICE)
     print(f"seed = {gen.seed()}")
     sets = [make_weights(gen)]

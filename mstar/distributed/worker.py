@@ -15,7 +15,7 @@ it sends the step, then verifies the step's logits and writes the draft's contex
 model's). To the followers a verify step is an ordinary step: the plan marks its verify rows, which
 feed [anchor, drafts] and keep their KDA block pending, and the next step's prefix lengths say how
 many of those rows rank 0 accepted. Followers hold no draft, but their pools are sized for verify
-blocks of k + 1 rows as rank 0's are (`follower_engine_config`; the geometry check covers it).
+blocks of k + 1 rows as rank 0's are (`follower_speculative`; the geometry check covers it).
 
 Startup: rank 0 opens a TCPStore, spawns the followers, and every rank joins three groups: the
 default gloo group (startup barrier), a gloo control group (step messages, control.py) and the data
@@ -56,8 +56,9 @@ import torch
 import torch.distributed as dist
 
 from mstar.checkpoint.safetensors_io import CheckpointReader
+from mstar.config import NO_ENV, EngineConfig, Environment, ServeConfig, torch_dtype
 from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
@@ -98,7 +99,9 @@ class RankSetup:
     ep_size: int
     dtype: torch.dtype
     device_type: str  # "cpu" or "cuda"
-    engine: EngineConfig  # the followers' (`follower_engine_config`)
+    engine: EngineConfig  # rank 0's
+    speculative: SpeculativeModels | None  # the followers' (`follower_speculative`)
+    env: Environment  # rank 0's environment knobs (followers read none of their own)
     comm: CommConfig
     store_port: int
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -152,37 +155,36 @@ def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int) -> N
 # --- pools and their geometry ------------------------------------------------------------------------
 
 
-def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: Any) -> ServingModel:
+def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: Any,
+                     speculative: SpeculativeModels | None = None, *, env: Environment = NO_ENV) -> ServingModel:
     """A follower's ServingModel: pools, mixers and kernels exactly as rank 0's EngineCore builds them
     (an EngineCore whose scheduler never runs), so rank 0's plans address the same slots and pages.
     The pools are also checked against rank 0's geometry at startup."""
-    return EngineCore(model, tokenizer, engine).serving
+    return EngineCore(model, tokenizer, engine, speculative, env=env).serving
 
 
-def follower_engine_config(engine: EngineConfig) -> EngineConfig:
-    """A follower's view of rank 0's engine config: speculation without the draft or its heads. A
-    follower never drafts (and is not sent the draft's weights), but it runs rank 0's verify blocks,
-    so its KDA pool keeps pending prefixes of k + 1 rows, as rank 0's does, and it computes the draft's
-    taps in its steps, so its decode graphs are captured with them (else it would replay none)."""
-    spec = engine.speculative
+def follower_speculative(spec: SpeculativeModels | None) -> SpeculativeModels | None:
+    """A follower's view of rank 0's speculation: no draft and no heads. A follower never drafts (and
+    is not sent the draft's weights), but it runs rank 0's verify blocks, so its KDA pool keeps pending
+    prefixes of k + 1 rows, as rank 0's does, and it computes the draft's taps in its steps, so its
+    decode graphs are captured with them (else it would replay none)."""
     if spec is None:
-        return engine
-    return replace(engine, speculative=replace(spec, draft=None, heads=None, tap_layers=spec.taps()))
+        return None
+    return replace(spec, draft=None, heads=None, tap_layers=spec.taps())
 
 
-def rank0_engine_config(engine: EngineConfig, setup: RankSetup) -> EngineConfig:
-    """Rank 0's engine config: with speculation, the draft gets whole-vocabulary heads of its own.
+def rank0_speculative(spec: SpeculativeModels | None, setup: RankSetup) -> SpeculativeModels | None:
+    """Rank 0's speculation: the draft gets whole-vocabulary heads of its own.
 
     The rank's embedding and lm_head are vocabulary slices whose forward is a collective; the draft
     runs on rank 0 alone, between steps, so it cannot use them (a gather per draft step would make
     every follower take part in drafting). Rank 0 instead reads the whole embed_tokens and lm_head
     from the checkpoint once. Cost, on rank 0 only: 2 x vocab x hidden x dtype bytes; for pruned75
     (163,840 x 7,168, bf16) 2 x 2.19 GiB = 4.4 GiB beside its 1/8 slices. Followers pay nothing."""
-    spec = engine.speculative
     if spec is None:
-        return engine
+        return None
     embed, lm_head = load_vocab_heads(setup.checkpoint, dtype=setup.dtype, device=setup.device(0))
-    return replace(engine, speculative=replace(spec, heads=VocabHeads(embed, lm_head)))
+    return replace(spec, heads=VocabHeads(embed, lm_head))
 
 
 def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]:
@@ -259,7 +261,8 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
                               timeout=timedelta(seconds=setup.timeouts.startup_s))
         runtime = _join(setup, rank, store)
         model = _load(setup, rank, runtime.comm)
-        serving = follower_serving(model, setup.engine, KimiTokenizer.from_dir(setup.checkpoint))
+        serving = follower_serving(model, setup.engine, KimiTokenizer.from_dir(setup.checkpoint), setup.speculative,
+                                   env=setup.env)
         dist.barrier()  # every rank has loaded
         log.info("rank %d ready (%s, pid %d)", rank, runtime.comm, os.getpid())
         follow(runtime.control, serving, setup.device(rank))
@@ -428,20 +431,22 @@ class LeaderServing:
             self.channel.step_done()
 
 
-def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineConfig, *, tp_size: int,
-                ep_size: int = 1, dtype: torch.dtype = torch.float32, device_type: str = "cpu",
+def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineConfig,
+                speculative: SpeculativeModels | None = None, *, tp_size: int, ep_size: int = 1,
+                dtype: torch.dtype = torch.float32, device_type: str = "cpu", env: Environment = NO_ENV,
                 comm: CommConfig | None = None, timeouts: Timeouts | None = None,
                 exit_on_failure: bool = False) -> tuple[EngineCore, Ranks]:
     """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
     every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process.
-    With `engine_config.speculative`, rank 0 drafts and every rank verifies."""
+    With `speculative` (the draft, given when engine_config speculates), rank 0 drafts and every rank verifies."""
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
     check_tp_checkpoint(checkpoint, tp_size, ep_size)
     store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
-    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, follower_engine_config(engine_config),
-                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel())
+    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config,
+                      follower_speculative(speculative), env, comm or CommConfig(), store.port, timeouts or Timeouts(),
+                      logging.getLogger().getEffectiveLevel())
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
                  for rank in range(1, tp_size)]
@@ -453,7 +458,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
     try:
         runtime = ranks.runtime = _join(setup, 0, store)
         model = _load(setup, 0, runtime.comm)
-        core = EngineCore(model, tokenizer, rank0_engine_config(engine_config, setup))
+        core = EngineCore(model, tokenizer, engine_config, rank0_speculative(speculative, setup), env=env)
         dist.barrier()  # every rank has loaded
         runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
         core.serving = LeaderServing(core.serving, ranks, runtime.control)
@@ -490,21 +495,17 @@ class TPEngine(AsyncEngine):
             self.ranks.stop()
 
 
-def build_tp_engine(cfg: Any, engine_config: EngineConfig, *, device: str, tensor_comm_protocol: str = "SHM",
-                    ep_size: int = 1, timeouts: Timeouts | None = None, **engine_kwargs: Any) -> TPEngine:
-    """rank 0's engine for mstar-serve with `cfg.tp_size` ranks (a `ServeConfig`): spawns the
-    followers, loads the slices, starts the engine thread. A rank that dies ends this process with
-    status EXIT_RANK_FAILED; `engine.shutdown()` (after the server drained) stops every rank.
-    With `cfg.speculative`, `engine_config.speculative` carries the loaded draft (serve.py's
-    `speculative_config`)."""
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-              "float64": torch.float64}
-    if cfg.speculative and engine_config.speculative is None:
-        raise ValueError("model_kwargs.speculative_tokens > 0 but the engine config has no draft: build it with "
-                         "engine_config(cfg, speculative_config(cfg, dtype, device)) from mstar.serve")
+def build_tp_engine(cfg: ServeConfig, speculative: SpeculativeModels | None, *, device: str,
+                    env: Environment = NO_ENV, tensor_comm_protocol: str = "SHM", timeouts: Timeouts | None = None,
+                    **engine_kwargs: Any) -> TPEngine:
+    """rank 0's engine for mstar-serve with `cfg.tp_size` ranks: spawns the followers, loads the slices,
+    starts the engine thread. A rank that dies ends this process with status EXIT_RANK_FAILED;
+    `engine.shutdown()` (after the server drained) stops every rank. With `cfg.speculative`,
+    `speculative` carries the loaded draft (serve.py's `speculative_models`)."""
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
-    core, ranks = start_ranks(cfg.checkpoint, tokenizer, engine_config, tp_size=cfg.tp_size, ep_size=ep_size,
-                              dtype=dtypes[cfg.dtype], device_type=torch.device(device).type,
+    core, ranks = start_ranks(cfg.checkpoint, tokenizer, cfg, speculative, tp_size=cfg.tp_size,
+                              ep_size=cfg.model_kwargs.moe_ep_size, dtype=torch_dtype(cfg.dtype),
+                              device_type=torch.device(device).type, env=env,
                               comm=CommConfig(protocol=tensor_comm_protocol), timeouts=timeouts,
                               exit_on_failure=True)
     return TPEngine(core, cfg.served_model_name, ranks, **engine_kwargs).start()

@@ -11,7 +11,7 @@ depend on which tokens come out. Finishing waits for the results (the step's onl
 synchronization), commits a verify step with what verification kept, and appends, detokenizes
 and applies the stop conditions.
 
-Async scheduling (`EngineConfig.async_scheduling`, by default on CUDA devices): `step()` schedules and launches
+Async scheduling (`model_kwargs.async_scheduling`, by default on CUDA devices): `step()` schedules and launches
 step N+1 *before* it finishes step N, so the GPU runs N+1 while the host turns N's tokens into
 outputs, and plans the step after while N+1 runs. The scheduler declares N+1 assuming every
 running request goes on: a request's token that N samples is still in flight (`num_inflight`,
@@ -42,9 +42,11 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 
+from mstar.config import NO_ENV, EngineConfig, Environment
 from mstar.engine.client import EngineStats
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, TokenLogprob
@@ -52,7 +54,7 @@ from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
-from mstar.engine.scheduler import Scheduler, SchedulerConfig
+from mstar.engine.scheduler import Scheduler
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
 from mstar.engine.step_results import LaunchedStep, pack
@@ -68,12 +70,11 @@ from mstar.speculative.schedule import DraftSchedule
 
 
 @dataclass(frozen=True)
-class SpeculativeConfig:
+class SpeculativeModels:
+    """What speculation runs besides its config (model_kwargs.speculative_tokens and speculative_schedule,
+    resources.dspark_kv): the DSpark draft and the heads it reads with."""
+
     draft: K3DSparkModel | None  # None on a tensor-parallel follower: its pools hold verify blocks, rank 0 drafts
-    speculative_tokens: int  # k: drafts per verify at the smallest batches
-    schedule: tuple[tuple[int, int], ...] = ()  # (max batch size, drafts); empty: k at every size
-    verify_method: str = "block"  # rule for sampled requests ("chain" or "block"); greedy ones use greedy
-    max_num_pages: int | None = None  # draft KV pages (default: as many as the target's)
     heads: VocabHeads | None = None  # full-vocabulary embed/lm_head for the draft (default: the target's own)
     # the target layers whose taps the draft reads; given on a follower, which has no draft but must
     # capture its decode graphs with rank 0's taps to replay the same steps (default: the draft's)
@@ -86,65 +87,57 @@ class SpeculativeConfig:
 MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    max_seq_len: int = 4096
-    page_size: int = 16
-    max_num_pages: int = 1024
-    max_kda_slots: int = 65
-    scheduler: SchedulerConfig = SchedulerConfig()
-    speculative: SpeculativeConfig | None = None
-    kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
-    # decode and verify steps of up to MAX_GRAPH_BATCH sequences and prefill steps of up to 8 sequences and
-    # 8,192 tokens replay CUDA graphs captured at startup (CUDA only)
-    cuda_graphs: bool = False
-    # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next;
-    # None: on for CUDA devices (a CPU runs every op at once: nothing would overlap, only the bookkeeping)
-    async_scheduling: bool | None = None
-
-
 class EngineCore:
-    def __init__(self, model: KimiK3ForCausalLM, tokenizer: KimiTokenizer, config: EngineConfig):
+    def __init__(self, model: KimiK3ForCausalLM, tokenizer: KimiTokenizer, config: EngineConfig,
+                 speculative: SpeculativeModels | None = None, *, env: Environment = NO_ENV,
+                 kernels: Literal["auto", "torch"] = "auto"):
+        """`config` is validated (a ServeConfig is one, as it is); `speculative` is given exactly when
+        config.speculative; `env` holds the environment knobs, read once by whoever starts the engine.
+        `kernels`: "auto" runs the GPU kernels where available, "torch" the reference mixers everywhere."""
         cfg = model.config
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
-        capacity = (config.max_num_pages - 1) * config.page_size
-        if capacity < config.max_seq_len:
-            raise ValueError(f"the KV pool holds {capacity} tokens, less than max_seq_len={config.max_seq_len}: "
-                             "raise resources.mla_kv.max_num_pages or lower max_seq_len")
+        if config.speculative != (speculative is not None):
+            raise ValueError(f"model_kwargs.speculative_tokens is {config.model_kwargs.speculative_tokens} but the "
+                             f"engine was {'not ' if speculative is None else ''}given the speculative models: "
+                             "pass SpeculativeModels exactly when speculative_tokens > 0")
         param = next(model.parameters())
         dtype, device = param.dtype, param.device
         kinds = cfg.layer_kinds
-        self.kv = PagedLatentKV(kinds.count("mla"), config.max_num_pages, config.page_size, cfg.kv_cache_width,
+        mla_kv, mk = config.resources.mla_kv, config.model_kwargs
+        self.kv = PagedLatentKV(kinds.count("mla"), mla_kv.max_num_pages, mla_kv.page_size, cfg.kv_cache_width,
                                 dtype, device)
         la = cfg.linear_attn
-        spec = config.speculative
-        self.pool = RecurrentStatePool(kinds.count("kda"), config.max_kda_slots, la.num_heads, la.head_dim,
-                                       la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
-                                       dtype, device, hidden_size=cfg.hidden_size,
-                                       max_block=spec.speculative_tokens + 1 if spec else 0)
+        schedule = DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule) if speculative else None
+        self.pool = RecurrentStatePool(kinds.count("kda"), config.resources.kda_state.max_slots, la.num_heads,
+                                       la.head_dim, la.short_conv_kernel_size,
+                                       torch.promote_types(dtype, torch.float32), dtype, device,
+                                       hidden_size=cfg.hidden_size,
+                                       max_block=mk.speculative_tokens + 1 if speculative else 0)
         ops = TorchMixerOps()
-        if config.kernels == "auto" and device.type == "cuda":
+        if kernels == "auto" and device.type == "cuda":
             # The GPU kernels (Triton, fla-core) are imported only here: a CPU install has neither.
             from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 
             ops = default_mixer_ops(device)
-            install_expert_kernels(model, config.scheduler.max_num_batched_tokens)  # bf16 MoE above the threshold
+            install_expert_kernels(model, config.scheduler.max_num_batched_tokens,  # bf16 MoE above the threshold
+                                   bf16_above_tokens=env.moe_bf16_tokens)
             install_fused_kernels(model)
         self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
-        if spec is not None and spec.draft is not None:
-            proposer = DSparkProposer(spec.draft, model, num_pages=spec.max_num_pages or config.max_num_pages,
-                                      page_size=config.page_size, heads=spec.heads)
-            schedule = DraftSchedule.from_config(spec.speculative_tokens, spec.schedule)
-            self.spec = Speculation(proposer, schedule, spec.verify_method)
+        if speculative is not None and speculative.draft is not None:
+            proposer = DSparkProposer(speculative.draft, model, num_pages=config.dspark_kv_pages,
+                                      page_size=mla_kv.page_size, heads=speculative.heads)
+            self.spec = Speculation(proposer, schedule)
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
-                                   drafts_for=self.spec.schedule.drafts_for if self.spec else None)
+                                   drafts_for=self.spec.schedule.drafts_for if self.spec else None,
+                                   mixed_prefill_decode=mk.mixed_prefill_decode)
+        self.speculative_models = speculative
         self.graphs = []
-        if config.cuda_graphs and device.type == "cuda":
+        if mk.cuda_graphs and device.type == "cuda":
             from mstar.engine.cuda_graphs import GraphedServing
 
             self.graphs = self._capture_graphs()
@@ -156,11 +149,11 @@ class EngineCore:
         self._pending_outputs: list[RequestOutput] = []
         # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
         # launched and not yet finished.
-        overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        overlap = mk.async_scheduling if mk.async_scheduling is not None else device.type == "cuda"
         self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
-        self.profiler = StepProfiler.from_env(device)
+        self.profiler = StepProfiler.from_window(env.torch_profile, device)
 
     def _capture_graphs(self) -> list:
         """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
@@ -169,14 +162,14 @@ class EngineCore:
         from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, verify_graphs
         from mstar.engine.prefill_graphs import PrefillGraphs
 
-        config, spec = self.config, self.config.speculative
+        config, spec, mk = self.config, self.speculative_models, self.config.model_kwargs
         taps = spec.taps() if spec else ()
         shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
                  "tap_layers": taps}
         graphs: list[StepGraphs] = [DecodeGraphs(self.serving, **shape)]
         if spec is not None:
-            graphs += verify_graphs(self.serving, DraftSchedule.from_config(spec.speculative_tokens, spec.schedule),
-                                    **shape)
+            graphs += verify_graphs(self.serving, DraftSchedule.from_config(mk.speculative_tokens,
+                                                                            mk.speculative_schedule), **shape)
         # last: GraphedServing replays the first set that takes a step, and a decode step fits a prefill graph too
         graphs.append(PrefillGraphs(self.serving, max_tokens=config.scheduler.max_num_batched_tokens,
                                     max_seq_len=config.max_seq_len, tap_layers=taps))

@@ -1,8 +1,9 @@
 """Fault injection, for tests only: make the engine fail the way real hardware and bugs do, on
 purpose, and see that no request hangs, is lost or gets garbage.
 
-Off unless asked for: `mstar-serve` reads `MSTAR_FAULT_INJECT` only when it is set (and logs a
-warning that faults are on); tests build a `FaultInjector` and hand it to `AsyncEngine(faults=...)`.
+Off unless asked for: `mstar-serve` injects what `MSTAR_FAULT_INJECT` says only when it is set (read
+with the other environment knobs, `mstar.config.Environment`; a warning says faults are on); tests
+build a `FaultInjector` and hand it to `AsyncEngine(faults=...)`.
 The spec is a comma-separated list of entries:
 
   step:N      the engine's N-th step (1-based, counting steps that run the model) raises inside the
@@ -26,13 +27,10 @@ work (mstar/distributed), once mstar-serve runs it.
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-
-ENV_VAR = "MSTAR_FAULT_INJECT"
 
 
 class InjectedFault(RuntimeError):
@@ -91,11 +89,6 @@ class FaultInjector:
     _prompt_text: dict[str, str] = field(default_factory=dict)
     _armed_step_failures: int = 0
     _armed_crash: bool = False
-
-    @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> FaultInjector | None:
-        text = (os.environ if environ is None else environ).get(ENV_VAR)
-        return cls(parse_fault_spec(text)) if text else None
 
     @classmethod
     def from_spec(cls, text: str) -> FaultInjector:

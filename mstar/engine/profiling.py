@@ -4,31 +4,28 @@ Steps that do work are counted from 0; steps START .. START+COUNT-1 (default 10 
 first steps, which compile kernels and warm allocators) run under `torch.profiler` (CPU, and CUDA
 when the engine runs there, with shapes). When the window closes, DIR/mstar_steps_<first>-<last>.json
 (a Chrome / Perfetto trace) is written and the top operators by self time are logged. Off unless set.
+The variable is parsed with the other environment knobs (mstar/config.py, `Environment`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-log = logging.getLogger(__name__)
+from mstar.config import ProfileWindow
 
-ENV_VAR = "MSTAR_TORCH_PROFILE"
-DEFAULT_START, DEFAULT_COUNT = 10, 5
+log = logging.getLogger(__name__)
 
 
 class StepProfiler:
     """Profiles engine steps [start, start + count) and writes one trace."""
 
-    def __init__(self, out_dir: Path, start: int = DEFAULT_START, count: int = DEFAULT_COUNT, cuda: bool = False):
-        if start < 0 or count < 1:
-            raise ValueError(f"{ENV_VAR}: START must be >= 0 and COUNT >= 1, got START={start} COUNT={count}")
+    def __init__(self, out_dir: Path, start: int, count: int, cuda: bool = False):
         self.out_dir, self.start, self.count = out_dir, start, count
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.steps_seen = 0
@@ -36,22 +33,13 @@ class StepProfiler:
         self.trace_path: Path | None = None
 
     @classmethod
-    def from_env(cls, device: torch.device) -> StepProfiler | None:
-        value = os.environ.get(ENV_VAR)
-        if not value:
+    def from_window(cls, window: ProfileWindow | None, device: torch.device) -> StepProfiler | None:
+        """The profiler MSTAR_TORCH_PROFILE asks for (`Environment.torch_profile`); None when it is unset."""
+        if window is None:
             return None
-        directory, *numbers = value.split(":")
-        try:
-            start, count = ([int(n) for n in numbers] + [DEFAULT_START, DEFAULT_COUNT][len(numbers):])[:2]
-        except ValueError:
-            raise ValueError(f"{ENV_VAR}={value!r}: expected DIR[:START[:COUNT]] with whole numbers, "
-                             "e.g. /tmp/prof:10:5") from None
-        if len(numbers) > 2 or not directory:
-            raise ValueError(f"{ENV_VAR}={value!r}: expected DIR[:START[:COUNT]], e.g. /tmp/prof:10:5")
-        profiler = cls(Path(directory), start, count, cuda=device.type == "cuda")
-        log.warning("%s is set: engine steps %d..%d will be profiled into %s", ENV_VAR, start, start + count - 1,
-                    directory)
-        return profiler
+        log.warning("MSTAR_TORCH_PROFILE is set: engine steps %d..%d will be profiled into %s", window.start,
+                    window.start + window.count - 1, window.directory)
+        return cls(window.directory, window.start, window.count, cuda=device.type == "cuda")
 
     @contextlib.contextmanager
     def step(self) -> Iterator[None]:

@@ -21,20 +21,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
+from mstar.config import SchedulerConfig
 from mstar.engine.request import Request, Status
 from mstar.engine.step import SeqStep, StepDecl
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64  # running requests and decode rows per step
-    max_prefill_seqs: int = 8  # prompts (chunks) per step
-    max_num_batched_tokens: int = 2048  # token budget per step
-    chunked_prefill: bool = True
-    mixed_prefill_decode: bool = True
 
 
 class Resource(Protocol):
@@ -46,9 +37,11 @@ class Resource(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, resources: list[Resource],
-                 drafts_for: Callable[[int], int] | None = None):
-        """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts."""
+                 drafts_for: Callable[[int], int] | None = None, *, mixed_prefill_decode: bool = True):
+        """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts;
+        `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode."""
         self.config = config
+        self.mixed_prefill_decode = mixed_prefill_decode
         self.resources = resources
         self.drafts_for = drafts_for
         self.waiting: deque[Request] = deque()
@@ -90,9 +83,9 @@ class Scheduler:
     def _schedule_once(self) -> list[SeqStep]:
         cfg = self.config
         decoding = [r for r in self.running if r.is_decoding and not r.sampling_done]
-        prefill_first = not cfg.mixed_prefill_decode and self._prefill_possible()
+        prefill_first = not self.mixed_prefill_decode and self._prefill_possible()
         seqs: list[SeqStep] = [] if prefill_first else self._schedule_decode(decoding[: cfg.max_num_seqs])
-        if cfg.mixed_prefill_decode or not seqs:
+        if self.mixed_prefill_decode or not seqs:
             seqs += self._schedule_prefill(cfg.max_num_batched_tokens - sum(s.num_tokens for s in seqs))
         return seqs
 

@@ -3,8 +3,9 @@
 `moe_mxfp4` decodes every weight tile in registers, once per row block that reads it. At decode that is
 free (the step is bound by reading each weight once), but at thousands of tokens per step the MoE is
 compute-bound and the decoding (~3 instructions per weight, again for each block of 128 rows) takes
-issue slots from the tensor cores. Above `MSTAR_MOE_BF16_TOKENS` tokens (`bf16_threshold`, default
-6144) a step instead runs `moe_bf16`, which computes what `moe_mxfp4` does (combine="reduce"):
+issue slots from the tensor cores. Above a token count that the caller gives (`Bf16Path.above_tokens`;
+serving passes MSTAR_MOE_BF16_TOKENS, default 6144, see mstar/config.py) a step instead runs `moe_bf16`,
+which computes what `moe_mxfp4` does (combine="reduce"):
 
 1. `dequantize_experts`: the layer's `StackedExperts` into `DequantizedExperts`, a bf16 scratch that all
    layers share (they run one after another on one stream): each packed byte and scale read once, each
@@ -31,7 +32,6 @@ benchmarks/kernels/bench_moe_bf16.py times it against moe_mxfp4 and the floors.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -42,24 +42,7 @@ from mstar.kernels import moe_mxfp4
 from mstar.kernels.gated_mlp import situ_and_mul
 from mstar.kernels.moe_mxfp4 import SITU_BETA, SITU_LINEAR_BETA, _dequant_mxfp4, _to_bf16, _weight_ptrs
 
-THRESHOLD_ENV = "MSTAR_MOE_BF16_TOKENS"
-DEFAULT_THRESHOLD = 6144  # steps of more tokens than this take the bf16 path
 BF16_FLOPS = 750e12  # dense bf16 tensor-core rate of the H200 (DESIGN.md: 684-790 TFLOP/s measured); for floors
-
-
-def bf16_threshold() -> int:
-    """The token count above which steps run `moe_bf16`: $MSTAR_MOE_BF16_TOKENS, default 6144."""
-    raw = os.environ.get(THRESHOLD_ENV)
-    if raw is None:
-        return DEFAULT_THRESHOLD
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{THRESHOLD_ENV} must be a non-negative integer (steps of more tokens run the MoE as "
-                         f"bf16 grouped GEMMs), got {raw!r}")
-    return value
 
 
 def supported(device: torch.device | str) -> bool:

@@ -41,7 +41,7 @@ class VocabHeads:
             raise ValueError(
                 f"the target is rank {target.comm.rank} of {target.comm.world_size}: its embedding and lm_head hold "
                 "a slice of the vocabulary and run collectives, so the draft cannot borrow them; pass full-vocabulary "
-                "VocabHeads (SpeculativeConfig.heads; mstar.distributed.worker.start_ranks loads them on rank 0)"
+                "VocabHeads (SpeculativeModels.heads; mstar.distributed.worker.start_ranks loads them on rank 0)"
             )
         return cls(target.model.embed_tokens, target.lm_head)
 

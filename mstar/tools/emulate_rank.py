@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
+from mstar.config import NO_ENV, Environment
 from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
@@ -350,14 +351,15 @@ class Emulation:
 
 
 def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype: torch.dtype,
-          device: torch.device, page_size: int, seed: int, pending_prefix: int = 0) -> Emulation:
+          device: torch.device, page_size: int, seed: int, pending_prefix: int = 0,
+          moe_bf16_tokens: int = NO_ENV.moe_bf16_tokens) -> Emulation:
     generator = torch.Generator(device=device).manual_seed(seed)
     progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
     model = build_model(config, plan, dtype, device, generator)
     prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
     # as EngineCore: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
-    kernels = install_expert_kernels(model, max(prefill_tokens, default=None))
+    kernels = install_expert_kernels(model, max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
     fused = install_fused_kernels(model)  # as EngineCore does: norms, AttnRes, router, KDA gated norm
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
@@ -540,7 +542,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     except ValueError as e:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
     emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
-                      pending_prefix=args.pending_prefix)
+                      pending_prefix=args.pending_prefix, moe_bf16_tokens=Environment.read().moe_bf16_tokens)
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
                                 graph_seq_len=graph_seq_len)
     profile_md = profile_steps(profiled, device) if args.profile else ""

@@ -547,18 +547,18 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
     fresh plan (its seed is in the summary)."""
     import torch
 
-    from mstar.config import load_serve_config
+    from mstar.config import load_serve_config, torch_dtype
     from mstar.models.kimi_k3.weights import load_model
-    from mstar.serve import _DTYPES, build_engine, server_options
+    from mstar.serve import build_engine, server_options
     from mstar.server import build_app
 
     cfg = load_serve_config(config, overrides)
     api_key = secrets.token_urlsafe(16)
     engine = build_engine(cfg)
     try:
-        options = server_options(cfg, [api_key], environ={})
+        options = server_options(cfg, [api_key])
         app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
-        model = load_model(cfg.checkpoint, dtype=_DTYPES[cfg.dtype], device="cpu")
+        model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device="cpu")
         seed = random.randrange(2**31) if seed is None else seed
         jobs = make_plan(requests, seed)
         started = time.perf_counter()
@@ -582,16 +582,16 @@ def soak_url(url: str, checkpoint: str | Path, *, model_name: str | None = None,
              request_timeout_s: float = 300.0, api_key: str | None = None, log=print) -> dict:
     import torch
 
+    from mstar.config import torch_dtype
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
-    from mstar.serve import _DTYPES
 
     if not is_loopback_url(url):
         raise SystemExit(f"mstar-soak: {url} is not a loopback address; the soak test drives local servers only")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model_name = model_name or httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
     tokenizer = KimiTokenizer.from_dir(checkpoint)
-    model = load_model(checkpoint, dtype=_DTYPES[dtype], device="cpu")
+    model = load_model(checkpoint, dtype=torch_dtype(dtype), device="cpu")
     seed = random.randrange(2**31) if seed is None else seed
     jobs = make_plan(requests, seed)
     with torch.inference_mode():

@@ -18,19 +18,19 @@ from live_server import start_mstar_serve
 from paths import ROOT
 from test_distributed_sharding import _Healthy, _Recorder
 
+from mstar.config import EngineConfig
 from mstar.distributed.loader import load_vocab_heads
 from mstar.distributed.worker import (
     LeaderServing,
     Timeouts,
     apply_step,
-    follower_engine_config,
     follower_serving,
+    follower_speculative,
     pool_geometry,
     start_ranks,
 )
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -54,23 +54,18 @@ def tokenizer(tiny_dir):
 @pytest.fixture(scope="module")
 def workload(tiny_model):
     """Prompts of 6 to 60 tokens, three just short of a page boundary, their output lengths and reference
-    continuations. The first three alone outgrow the 7 pages of `small_engine` as they decode: preemption
+    continuations. The first three alone outgrow the 7 pages of `SMALL_ENGINE` as they decode: preemption
     is certain."""
     return random_jobs(tiny_model, (15, 31, 47, 6, 60), max_tokens=(20, 24))
 
 
-def small_engine(draft: K3DSparkModel, **engine) -> EngineConfig:
-    """A small KV pool and token budget: chunked prefill, mixed steps, verify blocks and preemption all happen."""
-    spec = SpeculativeConfig(draft=draft, speculative_tokens=3)
-    return EngineConfig(
-        max_seq_len=112,
-        page_size=16,
-        max_num_pages=8,
-        max_kda_slots=9,
-        speculative=spec,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48),
-        **engine,
-    )
+# A small KV pool and token budget: chunked prefill, mixed steps, verify blocks and preemption all happen.
+SMALL_ENGINE = EngineConfig(
+    max_seq_len=112,
+    resources={"mla_kv": {"page_size": 16, "max_num_pages": 8}, "kda_state": {"max_slots": 9}},
+    scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 48},
+    model_kwargs={"speculative_tokens": 3},
+)
 
 
 def run(core: EngineCore, workload, after_step=lambda: None) -> list[list[int]]:
@@ -97,22 +92,21 @@ def test_whole_vocab_heads_are_the_checkpoints(tiny_dir, tiny_model):
 def test_a_follower_keeps_the_draft_taps_for_its_decode_graphs(draft):
     """Without the draft, a follower still knows which taps rank 0's steps compute, so that its decode
     graphs are captured with them and it replays the same steps rank 0 replays."""
-    spec = follower_engine_config(small_engine(draft)).speculative
+    spec = follower_speculative(SpeculativeModels(draft))
     assert spec.draft is None and spec.heads is None
-    assert spec.taps() == tuple(draft.config.target_layer_ids) == small_engine(draft).speculative.taps()
+    assert spec.taps() == tuple(draft.config.target_layer_ids) == SpeculativeModels(draft).taps()
 
 
 def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draft, workload):
     """Every cache, KDA state and pending prefix of a follower that only applies rank 0's step messages equals
     rank 0's after every step, through verify steps that accept some drafts (an oracle draft errs at a quarter
     of the positions) and preemption. The follower gets no draft, yet its pools hold verify blocks of k + 1 rows."""
-    engine = small_engine(draft, kernels="torch")
-    core = EngineCore(tiny_model, tokenizer, engine)
+    core = EngineCore(tiny_model, tokenizer, SMALL_ENGINE, SpeculativeModels(draft))
     references = {f"r{i}": prompt + ref for i, (prompt, _, ref) in enumerate(workload)}
     core.spec = OracleSpeculation(core.spec, references, error_rate=0.25)
     channel = _Recorder()
     core.serving = LeaderServing(core.serving, _Healthy(), channel)
-    follower = follower_serving(tiny_model, follower_engine_config(engine), tokenizer)
+    follower = follower_serving(tiny_model, SMALL_ENGINE, tokenizer, follower_speculative(SpeculativeModels(draft)))
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     assert follower.pool.prefix_x.shape[2] == 3 + 1
 
@@ -140,7 +134,8 @@ def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draf
 
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "ep2", "tp4-ep2-hybrid"])
 def test_parallel_dspark_greedy_equals_reference(tiny_dir, tiny_model, tokenizer, draft, workload, tp, ep):
-    core, ranks = start_ranks(tiny_dir, tokenizer, small_engine(draft), tp_size=tp, ep_size=ep, timeouts=TIMEOUTS)
+    core, ranks = start_ranks(tiny_dir, tokenizer, SMALL_ENGINE, SpeculativeModels(draft), tp_size=tp, ep_size=ep,
+                              timeouts=TIMEOUTS)
     try:
         outputs = run(core, workload)
         assert_greedy_matches(tiny_model, workload, outputs, max_tied=1)
@@ -156,7 +151,7 @@ def test_parallel_dspark_greedy_equals_reference(tiny_dir, tiny_model, tokenizer
 def test_rank0_draft_context_comes_from_the_whole_models_taps(tiny_dir, tiny_model, tokenizer, draft):
     """Rank 0's taps are the residual stream, complete on every rank after each all-reduce: the draft's context
     rows on TP2 rank 0 equal those made from the single-rank model's taps."""
-    core, ranks = start_ranks(tiny_dir, tokenizer, small_engine(draft), tp_size=2, timeouts=TIMEOUTS)
+    core, ranks = start_ranks(tiny_dir, tokenizer, SMALL_ENGINE, SpeculativeModels(draft), tp_size=2, timeouts=TIMEOUTS)
     try:
         core.add_request("a", list(range(5, 45)), SamplingParams(max_tokens=20, **GREEDY))
         for _ in range(6):

@@ -16,11 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from mstar.config import EngineConfig
 from mstar.distributed.comm_choice import CommConfig, CommKind, build_communicator
 from mstar.distributed.worker import Timeouts, start_ranks
-from mstar.engine.core import EngineConfig
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
@@ -111,8 +110,9 @@ def test_nccl_and_chooser_on_two_gpus():
 def test_tp2_greedy_on_cuda_equals_cpu_reference(tiny_dir, tiny_model):
     torch.backends.cuda.matmul.allow_tf32 = False
     protocol = "SHM" if torch.cuda.device_count() > 1 else "GLOO"  # one GPU: both ranks on it, gloo via the host
-    engine = EngineConfig(max_seq_len=256, page_size=16, max_num_pages=64, max_kda_slots=9,
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64))
+    engine = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 64},
+                                                      "kda_state": {"max_slots": 9}},
+                          scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64})
     core, ranks = start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=2, dtype=torch.float32,
                               device_type="cuda", comm=CommConfig(protocol=protocol),
                               timeouts=Timeouts(startup_s=300, control_s=60))

@@ -6,10 +6,9 @@ from __future__ import annotations
 import pytest
 from greedy_ties import assert_greedy_matches, random_jobs
 
+from mstar.config import EngineConfig
 from mstar.distributed.worker import Timeouts, start_ranks
-from mstar.engine.core import EngineConfig
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
@@ -25,8 +24,9 @@ def workload(tiny_model):
 @pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "ep2", "tp4-ep2-hybrid"])
 def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep):
     # A small KV pool and token budget: chunked prefill, mixed steps and preemption all happen.
-    engine = EngineConfig(max_seq_len=112, page_size=16, max_num_pages=8, max_kda_slots=9,
-                          scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=48))
+    engine = EngineConfig(max_seq_len=112, resources={"mla_kv": {"page_size": 16, "max_num_pages": 8},
+                                                      "kda_state": {"max_slots": 9}},
+                          scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 48})
     core, ranks = start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=tp, ep_size=ep,
                               timeouts=TIMEOUTS)
     try:

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from mstar.config import EngineConfig
 from mstar.distributed.comm_choice import CommConfig, CommKind, Message, choose_communicator
 from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.control import GEOMETRY, STEP, StepMessage, plan_on
@@ -15,9 +16,8 @@ from mstar.distributed.expert_sharding import INVALID_ID, ExpertSharding
 from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.worker import LeaderServing, apply_step, follow, follower_serving, pool_geometry
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.kimi_k3.config import load_config, parse_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -183,8 +183,9 @@ def test_follower_mirrors_rank0_state_through_step_messages(tiny_model, tiny_dir
     """Every KDA state, conv window and latent KV row of a follower that only applies rank 0's step
     messages equals rank 0's after every step: through chunked prefill, mixed steps, preemption and
     slot reuse. (Same weights on both sides: this checks the protocol, not the sharding.)"""
-    engine = EngineConfig(max_seq_len=128, page_size=16, max_num_pages=10, max_kda_slots=5,
-                          scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=40), kernels="torch")
+    engine = EngineConfig(max_seq_len=128, resources={"mla_kv": {"page_size": 16, "max_num_pages": 10},
+                                                      "kda_state": {"max_slots": 5}},
+                          scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 40})
     tokenizer = KimiTokenizer.from_dir(tiny_dir)
     core = EngineCore(tiny_model, tokenizer, engine)
     channel = _Recorder()
@@ -220,7 +221,9 @@ class _Script:
 
 
 def test_follower_refuses_a_step_out_of_order_or_foreign_pools(tiny_model, tiny_dir):
-    engine = EngineConfig(max_seq_len=64, page_size=16, max_num_pages=8, max_kda_slots=3, kernels="torch")
+    engine = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 16, "max_num_pages": 8},
+                                                     "kda_state": {"max_slots": 3}},
+                          scheduler={"max_num_seqs": 2})
     serving = follower_serving(tiny_model, engine, KimiTokenizer.from_dir(tiny_dir))
     geometry = pool_geometry(serving.kv, serving.pool)
     wrong = copy.deepcopy(geometry)

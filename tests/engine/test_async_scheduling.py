@@ -8,10 +8,10 @@ import pytest
 import torch
 from greedy_ties import assert_greedy_matches
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
 from mstar.engine.sampler import gather_logprobs
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.engine.step_results import pack, unpack
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
@@ -28,12 +28,15 @@ def draft(tiny_dirs):
     return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
 
 
-def make_engine(model, tokenizer, *, overlap, pages=256, slots=9, page_size=8, draft=None, **sched):
-    spec = SpeculativeConfig(draft=draft, speculative_tokens=3) if draft is not None else None
+def make_engine(model, tokenizer, *, overlap, pages=256, slots=9, page_size=8, draft=None,
+                mixed_prefill_decode=True, **sched):
     sched = {"max_num_seqs": 8, "max_num_batched_tokens": 64} | sched
-    cfg = EngineConfig(max_seq_len=256, page_size=page_size, max_num_pages=pages, max_kda_slots=slots,
-                       scheduler=SchedulerConfig(**sched), speculative=spec, async_scheduling=overlap)
-    return EngineCore(model, tokenizer, cfg)
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": page_size, "max_num_pages": pages},
+                                                   "kda_state": {"max_slots": slots}},
+                       scheduler=sched, model_kwargs={"speculative_tokens": 3 if draft is not None else 0,
+                                                      "async_scheduling": overlap,
+                                                      "mixed_prefill_decode": mixed_prefill_decode})
+    return EngineCore(model, tokenizer, cfg, SpeculativeModels(draft) if draft is not None else None)
 
 
 def drive(engine, jobs, *, arrivals_per_step=1, aborts=None):
@@ -115,7 +118,7 @@ def mixed_jobs(tiny_model, tokenizer):
 
 
 @pytest.mark.parametrize("sched", [{}, {"mixed_prefill_decode": False}, {"max_num_seqs": 3},
-                                   {"chunked_prefill": False, "max_num_batched_tokens": 128}])
+                                   {"chunked_prefill": False, "max_num_batched_tokens": 256}])
 def test_async_equals_sync(tiny_model, tokenizer, mixed_jobs, sched):
     results = {}
     for overlap in (False, True):
@@ -329,10 +332,13 @@ def test_packed_results_read_back_as_the_separate_reads_did():
     assert [(r.token, r.logprob, r.top) for r in plain] == [(t, None, ()) for t in tokens.tolist()]
 
 
-def test_the_serve_config_switches_it(tiny_dir):
+def test_the_serve_config_switches_it(tiny_model, tokenizer, tiny_dir):
     from mstar.config import parse_serve_config
-    from mstar.serve import engine_config
 
-    cfg = parse_serve_config({"model": "kimi_k3", "checkpoint": str(tiny_dir), "max_seq_len": 256})
-    assert engine_config(cfg).async_scheduling is None  # the engine's default: on CUDA devices
-    assert not engine_config(cfg.with_overrides("model_kwargs.async_scheduling=false")).async_scheduling
+    cfg = parse_serve_config({"model": "kimi_k3", "checkpoint": str(tiny_dir), "max_seq_len": 256, "resources": {
+        "mla_kv": {"page_size": 16, "max_num_pages": 17}}})
+    assert cfg.model_kwargs.async_scheduling is None  # the engine's default: on CUDA devices, so not here
+    assert not EngineCore(tiny_model, tokenizer, cfg)._overlap
+    on = cfg.with_overrides("model_kwargs.async_scheduling=true")
+    assert EngineCore(tiny_model, tokenizer, on)._overlap
+    assert not EngineCore(tiny_model, tokenizer, on.with_overrides("model_kwargs.async_scheduling=false"))._overlap

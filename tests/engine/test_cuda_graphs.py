@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.engine.cuda_graphs import DecodeGraphs, capture_blockers, decode_buckets
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
@@ -29,7 +29,9 @@ def test_buckets_cover_every_batch_size():
 
 
 def test_a_cpu_model_is_refused_with_the_reason(tiny_model, tiny_dir):
-    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), EngineConfig(max_seq_len=256, cuda_graphs=True))
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 64}},
+                       model_kwargs={"cuda_graphs": True})
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
     assert core.graphs == []  # no effect on CPU
     assert any("CUDA device" in p for p in capture_blockers(core.serving))
 
@@ -45,7 +47,8 @@ def test_pending_prefix_is_seen_per_step():
 
 
 def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
-    cfg = EngineConfig(max_seq_len=256, scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=40))
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 1024}},
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 40})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
     plans = []
     forward = core.serving.forward

@@ -6,9 +6,9 @@ import pytest
 import torch
 from greedy_ties import assert_greedy_matches
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.engine.params import ParamError, SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
@@ -56,9 +56,13 @@ def run_engine(engine: EngineCore, jobs, arrivals_per_step=2):
     return [got[f"r{i}"] for i in range(len(jobs))]
 
 
-def make_engine(model, tokenizer, *, pages=512, slots=17, page_size=16, **sched):
-    cfg = EngineConfig(max_seq_len=512, page_size=page_size, max_num_pages=pages, max_kda_slots=slots,
-                       scheduler=SchedulerConfig(**sched))
+def make_engine(model, tokenizer, *, pages=512, slots=17, page_size=16, mixed_prefill_decode=True, **sched):
+    """A 512-token engine; the scheduler runs as many requests as there are KDA slots (but the sink)."""
+    cfg = EngineConfig(max_seq_len=512,
+                       resources={"mla_kv": {"page_size": page_size, "max_num_pages": pages},
+                                  "kda_state": {"max_slots": slots}},
+                       scheduler={"max_num_seqs": slots - 1, "max_num_batched_tokens": 2048, **sched},
+                       model_kwargs={"mixed_prefill_decode": mixed_prefill_decode})
     return EngineCore(model, tokenizer, cfg)
 
 

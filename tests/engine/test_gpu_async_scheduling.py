@@ -7,9 +7,9 @@ import pytest
 import torch
 from packed_experts import hold_packed
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import install_expert_kernels
@@ -40,9 +40,10 @@ def model(tokenizer):
 
 
 def make_engine(model, tokenizer, overlap):
-    cfg = EngineConfig(max_seq_len=MAX_SEQ, page_size=PAGE, max_num_pages=128, max_kda_slots=MAX_BATCH + 1,
-                       scheduler=SchedulerConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512),
-                       cuda_graphs=True, async_scheduling=overlap)
+    cfg = EngineConfig(max_seq_len=MAX_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 128},
+                                                       "kda_state": {"max_slots": MAX_BATCH + 1}},
+                       scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512},
+                       model_kwargs={"cuda_graphs": True, "async_scheduling": overlap})
     return EngineCore(model, tokenizer, cfg)
 
 

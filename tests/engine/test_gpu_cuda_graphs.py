@@ -10,11 +10,11 @@ import pytest
 import torch
 from packed_experts import hold_packed
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.engine.cuda_graphs import DecodeGraphs, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.prefill_graphs import PrefillGraphs
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels, install_fused_kernels
@@ -159,12 +159,13 @@ def test_a_pending_prefix_or_a_long_batch_runs_eagerly(model):
 
 
 def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
-    cfg = EngineConfig(max_seq_len=MAX_SEQ, page_size=PAGE, max_num_pages=256, max_kda_slots=MAX_BATCH + 1,
-                       scheduler=SchedulerConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512), cuda_graphs=True)
+    cfg = EngineConfig(max_seq_len=MAX_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 256},
+                                                       "kda_state": {"max_slots": MAX_BATCH + 1}},
+                       scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512})
     core = EngineCore(model, tokenizer, cfg)
     assert [type(g) for g in core.graphs] == [DecodeGraphs, PrefillGraphs]
     assert len(core.graphs[0].graphs) == len(decode_buckets(MAX_BATCH))
-    eager = EngineCore(model, tokenizer, replace(cfg, cuda_graphs=False))
+    eager = EngineCore(model, tokenizer, cfg.with_overrides("model_kwargs.cuda_graphs=false"))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 5, 64)]
     outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=12)
     assert core.graphs[0].replays >= 10
@@ -300,12 +301,13 @@ def test_a_failed_prefill_capture_names_its_bucket(model):
 def test_engine_serves_prompts_through_the_prefill_graphs(model, tokenizer):
     """Prompts of 1 to 700 tokens (chunked by a 512-token budget), prefilled through the prefill graphs,
     then decoded through the decode graphs: the greedy tokens of the eager engine."""
-    cfg = EngineConfig(max_seq_len=MAX_SEQ, page_size=PAGE, max_num_pages=256, max_kda_slots=MAX_BATCH + 1,
-                       scheduler=SchedulerConfig(max_num_seqs=MAX_BATCH, max_num_batched_tokens=512), cuda_graphs=True)
+    cfg = EngineConfig(max_seq_len=MAX_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 256},
+                                                       "kda_state": {"max_slots": MAX_BATCH + 1}},
+                       scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512})
     core = EngineCore(model, tokenizer, cfg)
     prefill = core.graphs[-1]
     assert isinstance(prefill, PrefillGraphs) and sorted(prefill.graphs) == [256, 512]
-    eager = EngineCore(model, tokenizer, replace(cfg, cuda_graphs=False))
+    eager = EngineCore(model, tokenizer, cfg.with_overrides("model_kwargs.cuda_graphs=false"))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 700, 5, 64, 2)]
     outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=8)
     assert prefill.replays >= 3  # 1,179 prompt tokens in steps of at most 512

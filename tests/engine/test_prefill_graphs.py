@@ -12,11 +12,11 @@ import pytest
 import torch
 from greedy_ties import assert_greedy_matches, random_jobs
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.engine.cuda_graphs import SINK, GraphedServing
 from mstar.engine.params import SamplingParams
 from mstar.engine.prefill_graphs import MAX_PREFILL_SEQS, MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
@@ -231,8 +231,9 @@ def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model,
     pytest.importorskip("fla.ops.kda")
     monkeypatch.setattr(GpuMixerOps, "mla_kernel_fits", staticmethod(lambda attn, dtype, device: True))
     jobs = random_jobs(tiny_model, (3, 45, 20), (4, 6))
-    cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, page_size=PAGE, max_num_pages=40, max_kda_slots=5,
-                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32))
+    cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 40},
+                                                                    "kda_state": {"max_slots": 5}},
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
     core.serving.ops = GpuMixerOps()
     graphs = PrefillGraphs(core.serving, max_tokens=32, max_seq_len=cfg.max_seq_len, buckets=(16, 32))

@@ -155,9 +155,9 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
 
     from greedy_ties import assert_greedy_matches
 
-    from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+    from mstar.config import EngineConfig
+    from mstar.engine.core import EngineCore, SpeculativeModels
     from mstar.engine.params import SamplingParams
-    from mstar.engine.scheduler import SchedulerConfig
     from mstar.models.dspark.model import K3DSparkModel
     from mstar.models.kimi_k3.generate import greedy_generate
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -168,10 +168,11 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
         prompt = [rng.randrange(1000) for _ in range(n)]
         jobs.append((prompt, 8, greedy_generate(tiny_model, prompt, 8)))
     draft = K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
-    cfg = EngineConfig(max_seq_len=256, page_size=8, max_num_pages=200, max_kda_slots=5,
-                       scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
-                       speculative=SpeculativeConfig(draft=draft, speculative_tokens=3))
-    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dirs[0]), cfg)
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 8, "max_num_pages": 200},
+                                                   "kda_state": {"max_slots": 5}},
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
+                       model_kwargs={"speculative_tokens": 3})
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dirs[0]), cfg, SpeculativeModels(draft))
     core.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
     for i, (prompt, max_tokens, _) in enumerate(jobs):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

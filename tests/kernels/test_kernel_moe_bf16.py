@@ -33,6 +33,7 @@ from test_kernel_moe_mxfp4 import (
     tiny_experts,
 )
 
+from mstar.config import Environment, ServeConfigError
 from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 from mstar.kernels import moe_bf16
@@ -162,15 +163,12 @@ def test_scratch_and_out_are_checked():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_threshold_from_env(monkeypatch):
-    monkeypatch.delenv(moe_bf16.THRESHOLD_ENV, raising=False)
-    assert moe_bf16.bf16_threshold() == moe_bf16.DEFAULT_THRESHOLD == 6144
-    monkeypatch.setenv(moe_bf16.THRESHOLD_ENV, " 2048")
-    assert moe_bf16.bf16_threshold() == 2048
-    for bad in ("-1", "1.5", "many", ""):
-        monkeypatch.setenv(moe_bf16.THRESHOLD_ENV, bad)
-        with pytest.raises(ValueError, match="MSTAR_MOE_BF16_TOKENS must be a non-negative integer"):
-            moe_bf16.bf16_threshold()
+def test_threshold_from_env():
+    assert Environment.read({}).moe_bf16_tokens == 6144
+    assert Environment.read({"MSTAR_MOE_BF16_TOKENS": " 2048"}).moe_bf16_tokens == 2048
+    for bad in ("-1", "1.5", "many"):
+        with pytest.raises(ServeConfigError, match="MSTAR_MOE_BF16_TOKENS must be a non-negative integer"):
+            Environment.read({"MSTAR_MOE_BF16_TOKENS": bad})
     assert not moe_bf16.supported("cpu")
 
 
@@ -277,14 +275,13 @@ def test_gpu_cuda_graph_replay(gpu_experts):
 
 
 @hopper
-def test_gpu_install_allocates_only_for_large_steps(monkeypatch):
+def test_gpu_install_allocates_only_for_large_steps():
     """install_expert_kernels gives the bf16 path (one scratch for all layers) only when steps may exceed the
     threshold; the layers then take it above the threshold."""
     from mstar.models.kimi_k3.config import parse_config
     from mstar.models.kimi_k3.model import KimiK3ForCausalLM
     from mstar.tools.make_tiny import real_dims_raw_config
 
-    monkeypatch.setenv(moe_bf16.THRESHOLD_ENV, "64")
     cfg = parse_config(real_dims_raw_config(num_layers=4, num_experts=GPU_E, tp_size=8, tp_rank=0))
     gen = new_generator("cuda")
     for max_step_tokens, expect_path in ((64, False), (256, True)):
@@ -292,7 +289,7 @@ def test_gpu_install_allocates_only_for_large_steps(monkeypatch):
             model = KimiK3ForCausalLM(cfg).to(torch.bfloat16).eval()
         layers = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
         hold_packed((e for layer in layers for e in layer.experts), gen)
-        assert install_expert_kernels(model, max_step_tokens=max_step_tokens) == len(layers)
+        assert install_expert_kernels(model, max_step_tokens=max_step_tokens, bf16_above_tokens=64) == len(layers)
         paths = [layer.expert_kernel.bf16 for layer in layers]
         if not expect_path:
             assert paths == [None] * len(layers)

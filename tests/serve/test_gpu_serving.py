@@ -5,9 +5,9 @@ import random
 import pytest
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -27,12 +27,13 @@ def test_cuda_served_greedy_equals_cpu_reference(tiny_dirs, tiny_model, kernels,
     tokenizer = KimiTokenizer.from_dir(tiny_dir)
     spec = None
     if speculative:
-        draft = K3DSparkModel.from_checkpoint(draft_dir, dtype=torch.float32).to("cuda")
-        spec = SpeculativeConfig(draft=draft, speculative_tokens=7, schedule=((4, 7), (16, 3)))
-    engine = EngineCore(gpu_model, tokenizer, EngineConfig(
-        max_seq_len=512, page_size=16, max_num_pages=512, max_kda_slots=17,
-        scheduler=SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=128), speculative=spec,
-        kernels=kernels))
+        spec = SpeculativeModels(K3DSparkModel.from_checkpoint(draft_dir, dtype=torch.float32).to("cuda"))
+    config = EngineConfig(max_seq_len=512, resources={"mla_kv": {"page_size": 16, "max_num_pages": 512},
+                                                      "kda_state": {"max_slots": 17}},
+                          scheduler={"max_num_seqs": batch, "max_num_batched_tokens": 128},
+                          model_kwargs={"speculative_tokens": 7 if speculative else 0,
+                                        "speculative_schedule": {4: 7, 16: 3}})
+    engine = EngineCore(gpu_model, tokenizer, config, spec, kernels=kernels)
     rng = random.Random()
     jobs = []
     lengths = [1, 7, 16, 17, 40, 100, 200, 300][: max(2, batch // 2)]

@@ -9,6 +9,7 @@ import yaml
 from paths import ROOT
 
 from mstar.config import (
+    EngineConfig,
     ServeConfig,
     ServeConfigError,
     check_expert_parallel,
@@ -18,6 +19,7 @@ from mstar.config import (
     parse_serve_config,
     resolve_device,
 )
+from mstar.speculative.schedule import DraftSchedule
 
 CONFIGS = ROOT / "configs"
 SHIPPED = sorted(CONFIGS.glob("*.yaml"))
@@ -105,10 +107,57 @@ def test_draft_schedule_lookup():
         "speculative_tokens": 7, "speculative_draft": "d", "speculative_schedule": {64: 0, 16: 7, 32: 4}}))
     mk = cfg.model_kwargs
     assert mk.speculative_schedule == ((16, 7), (32, 4), (64, 0))  # sorted by bucket
-    assert [mk.drafts_for_batch(n) for n in (1, 16, 17, 32, 33, 64)] == [7, 7, 4, 4, 0, 0]
-    assert mk.max_drafts == 7
+    # The one schedule lookup is the engine's (speculative/schedule.py), built from these keys.
+    schedule = DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule)
+    assert [schedule.drafts_for(n) for n in (1, 16, 17, 32, 33, 64)] == [7, 7, 4, 4, 0, 0]
+    assert schedule.max_drafts == 7
     # Speculation on without a dspark_kv section: the draft pool matches the target's.
     assert cfg.resources.dspark_kv.max_num_pages == cfg.resources.mla_kv.max_num_pages
+
+
+def test_zero_speculative_tokens_turn_speculation_off_whatever_the_schedule():
+    cfg = parse_serve_config(minimal(model_kwargs={"speculative_tokens": 0, "speculative_schedule": {16: 1, 64: 0}}))
+    assert not cfg.speculative and cfg.model_kwargs.speculative_schedule == ()
+    assert cfg.resources.dspark_kv is None
+    # The schedule is still a schedule: its buckets must be integers >= 1.
+    with pytest.raises(ServeConfigError, match="'model_kwargs.speculative_schedule': bucket 0 must be >= 1"):
+        parse_serve_config(minimal(model_kwargs={"speculative_schedule": {0: 0}}))
+
+
+def test_the_mini_configs_comment_turns_speculation_off():
+    """configs/kimi_k3_mini.yaml says `model_kwargs.speculative_tokens=0` serves without speculation."""
+    mini = CONFIGS / "kimi_k3_mini.yaml"
+    assert "model_kwargs.speculative_tokens=0" in mini.read_text()
+    assert load_serve_config(mini).speculative
+    off = load_serve_config(mini, ["model_kwargs.speculative_tokens=0"])
+    assert not off.speculative and off.model_kwargs.speculative_schedule == ()
+    check_paths(off)  # only the target checkpoint is needed
+
+
+def test_the_kv_pools_keep_page_zero_as_the_sink():
+    # 1024 tokens of 16-token pages: 64 pages of tokens and the sink.
+    raw = minimal(max_seq_len=1024, resources={"mla_kv": {"page_size": 16, "max_num_pages": 65}})
+    assert parse_serve_config(raw).resources.mla_kv.max_num_pages == 65
+    raw["resources"]["mla_kv"]["max_num_pages"] = 64
+    with pytest.raises(ServeConfigError, match="page 0 the sink.*at least 65 pages"):
+        parse_serve_config(raw)
+    spec = minimal(max_seq_len=1024, resources={"mla_kv": {"page_size": 16, "max_num_pages": 65},
+                                                "dspark_kv": {"max_num_pages": 64}},
+                   model_kwargs={"speculative_tokens": 1, "speculative_draft": "d"})
+    with pytest.raises(ServeConfigError, match="'resources.dspark_kv.max_num_pages'"):
+        parse_serve_config(spec)
+
+
+def test_the_engine_takes_the_serve_config_as_it_is():
+    cfg = parse_serve_config(minimal())
+    assert isinstance(cfg, EngineConfig)
+    # The engine's part of the schema alone has the serve config's defaults.
+    engine = EngineConfig()
+    assert (engine.max_seq_len, engine.resources, engine.scheduler) == (cfg.max_seq_len, cfg.resources, cfg.scheduler)
+    assert engine.model_kwargs == cfg.model_kwargs
+    assert engine.with_overrides("scheduler.max_num_seqs=8").scheduler.max_num_seqs == 8
+    with pytest.raises(ValueError, match="'resources.kda_state.max_slots'"):
+        EngineConfig(scheduler={"max_num_seqs": 65})
 
 
 def test_resolve_device(monkeypatch):
@@ -152,7 +201,7 @@ BAD = [
     ({"resources": []}, "resources", "mapping"),
     ({"resources": {"mla_kv": {"page_size": 0}}}, "resources.mla_kv.page_size", ">= 1"),
     ({"resources": {"mla_kv": {"page_size": 16, "max_num_pages": 10}}, "max_seq_len": 1024},
-     "resources.mla_kv.max_num_pages", "64 pages"),
+     "resources.mla_kv.max_num_pages", "65 pages"),
     ({"resources": {"dspark_kv": {"max_num_pages": 1}}}, "resources.dspark_kv.max_num_pages", "max_seq_len"),
     ({"resources": {"kda_state": {"max_slots": 64}}}, "resources.kda_state.max_slots", "sink"),
     ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs", ">= 1"),
@@ -165,7 +214,6 @@ BAD = [
     ({"model_kwargs": {"speculative_tokens": 3}}, "model_kwargs.speculative_draft", "DSpark"),
     ({"model_kwargs": {"speculative_tokens": 3, "speculative_draft": "d", "speculative_schedule": {16: 4, 64: 0}}},
      "model_kwargs.speculative_schedule", "0..'model_kwargs.speculative_tokens' (3)"),
-    ({"model_kwargs": {"speculative_schedule": {16: 1, 64: 0}}}, "model_kwargs.speculative_schedule", "(0)"),
     ({"model_kwargs": {"speculative_tokens": 3, "speculative_draft": "d", "speculative_schedule": {16: 3}}},
      "model_kwargs.speculative_schedule", "cover 'scheduler.max_num_seqs'"),
     ({"model_kwargs": {"speculative_schedule": {0: 0, 64: 0}}}, "model_kwargs.speculative_schedule", ">= 1"),

@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from live_server import LiveServer, wait_until
 from paths import ROOT
 
-from mstar.config import ServeConfigError, load_serve_config, parse_serve_config
+from mstar.config import Environment, ServeConfigError, load_serve_config, parse_serve_config
 from mstar.engine.errors import EngineDeadError
 from mstar.serve import api_keys, serve_main, server_options
 from mstar.server import build_app
@@ -228,12 +228,12 @@ def test_server_section_parses_and_errors_name_the_key():
 def test_keys_come_from_config_cli_and_environment(tmp_path):
     cfg = load_serve_config(CONFIG, [f"checkpoint={tmp_path}", "server.api_keys=[from-config]",
                                      "scheduler.max_num_seqs=8", "scheduler.max_waiting=5"])
-    keys = api_keys(cfg, ["from-cli", "from-config"], {"MSTAR_API_KEY": " env-1, env-2 ,"})
+    keys = api_keys(cfg, ["from-cli", "from-config"], Environment.read({"MSTAR_API_KEY": " env-1, env-2 ,"}))
     assert keys == ("from-config", "from-cli", "env-1", "env-2")
     with pytest.raises(ServeConfigError, match="MSTAR_API_KEY entry 2 holds whitespace") as err:
-        api_keys(cfg, [], {"MSTAR_API_KEY": "good,bad key"})
+        Environment.read({"MSTAR_API_KEY": "good,bad key"})
     assert "bad key" not in str(err.value)
-    options = server_options(cfg, ["from-cli"], log_requests=True, environ={})
+    options = server_options(cfg, ["from-cli"], log_requests=True)
     assert options.max_in_flight == 8 + 5 and options.log_requests and options.api_keys == ("from-config", "from-cli")
 
 

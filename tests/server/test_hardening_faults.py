@@ -23,7 +23,7 @@ import pytest
 from live_server import LiveServer, start_mstar_serve, wait_until
 from paths import ROOT
 
-from mstar.config import load_serve_config
+from mstar.config import Environment, load_serve_config
 from mstar.engine.faults import FaultInjector, FaultPlan, FaultSpecError, parse_fault_spec
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.serve import EXIT_ENGINE_FAILED, build_engine
@@ -96,8 +96,9 @@ def test_fault_spec_parses_and_refuses_nonsense():
     for bad in ("step", "step:0", "step:x", "boom:3", "crash:2+", "nan:"):
         with pytest.raises(FaultSpecError, match="fault entry"):
             parse_fault_spec(bad)
-    assert FaultInjector.from_env({}) is None
-    assert FaultInjector.from_env({"MSTAR_FAULT_INJECT": "step:2"}).plan.failing_steps == {2}
+    assert Environment.read({}).fault_inject is None
+    spec = Environment.read({"MSTAR_FAULT_INJECT": "step:2"}).fault_inject
+    assert FaultInjector.from_spec(spec).plan.failing_steps == {2}
 
 
 def test_failed_step_fails_requests_in_flight_then_serving_goes_on(live, tiny_model):

@@ -62,7 +62,7 @@ def live(tiny_dir):
                                      "scheduler.max_num_batched_tokens=256", "server.max_tokens=4",
                                      "server.max_n=2", "server.max_body_bytes=65536"])
     engine = build_engine(cfg)
-    app = build_app(engine, served_model_name=MODEL, options=server_options(cfg, [API_KEY], environ={}))
+    app = build_app(engine, served_model_name=MODEL, options=server_options(cfg, [API_KEY]))
     server = LiveServer(app)
     server.start()
     yield server, engine

@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.dspark.model import BlockBatch, DraftCache, K3DSparkModel
@@ -157,10 +157,11 @@ def test_batched_proposals_check_their_arguments(draft, tiny_model):
 def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir):
     """In a real speculative run (staggered prompts, the schedule changing k as the batch grows), each step's
     batched drafts equal every request's drafts alone, its generator replayed from the same state."""
-    spec = SpeculativeConfig(draft=draft, speculative_tokens=5, schedule=((2, 5), (4, 3)))
-    cfg = EngineConfig(max_seq_len=256, page_size=PAGE_SIZE, max_num_pages=200, max_kda_slots=6,
-                       scheduler=SchedulerConfig(max_num_seqs=5, max_num_batched_tokens=64), speculative=spec)
-    engine = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": PAGE_SIZE, "max_num_pages": 200},
+                                                   "kda_state": {"max_slots": 6}},
+                       scheduler={"max_num_seqs": 5, "max_num_batched_tokens": 64},
+                       model_kwargs={"speculative_tokens": 5, "speculative_schedule": {2: 5, 4: 3, 5: 0}})
+    engine = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg, SpeculativeModels(draft))
     real_propose = engine.spec.propose
     checked = []
 

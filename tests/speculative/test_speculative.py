@@ -7,9 +7,9 @@ import pytest
 import torch
 from greedy_ties import assert_greedy_matches
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -37,11 +37,13 @@ def jobs(tiny_model):
     return out
 
 
-def make_engine(model, tokenizer, draft, k, schedule=(), **sched):
-    spec = SpeculativeConfig(draft=draft, speculative_tokens=k, schedule=schedule) if k else None
-    cfg = EngineConfig(max_seq_len=512, page_size=8, max_num_pages=400, max_kda_slots=9,
-                       scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=96, **sched), speculative=spec)
-    return EngineCore(model, tokenizer, cfg)
+def make_engine(model, tokenizer, draft, k, schedule=(), mixed_prefill_decode=True, **sched):
+    cfg = EngineConfig(max_seq_len=512, resources={"mla_kv": {"page_size": 8, "max_num_pages": 400},
+                                                   "kda_state": {"max_slots": 9}},
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 96, **sched},
+                       model_kwargs={"speculative_tokens": k, "speculative_schedule": schedule,
+                                     "mixed_prefill_decode": mixed_prefill_decode})
+    return EngineCore(model, tokenizer, cfg, SpeculativeModels(draft) if k else None)
 
 
 def run(engine, jobs, params=lambda mt: SamplingParams(max_tokens=mt, temperature=0, ignore_eos=True)):

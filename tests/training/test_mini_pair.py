@@ -11,9 +11,9 @@ import torch
 from greedy_ties import assert_greedy_matches
 from paths import ROOT
 
-from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -43,10 +43,11 @@ def jobs(pair):
 
 def serve(pair, jobs, k: int) -> tuple[list[list[int]], EngineCore]:
     target, draft, tokenizer = pair
-    spec = SpeculativeConfig(draft=draft, speculative_tokens=k) if k else None
-    engine = EngineCore(target, tokenizer, EngineConfig(
-        max_seq_len=512, page_size=16, max_num_pages=512, max_kda_slots=9,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512), speculative=spec))
+    config = EngineConfig(max_seq_len=512, resources={"mla_kv": {"page_size": 16, "max_num_pages": 512},
+                                                      "kda_state": {"max_slots": 9}},
+                          scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512},
+                          model_kwargs={"speculative_tokens": k})
+    engine = EngineCore(target, tokenizer, config, SpeculativeModels(draft) if k else None)
     for i, (prompt, max_tokens, _) in enumerate(jobs):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     got: dict[str, list[int]] = {}

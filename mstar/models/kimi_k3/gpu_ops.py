@@ -175,12 +175,14 @@ def _share_stacked_storage(experts: list[nn.Module], stacked: moe_mxfp4.StackedE
         expert.w2.weight_packed, expert.w2.weight_scale = stacked.w2_packed[i], stacked.w2_scale[i]
 
 
-def install_expert_kernels(model: KimiK3ForCausalLM, max_step_tokens: int | None = None) -> int:
+def install_expert_kernels(model: KimiK3ForCausalLM, max_step_tokens: int | None = None, *,
+                           bf16_above_tokens: int | None = None) -> int:
     """Route every latent MoE's packed experts through the MXFP4 kernels (bf16 models on a supported
     GPU). Returns how many layers were switched.
 
     Where a step may hold more tokens (max_step_tokens: the scheduler's token budget) than
-    `moe_bf16.bf16_threshold()` and the GPU runs `moe_bf16`, such steps run it: one bf16 scratch for one
+    `bf16_above_tokens` (MSTAR_MOE_BF16_TOKENS, `Environment.moe_bf16_tokens`) and the GPU runs `moe_bf16`,
+    such steps run it: one bf16 scratch for one
     layer's experts (1.72 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate) is allocated
     for all layers, and a step of max_step_tokens runs through it once here, so that the first large step
     served compiles and allocates nothing. Otherwise nothing is allocated.
@@ -190,9 +192,9 @@ def install_expert_kernels(model: KimiK3ForCausalLM, max_step_tokens: int | None
         return 0
     switched = [layer.block_sparse_moe for layer in model.model.layers
                 if hasattr(layer, "block_sparse_moe") and install_layer_kernel(layer.block_sparse_moe)]
-    above = moe_bf16.bf16_threshold()
-    if max_step_tokens is not None and max_step_tokens > above and moe_bf16.supported(param.device):
-        _install_bf16_path([moe.expert_kernel for moe in switched], above, max_step_tokens)
+    large = max_step_tokens is not None and bf16_above_tokens is not None and max_step_tokens > bf16_above_tokens
+    if large and moe_bf16.supported(param.device):
+        _install_bf16_path([moe.expert_kernel for moe in switched], bf16_above_tokens, max_step_tokens)
     return len(switched)
 
 
