@@ -109,7 +109,9 @@ class EngineCore:
         self.kv = PagedLatentKV(kinds.count("mla"), mla_kv.max_num_pages, mla_kv.page_size, cfg.kv_cache_width,
                                 dtype, device)
         la = cfg.linear_attn
-        schedule = DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule) if speculative else None
+        # drafts per row by decode batch size; None without speculation
+        self.draft_schedule = (DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule)
+                               if speculative else None)
         self.pool = RecurrentStatePool(kinds.count("kda"), config.resources.kda_state.max_slots, la.num_heads,
                                        la.head_dim, la.short_conv_kernel_size,
                                        torch.promote_types(dtype, torch.float32), dtype, device,
@@ -130,7 +132,7 @@ class EngineCore:
         if speculative is not None and speculative.draft is not None:
             proposer = DSparkProposer(speculative.draft, model, num_pages=config.dspark_kv_pages,
                                       page_size=mla_kv.page_size, heads=speculative.heads)
-            self.spec = Speculation(proposer, schedule)
+            self.spec = Speculation(proposer, self.draft_schedule)
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None,
@@ -162,14 +164,13 @@ class EngineCore:
         from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, verify_graphs
         from mstar.engine.prefill_graphs import PrefillGraphs
 
-        config, spec, mk = self.config, self.speculative_models, self.config.model_kwargs
+        config, spec = self.config, self.speculative_models
         taps = spec.taps() if spec else ()
         shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
                  "tap_layers": taps}
         graphs: list[StepGraphs] = [DecodeGraphs(self.serving, **shape)]
         if spec is not None:
-            graphs += verify_graphs(self.serving, DraftSchedule.from_config(mk.speculative_tokens,
-                                                                            mk.speculative_schedule), **shape)
+            graphs += verify_graphs(self.serving, self.draft_schedule, **shape)
         # last: GraphedServing replays the first set that takes a step, and a decode step fits a prefill graph too
         graphs.append(PrefillGraphs(self.serving, max_tokens=config.scheduler.max_num_batched_tokens,
                                     max_seq_len=config.max_seq_len, tap_layers=taps))
