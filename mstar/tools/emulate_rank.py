@@ -4,8 +4,10 @@
 
 It builds rank 0's model at the rank's real shapes (`rank_module`: heads / tp, each routed expert's
 intermediate width / tp held as MXFP4, the vocabulary-parallel embedding and lm_head) with random
-weights made on the device, replaces the all-reduces by the null communicator (every collective is
-the identity, so no other rank is needed and the numbers are not the model's), fills the paged
+weights made on the device, stands in for the other ranks with a communicator that moves no data (so
+no other rank is needed and the numbers are not the model's) but charges every collective its modeled
+cost as a GPU-side wait inside the step (`distributed/modeled_comm.py`: by default 6 us per message up
+to 64 KiB per rank, plus bytes / 150 GB/s beyond; `--comm-latency-us 0`: free collectives), fills the paged
 latent KV cache and the KDA state pool with random context, and times the serving forward that
 `EngineCore` runs (`ServingModel.forward` with the GPU mixers and MXFP4 expert kernels):
 
@@ -19,9 +21,12 @@ latent KV cache and the KDA state pool with random context, and times the servin
   runs eagerly).
 `--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
-the ratio measured / floor. Timings are medians over `--reps` steps (CUDA events on the GPU) after
-`--warmup` untimed ones; repeating a step rewrites the same cache rows and slots, so the context is
-the same every time. A verify step never commits, so no slot carries a pending prefix.
+the ratio measured / floor, with the collectives its run held (count, bytes, modeled time, tallied on
+the device by the replayed graph itself) and the kernels it launched (on CUDA, from the profiler). The
+header says whether the shipped pruned75 config's pools fit an 80 GB H100 beside this rank's weights.
+Timings are medians over `--reps` steps (CUDA events on the GPU) after `--warmup` untimed ones;
+repeating a step rewrites the same cache rows and slots, so the context is the same every time. A
+verify step never commits, so no slot carries a pending prefix.
 
 Weights are never made on the host (one pruned75 rank holds ~64 GiB): the model is built on the meta
 device, moved with `to_empty` and filled in place, every tensor by a rule for the module that owns it
@@ -50,6 +55,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 from mstar.distributed.loader import rank_module
+from mstar.distributed.modeled_comm import CollectiveCost, CommTally, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
@@ -81,6 +87,11 @@ from mstar.tools.roofline import (
 )
 
 GIB, GB, MS = 2**30, 1e9, 1e-3
+H100_BYTES = 80 * GB  # an H100 SXM's HBM
+# CUDA context, NCCL buffers, the allocator's slack: what a served rank holds beyond weights, pools and
+# the step's working memory (an estimate, not measured here: one process on one GPU has no NCCL)
+RUNTIME_RESERVE_BYTES = 3 * GIB
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "kimi_k3_pruned75_tp8.yaml"
 STEP_KINDS = ("decode", "verify", "prefill")
 _T0 = time.perf_counter()
 
@@ -148,10 +159,11 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
 
 
 def build_model(config: KimiK3Config, plan: ShardingPlan, dtype: torch.dtype, device: torch.device,
-                generator: torch.Generator) -> KimiK3ForCausalLM:
+                generator: torch.Generator, comm: ModeledCommunicator | None = None) -> KimiK3ForCausalLM:
     """Rank `plan.rank`'s model with random weights made on `device`, routed experts held as MXFP4
-    (as `load_rank_model` holds them from the real checkpoint)."""
-    model = rank_module(config, plan)  # meta device, NullCommunicator(tp, rank)
+    (as `load_rank_model` holds them from the real checkpoint); collectives through `comm` (None: the
+    null communicator, every collective free)."""
+    model = rank_module(config, plan, comm)  # meta device
     use_mxfp4_linears(model, {name for name in model.state_dict() if is_expert_weight(name)})
     model.to(dtype)  # still on meta: float tensors only, the MXFP4 bytes stay uint8
     model.to_empty(device=device)
@@ -297,6 +309,8 @@ class Result:
     mode: str  # "graph" or "eager"
     floor: Floor
     seconds: float
+    comm: CommTally | None = None  # the collectives of one run (None: free, the null communicator)
+    kernels: int | None = None  # kernels one run launched (CUDA only)
 
     @property
     def ratio(self) -> float:
@@ -307,9 +321,12 @@ class Result:
         return self.step.batch / self.seconds if self.step.kind == "decode" else None
 
     def as_dict(self) -> dict[str, Any]:
+        comm = None if self.comm is None else {"calls": self.comm.calls, "bytes": self.comm.bytes,
+                                               "modeled_s": self.comm.seconds}
         return {"step": self.step.name, "batch": self.step.batch, "rows": self.step.tokens,
                 "context": self.step.context, "mode": self.mode, "measured_s": self.seconds, "ratio": self.ratio,
-                "tokens_per_s": self.tokens_per_s, "floor": self.floor.as_dict()}
+                "tokens_per_s": self.tokens_per_s, "collectives": comm, "kernels": self.kernels,
+                "floor": self.floor.as_dict()}
 
 
 # --- one emulation ------------------------------------------------------------------------------
@@ -327,6 +344,7 @@ class Emulation:
     page_size: int
     expert_kernel_layers: int
     pending_prefix: int = 0  # accepted rows of the previous verify block each verify sequence replays first
+    comm: ModeledCommunicator | None = None  # None: collectives are free (the null communicator)
 
     @property
     def vocab_slice(self) -> int:
@@ -350,11 +368,13 @@ class Emulation:
 
 
 def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype: torch.dtype,
-          device: torch.device, page_size: int, seed: int, pending_prefix: int = 0) -> Emulation:
+          device: torch.device, page_size: int, seed: int, pending_prefix: int = 0,
+          comm_cost: CollectiveCost | None = None) -> Emulation:
     generator = torch.Generator(device=device).manual_seed(seed)
     progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
-    model = build_model(config, plan, dtype, device, generator)
+    comm = ModeledCommunicator(plan.tp_size, plan.rank, comm_cost, device) if comm_cost is not None else None
+    model = build_model(config, plan, dtype, device, generator, comm)
     prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
     # as EngineCore: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
     kernels = install_expert_kernels(model, max(prefill_tokens, default=None))
@@ -364,7 +384,7 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
     kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
     emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
-                          page_size, kernels, pending_prefix)
+                          page_size, kernels, pending_prefix, comm)
     synchronize(device)
     progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
              f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")
@@ -428,14 +448,34 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
         progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
         for _ in range(warmup):
             fn()
-        synchronize(device)
+        comm = one_run_collectives(emulation, fn)
+        kernels = count_kernels(fn) if device.type == "cuda" else None
         seconds = median_seconds(fn, reps, device)
-        results.append(Result(step, mode, step.floor(rank), seconds))
-        progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor)")
+        results.append(Result(step, mode, step.floor(rank), seconds, comm, kernels))
+        held = f"; {comm.calls} collectives, {comm.seconds / MS:.3f} ms modeled" if comm is not None else ""
+        progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor{held})")
         same_kind = [other for other in steps if other.kind == step.kind]
         if step in (same_kind[0], same_kind[-1]):
             fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({mode})"] = fn
     return results, fns
+
+
+def one_run_collectives(emulation: Emulation, fn: Callable[[], object]) -> CommTally | None:
+    """The collectives one run of `fn` holds, as the device tallied them (None: they are free)."""
+    if emulation.comm is None:
+        return None
+    synchronize(emulation.device)
+    emulation.comm.reset()
+    fn()
+    return emulation.comm.tally()
+
+
+def count_kernels(fn: Callable[[], object]) -> int:
+    """How many kernels one run of `fn` launches on the GPU (a graph replay's kernels each count)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, top: int = 25) -> str:
@@ -475,16 +515,44 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
 
 
-def markdown_table(results: list[Result]) -> str:
+def markdown_table(results: list[Result], num_layers: int) -> str:
     lines = ["| step | batch | rows | mode | floor GB | floor GFLOP | floor ms | bound | measured ms | measured/floor "
-             "| tok/s |", "|---|--:|--:|---|--:|--:|--:|---|--:|--:|--:|"]
+             "| collectives | comm MB | comm ms (modeled) | kernels | kernels/layer | tok/s |",
+             "|---|--:|--:|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         f = r.floor
         tok_s = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else ""
+        comm = (f"{r.comm.calls} | {r.comm.bytes / 1e6:.4g} | {r.comm.seconds / MS:.4g}" if r.comm is not None
+                else "free | | ")
+        kernels = f"{r.kernels:,} | {r.kernels / num_layers:.1f}" if r.kernels is not None else " | "
         lines.append(f"| {r.step.name} | {r.step.batch} | {r.step.tokens} | {r.mode} | {f.bytes / GB:.4g} "
                      f"| {f.flops / 1e9:.4g} | {f.floor_s / MS:.4g} | {f.bound} | {r.seconds / MS:.4g} "
-                     f"| {r.ratio:,.2f} | {tok_s} |")
+                     f"| {r.ratio:,.2f} | {comm} | {kernels} | {tok_s} |")
     return "\n".join(lines)
+
+
+def shipped_pool_bytes(config: KimiK3Config, shipped: Path = SHIPPED_CONFIG) -> int:
+    """Bytes of the pools the shipped pruned75 TP8 config makes on one rank of `config` (the rank's heads)."""
+    import yaml
+
+    resources = yaml.safe_load(shipped.read_text())["resources"]
+    kinds, la = config.layer_kinds, config.linear_attn
+    mla, kda = resources["mla_kv"], resources["kda_state"]
+    kv = PagedLatentKV(kinds.count("mla"), mla["max_num_pages"], mla["page_size"], config.kv_cache_width,
+                       torch.bfloat16, "meta")
+    pool = RecurrentStatePool(kinds.count("kda"), kda["max_slots"], la.num_heads, la.head_dim,
+                              la.short_conv_kernel_size, torch.float32, torch.bfloat16, "meta",
+                              hidden_size=config.hidden_size)
+    return tensor_bytes([kv.cache, pool.state, pool.conv, pool.prefix_x])
+
+
+def h100_fit(weight_bytes: int, pool_bytes: int, peak_bytes: int | None, shipped_pools: int) -> dict[str, Any]:
+    """Whether a served rank (weights, the shipped config's pools, the step's working memory as measured
+    here, a runtime reserve) fits an 80 GB H100."""
+    working = max(0, peak_bytes - weight_bytes - pool_bytes) if peak_bytes is not None else 0
+    need = weight_bytes + shipped_pools + working + RUNTIME_RESERVE_BYTES
+    return {"weights": weight_bytes, "shipped_pools": shipped_pools, "working": working,
+            "reserve": RUNTIME_RESERVE_BYTES, "total": need, "h100_bytes": H100_BYTES, "fits": need <= H100_BYTES}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -508,6 +576,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     p.add_argument("--max-seq-len", type=int, default=32768,
                    help="the graphs' capacity, which fixes the decode MLA split count (the served config's)")
+    p.add_argument("--comm-latency-us", type=float, default=6.0,
+                   help="modeled cost of every collective up to --comm-small-kib per rank (0: collectives are free)")
+    p.add_argument("--comm-small-kib", type=float, default=64.0, help="message size the latency term covers")
+    p.add_argument("--comm-gb-per-s", type=float, default=150.0, help="link rate for the bytes beyond it")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pending-prefix", type=int, default=2,
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
@@ -537,10 +609,12 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         plan = ShardingPlan(args.tp, 0, args.ep)
         steps = steps_to_run(args)
         rank = rank_model(config, plan, dtype)
+        comm_cost = None if args.comm_latency_us == 0 else CollectiveCost(
+            args.comm_latency_us * 1e-6, round(args.comm_small_kib * 1024), args.comm_gb_per_s * 1e9)
     except ValueError as e:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
     emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
-                      pending_prefix=args.pending_prefix)
+                      pending_prefix=args.pending_prefix, comm_cost=comm_cost)
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
                                 graph_seq_len=graph_seq_len)
     profile_md = profile_steps(profiled, device) if args.profile else ""
@@ -555,19 +629,43 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "expert_kernel_layers": emulation.expert_kernel_layers,
         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
+        "collective_cost": None if comm_cost is None else {"latency_s": comm_cost.latency_s,
+                                                            "small_bytes": comm_cost.small_bytes,
+                                                            "bytes_per_s": comm_cost.bytes_per_s},
     }
+    header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
+                                  shipped_pool_bytes(emulation.serving.model.config))
     title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}, "
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
              f"{args.context} ({args.pending_prefix} pending rows per verify sequence), page size {args.page_size}; "
              f"median of {args.reps} steps; CUDA graphs "
              f"{f'captured for {graph_seq_len} tokens' if graph_seq_len else 'off'}. Weights "
-             f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; all-reduces "
-             f"are the identity (null communicator). Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
-             f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.")
+             f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; "
+             f"{comm_note(comm_cost)} Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
+             f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.\n\n{fit_note(header)}")
     # the table last, so that it ends what the tool prints
-    markdown = "\n\n".join(part for part in (title, profile_md, markdown_table(results)) if part) + "\n"
+    table = markdown_table(results, config.num_hidden_layers)
+    markdown = "\n\n".join(part for part in (title, profile_md, table) if part) + "\n"
     return header | {"rows": [r.as_dict() for r in results]}, markdown
+
+
+def comm_note(cost: CollectiveCost | None) -> str:
+    if cost is None:
+        return "collectives are free (null communicator, --comm-latency-us 0)."
+    return (f"every collective waits its modeled cost on the GPU ({cost.latency_s * 1e6:g} us up to "
+            f"{cost.small_bytes / 1024:g} KiB per rank, then {cost.bytes_per_s / 1e9:g} GB/s).")
+
+
+def fit_note(header: dict[str, Any]) -> str:
+    fit = header["h100_fit"]
+    peak = header["peak_memory_bytes"]
+    return (f"Memory: peak {peak / GIB:.2f} GiB here" if peak is not None else "Memory:") + (
+        f". A served rank with the shipped pools ({SHIPPED_CONFIG.name}: {fit['shipped_pools'] / GIB:.2f} GiB) "
+        f"needs weights {fit['weights'] / GIB:.2f} + pools {fit['shipped_pools'] / GIB:.2f} + working memory "
+        f"{fit['working'] / GIB:.2f} (measured here) + {fit['reserve'] / GIB:.0f} GiB reserve = "
+        f"{fit['total'] / GIB:.2f} GiB: {'fits' if fit['fits'] else 'does NOT fit'} an 80 GB H100 "
+        f"({fit['h100_bytes'] / GIB:.1f} GiB).")
 
 
 def main(argv: list[str] | None = None) -> None:
