@@ -103,6 +103,10 @@ class RankSetup:
     store_port: int
     timeouts: Timeouts = field(default_factory=Timeouts)
     log_level: int = logging.INFO
+    latent_sharded: bool = False  # the latent MoE's projections split over the ranks (ShardingPlan)
+
+    def plan(self, rank: int) -> ShardingPlan:
+        return ShardingPlan(self.tp_size, rank, self.ep_size, self.latent_sharded)
 
     def device(self, rank: int) -> torch.device:
         if self.device_type == "cuda":
@@ -134,14 +138,13 @@ def _join(setup: RankSetup, rank: int, store: dist.Store) -> RankRuntime:
 
 
 def _load(setup: RankSetup, rank: int, comm: Communicator) -> KimiK3ForCausalLM:
-    plan = ShardingPlan(setup.tp_size, rank, setup.ep_size)
-    return load_rank_model(setup.checkpoint, plan, comm, dtype=setup.dtype, device=setup.device(rank))
+    return load_rank_model(setup.checkpoint, setup.plan(rank), comm, dtype=setup.dtype, device=setup.device(rank))
 
 
-def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int) -> None:
+def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int, latent_sharded: bool = False) -> None:
     """Raise (naming the key) unless the checkpoint shards over tp_size ranks in ep_size expert groups
     (MXFP4 experts: on whole scale groups). Reads the config and the tensor names only."""
-    plan = ShardingPlan(tp_size, 0, ep_size)
+    plan = ShardingPlan(tp_size, 0, ep_size, latent_sharded)
     config = load_config(checkpoint)
     plan.check(config)
     with CheckpointReader(checkpoint) as reader:
@@ -431,17 +434,19 @@ class LeaderServing:
 def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineConfig, *, tp_size: int,
                 ep_size: int = 1, dtype: torch.dtype = torch.float32, device_type: str = "cpu",
                 comm: CommConfig | None = None, timeouts: Timeouts | None = None,
-                exit_on_failure: bool = False) -> tuple[EngineCore, Ranks]:
+                exit_on_failure: bool = False, latent_sharded: bool = False) -> tuple[EngineCore, Ranks]:
     """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
     every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process.
-    With `engine_config.speculative`, rank 0 drafts and every rank verifies."""
+    With `engine_config.speculative`, rank 0 drafts and every rank verifies. `latent_sharded`: the
+    latent MoE's projections split over the ranks (sharding.py)."""
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
-    check_tp_checkpoint(checkpoint, tp_size, ep_size)
+    check_tp_checkpoint(checkpoint, tp_size, ep_size, latent_sharded)
     store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
     setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, follower_engine_config(engine_config),
-                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel())
+                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel(),
+                      latent_sharded)
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
                  for rank in range(1, tp_size)]

@@ -561,6 +561,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a config.json, a checkpoint directory or a bundled fixture name")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (rank 0 is emulated)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
+    p.add_argument("--latent-sharded", action="store_true",
+                   help="the layout that splits the latent MoE's down/up projections over the ranks (sharding.py)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
     p.add_argument("--steps", default="decode,verify,prefill", help="which of decode,verify,prefill to time")
     p.add_argument("--context", type=int, default=1024, help="tokens cached per sequence (decode, verify)")
@@ -606,7 +608,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ValueError(f"--max-seq-len {graph_seq_len} leaves the decode graphs no room for a row after "
                              f"--context {args.context}")
         config = first_layers(resolve_config(args.config), args.layers)
-        plan = ShardingPlan(args.tp, 0, args.ep)
+        plan = ShardingPlan(args.tp, 0, args.ep, args.latent_sharded)
         steps = steps_to_run(args)
         rank = rank_model(config, plan, dtype)
         comm_cost = None if args.comm_latency_us == 0 else CollectiveCost(
@@ -620,7 +622,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     profile_md = profile_steps(profiled, device) if args.profile else ""
 
     header = {
-        "config": args.config, "tp": args.tp, "ep": args.ep, "rank": 0, "layers": config.num_hidden_layers,
+        "config": args.config, "tp": args.tp, "ep": args.ep, "latent_sharded": args.latent_sharded, "rank": 0,
+        "layers": config.num_hidden_layers,
         "context": args.context, "pending_prefix": args.pending_prefix, "page_size": args.page_size,
         "dtype": args.dtype, "device": device_name(device),
         "graph_max_seq_len": graph_seq_len, "torch": torch.__version__, "commit": git_commit(), "reps": args.reps,
@@ -635,7 +638,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     }
     header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
                                   shipped_pool_bytes(emulation.serving.model.config))
-    title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}, "
+    layout = ", latent MoE projections sharded" if args.latent_sharded else ""
+    title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}{layout}, "
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
              f"{args.context} ({args.pending_prefix} pending rows per verify sequence), page size {args.page_size}; "

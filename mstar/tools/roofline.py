@@ -252,6 +252,8 @@ def main(argv: list[str] | None = None) -> None:
                                        "(e.g. kimi_k3_pruned75_config.json)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
+    parser.add_argument("--latent-sharded", action="store_true",
+                   help="the layout that splits the latent MoE's down/up projections over the ranks (sharding.py)")
     parser.add_argument("--rank", type=int, default=0, help="the rank to count (ranks differ only under EP)")
     parser.add_argument("--context", type=int, default=4096, help="tokens cached per request (decode, verify)")
     parser.add_argument("--batch", type=_ints, default=[1, 8, 16, 32, 64], help="decode batch sizes")
@@ -262,7 +264,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     try:
-        rank = rank_model(resolve_config(args.config), ShardingPlan(args.tp, args.rank, args.ep))
+        rank = rank_model(resolve_config(args.config), ShardingPlan(args.tp, args.rank, args.ep, args.latent_sharded))
         rows = floors(rank, args)
     except ValueError as e:
         raise SystemExit(f"mstar-roofline: {e}") from None

@@ -84,3 +84,18 @@ def test_tally_counts_what_a_forward_calls():
         assert tally.seconds == pytest.approx(counting.seconds, abs=tally.calls * 1e-9)  # ns rounding per call
         assert tally.seconds > tally.calls * cost.latency_s  # some messages pass small_bytes: bandwidth is charged
         assert torch.isfinite(logits).all()
+
+
+def test_sharded_latent_layout_adds_two_collectives_per_moe_layer():
+    config = first_layers(parse_config(tiny_k3_raw_config()), 4)
+    step = Step("decode", 2, 1, 8)
+    calls = {}
+    for latent in (False, True):
+        emulation = build(config, ShardingPlan(2, 0, 1, latent), [step], dtype=torch.float32,
+                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=CollectiveCost())
+        emulation.comm.reset()
+        logits, _ = emulation.serving.forward(emulation.plan_for(step))
+        assert torch.isfinite(logits).all()
+        calls[latent] = emulation.comm.tally().calls
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    assert moe_layers > 0 and calls[True] - calls[False] == 2 * moe_layers
