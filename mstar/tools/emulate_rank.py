@@ -46,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,8 @@ from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
 from mstar.engine.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
+from mstar.models.dspark.config import DSparkConfig, load_dspark_config
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.config import KimiK3Config
 from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
@@ -73,6 +75,16 @@ from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.bench_serve import git_commit
+from mstar.tools.emulate_draft import (
+    DEFAULT_ACCEPTANCE,
+    DraftStep,
+    build_draft,
+    draft_config,
+    draft_floor,
+    draft_kv,
+    implied_speedup,
+    tokens_per_step,
+)
 from mstar.tools.roofline import (
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
@@ -92,7 +104,8 @@ H100_BYTES = 80 * GB  # an H100 SXM's HBM
 # the step's working memory (an estimate, not measured here: one process on one GPU has no NCCL)
 RUNTIME_RESERVE_BYTES = 3 * GIB
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "kimi_k3_pruned75_tp8.yaml"
-STEP_KINDS = ("decode", "verify", "prefill")
+STEP_KINDS = ("decode", "verify", "prefill", "draft")
+TARGET_KINDS = ("decode", "verify", "prefill")  # the target's steps; "draft" is the DSpark draft's work on rank 0
 _T0 = time.perf_counter()
 
 
@@ -119,13 +132,15 @@ def first_layers(config: KimiK3Config, num_layers: int | None) -> KimiK3Config:
 class Step:
     """One timed step: `batch` sequences of `rows` new rows each after `context` cached tokens."""
 
-    kind: str  # "decode", "verify" or "prefill"
+    kind: str  # "decode", "verify", "prefill" or "draft" (rows = the drafts k of each block)
     batch: int
     rows: int
     context: int
 
     @property
     def name(self) -> str:
+        if self.kind == "draft":
+            return f"draft k={self.rows}"
         return f"verify k={self.rows - 1}" if self.kind == "verify" else self.kind
 
     @property
@@ -137,6 +152,8 @@ class Step:
             return decode_floor(rank, self.batch, self.context)
         if self.kind == "verify":
             return verify_floor(rank, self.batch, self.rows - 1, self.context)
+        if self.kind == "draft":
+            raise ValueError("a draft step's floor is the draft's (emulate_draft.draft_floor), not the target's")
         return prefill_floor(rank, self.rows, self.batch)
 
 
@@ -148,6 +165,8 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
         steps += [Step("verify", b, k + 1, args.context) for k in args.drafts for b in args.verify_batch]
     if "prefill" in args.steps:
         steps += [Step("prefill", 1, t, 0) for t in args.prefill]
+    if "draft" in args.steps:
+        steps += [Step("draft", b, k, args.context) for k in args.drafts for b in args.verify_batch]
     if not steps:
         raise ValueError("no steps to run: --steps and the batch/draft/prefill lists leave nothing")
     if min(min(s.batch, s.rows) for s in steps) < 1:
@@ -345,6 +364,10 @@ class Emulation:
     expert_kernel_layers: int
     pending_prefix: int = 0  # accepted rows of the previous verify block each verify sequence replays first
     comm: ModeledCommunicator | None = None  # None: collectives are free (the null communicator)
+    # the DSpark draft and its heads, built at the first draft step (after every target step: target_peak)
+    draft: tuple[K3DSparkModel, nn.Embedding, nn.Linear] | None = None
+    target_peak: int | None = None  # peak device memory of the target's steps alone (CUDA)
+    draft_config: DSparkConfig = field(default_factory=draft_config)  # the Inferact draft's unless told
 
     @property
     def vocab_slice(self) -> int:
@@ -382,13 +405,14 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
     progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
-    kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
+    target_steps = [s for s in steps if s.kind in TARGET_KINDS]
+    kv, pool = build_pools(model.config, target_steps, page_size, dtype, device, generator)  # the rank's heads
     emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
                           page_size, kernels, pending_prefix, comm)
     synchronize(device)
     progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
              f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")
-    check_finite(emulation, steps[0].context)
+    check_finite(emulation, target_steps[0].context if target_steps else 1)
     return emulation
 
 
@@ -410,6 +434,8 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
     by_name: dict[str, list[Step]] = {}
     for step in steps:
+        if step.kind == "draft":
+            continue  # the draft runs eagerly, as served
         if step.kind != "prefill" or step.tokens <= MAX_PREFILL_TOKENS:
             by_name.setdefault(step.name, []).append(step)
     graphs: dict[str, StepGraphs] = {}
@@ -430,13 +456,17 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
 
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
-            graph_seq_len: int | None) -> tuple[list[Result], dict[str, Callable[[], object]]]:
+            graph_seq_len: int | None, acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
+            ) -> tuple[list[Result], dict[str, Callable[[], object]]]:
     """Time every step, through CUDA graphs captured for `graph_seq_len` tokens where one takes it (None:
     all eager); also return, for the profile, the first and last step of each kind as run, by label."""
     serving, device = emulation.serving, emulation.device
     graphs = capture_step_graphs(serving, steps, graph_seq_len) if graph_seq_len is not None else {}
     results, fns = [], {}
     for step in steps:
+        if step.kind == "draft":
+            results.append(measure_draft(emulation, step, reps=reps, warmup=warmup, acceptance=acceptance))
+            continue
         plan = emulation.plan_for(step)
         step_graphs = graphs.get(step.name)
         if step_graphs is not None and step_graphs.can_run(plan):
@@ -458,6 +488,31 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
         if step in (same_kind[0], same_kind[-1]):
             fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({mode})"] = fn
     return results, fns
+
+
+def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int,
+                  acceptance: tuple[float, ...]) -> Result:
+    """The draft's work of one speculative step (emulate_draft.py), eagerly as served: the context rows of the
+    tokens the previous step committed (its expected count, rounded) and B blocks of k drafts."""
+    if emulation.draft is None:
+        if emulation.device.type == "cuda":
+            emulation.target_peak = torch.cuda.max_memory_allocated(emulation.device)
+        progress("building the DSpark draft (Inferact layout) and its whole-vocabulary heads, random weights")
+        dtype = next(emulation.serving.model.parameters()).dtype
+        emulation.draft = build_draft(emulation.draft_config, dtype, emulation.device, emulation.generator)
+    draft, embed, lm_head = emulation.draft
+    committed = round(tokens_per_step(acceptance, step.rows))
+    kv = draft_kv(draft.config, step.batch, step.rows, step.context, emulation.page_size, draft.dtype,
+                  emulation.device, emulation.generator)
+    fn = DraftStep(draft, embed, lm_head, kv, step.batch, step.rows, step.context, committed, emulation.generator)
+    progress(f"{step.name} batch {step.batch} (eager): warming up")
+    for _ in range(warmup):
+        fn()
+    kernels = count_kernels(fn) if emulation.device.type == "cuda" else None
+    seconds = median_seconds(fn, reps, emulation.device)
+    result = Result(step, "eager", draft_floor(fn, step.name), seconds, None, kernels)
+    progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({result.ratio:.2f}x the draft's floor)")
+    return result
 
 
 def one_run_collectives(emulation: Emulation, fn: Callable[[], object]) -> CommTally | None:
@@ -531,6 +586,34 @@ def markdown_table(results: list[Result], num_layers: int) -> str:
     return "\n".join(lines)
 
 
+def speculative_rows(results: list[Result], acceptance: tuple[float, ...]) -> list[dict[str, Any]]:
+    """For every (k, batch) with a decode, a verify and a draft step measured: the expected tokens per verify
+    step under `acceptance` and the implied speedup of speculation over plain decode (emulate_draft.py)."""
+    by = {(r.step.kind, r.step.rows if r.step.kind != "verify" else r.step.rows - 1, r.step.batch): r.seconds
+          for r in results}
+    rows = []
+    for (kind, k, batch), t_draft in sorted(by.items()):
+        t_verify, t_decode = by.get(("verify", k, batch)), by.get(("decode", 1, batch))
+        if kind != "draft" or t_verify is None or t_decode is None or k > len(acceptance):
+            continue
+        rows.append({"drafts": k, "batch": batch, "t_decode_s": t_decode, "t_draft_s": t_draft, "t_verify_s": t_verify,
+                     "tokens_per_step": tokens_per_step(acceptance, k),
+                     "speedup": implied_speedup(acceptance, k, t_decode, t_draft, t_verify)})
+    return rows
+
+
+def speculative_table(rows: list[dict[str, Any]], acceptance: tuple[float, ...]) -> str:
+    if not rows:
+        return ""
+    lines = [f"## Speculation at these step times (acceptance profile {', '.join(f'{a:g}' for a in acceptance)})",
+             "", "| k | batch | decode ms | draft ms | verify ms | tokens/step | implied speedup |",
+             "|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['drafts']} | {r['batch']} | {r['t_decode_s'] / MS:.3f} | {r['t_draft_s'] / MS:.3f} "
+                     f"| {r['t_verify_s'] / MS:.3f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
 def shipped_pool_bytes(config: KimiK3Config, shipped: Path = SHIPPED_CONFIG) -> int:
     """Bytes of the pools the shipped pruned75 TP8 config makes on one rank of `config` (the rank's heads)."""
     import yaml
@@ -555,6 +638,13 @@ def h100_fit(weight_bytes: int, pool_bytes: int, peak_bytes: int | None, shipped
             "reserve": RUNTIME_RESERVE_BYTES, "total": need, "h100_bytes": H100_BYTES, "fits": need <= H100_BYTES}
 
 
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 0.8,0.6") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="mstar-emulate-rank", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="kimi_k3_pruned75_config.json",
@@ -564,7 +654,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--latent-sharded", action="store_true",
                    help="the layout that splits the latent MoE's down/up projections over the ranks (sharding.py)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
-    p.add_argument("--steps", default="decode,verify,prefill", help="which of decode,verify,prefill to time")
+    p.add_argument("--steps", default="decode,verify,prefill,draft",
+                   help="which of decode,verify,prefill,draft to time (draft: the DSpark draft's work per verify step)")
+    p.add_argument("--draft-config", type=Path, default=None,
+                   help="the draft's config.json (default: the Inferact Kimi-K3-DSpark layout, bundled)")
     p.add_argument("--context", type=int, default=1024, help="tokens cached per sequence (decode, verify)")
     p.add_argument("--batch", type=_ints, default=[1, 8, 16, 32, 64], help="decode batch sizes")
     p.add_argument("--drafts", type=_ints, default=[4, 7], help="drafts k of the verify steps (k+1 rows each)")
@@ -582,6 +675,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="modeled cost of every collective up to --comm-small-kib per rank (0: collectives are free)")
     p.add_argument("--comm-small-kib", type=float, default=64.0, help="message size the latency term covers")
     p.add_argument("--comm-gb-per-s", type=float, default=150.0, help="link rate for the bytes beyond it")
+    p.add_argument("--acceptance", type=_floats, default=DEFAULT_ACCEPTANCE,
+                   help="P(draft i accepted) for i = 1.. (the speculation summary of draft steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pending-prefix", type=int, default=2,
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
@@ -617,8 +712,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
     emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
                       pending_prefix=args.pending_prefix, comm_cost=comm_cost)
+    if args.draft_config is not None:
+        emulation.draft_config = load_dspark_config(args.draft_config)
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
-                                graph_seq_len=graph_seq_len)
+                                graph_seq_len=graph_seq_len, acceptance=args.acceptance)
+    speculative = speculative_rows(results, args.acceptance)
     profile_md = profile_steps(profiled, device) if args.profile else ""
 
     header = {
@@ -630,7 +728,11 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "warmup": args.warmup,
         "weight_bytes": emulation.weight_bytes(), "pool_bytes": emulation.pool_bytes(),
         "expert_kernel_layers": emulation.expert_kernel_layers,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # the target's steps alone (before the draft, if any, was built)
+        "peak_memory_bytes": (emulation.target_peak or torch.cuda.max_memory_allocated(device))
+        if device.type == "cuda" else None,
+        "peak_memory_with_draft_bytes": torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda" and emulation.draft is not None else None,
         "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
         "collective_cost": None if comm_cost is None else {"latency_s": comm_cost.latency_s,
                                                             "small_bytes": comm_cost.small_bytes,
@@ -650,8 +752,10 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
              f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.\n\n{fit_note(header)}")
     # the table last, so that it ends what the tool prints
     table = markdown_table(results, config.num_hidden_layers)
-    markdown = "\n\n".join(part for part in (title, profile_md, table) if part) + "\n"
-    return header | {"rows": [r.as_dict() for r in results]}, markdown
+    spec_md = speculative_table(speculative, args.acceptance)
+    markdown = "\n\n".join(part for part in (title, profile_md, spec_md, table) if part) + "\n"
+    return header | {"rows": [r.as_dict() for r in results], "acceptance": list(args.acceptance),
+                     "speculative": speculative}, markdown
 
 
 def comm_note(cost: CollectiveCost | None) -> str:
