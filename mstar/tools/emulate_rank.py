@@ -10,7 +10,7 @@ latent KV cache and the KDA state pool with random context, and times the servin
 `EngineCore` runs (`ServingModel.forward` with the GPU mixers and MXFP4 expert kernels):
 
 - decode: B sequences of one new row each after `--context` cached tokens, replayed through the
-  decode CUDA graphs (`mstar.engine.cuda_graphs`, captured for `--max-seq-len` tokens as the served
+  decode CUDA graphs (`mstar.runner.cuda_graphs`, captured for `--max-seq-len` tokens as the served
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
 - verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
   CUDA graphs like decode;
@@ -52,8 +52,7 @@ from torch.profiler import ProfilerActivity, profile
 from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
-from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
-from mstar.engine.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
+from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.kimi_k3.config import KimiK3Config
 from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
@@ -66,6 +65,8 @@ from mstar.quant.mxfp4 import random_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
+from mstar.runner.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.tools.bench_serve import git_commit
 from mstar.tools.roofline import (
     BF16_FLOPS_PER_S,
@@ -396,8 +397,9 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
     for name, group in by_name.items():
         if group[0].kind == "prefill":
             tokens = [s.tokens for s in group]
-            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seq_len=graph_seq_len,
-                                         buckets=used(prefill_buckets(max(tokens)), tokens))
+            # as many sequences as the engine's prefill graphs take (the scheduler's default)
+            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seqs=SchedulerConfig().max_prefill_seqs,
+                                         max_seq_len=graph_seq_len, buckets=used(prefill_buckets(max(tokens)), tokens))
         else:
             rows, batches = group[0].rows, [s.batch for s in group]
             buckets = used(decode_buckets(max(batches)), batches) if rows > 1 else None
