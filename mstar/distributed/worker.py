@@ -3,10 +3,10 @@
     mstar-serve (rank 0)                         followers (ranks 1 .. tp-1), spawned by rank 0
     ---------------------------------            ---------------------------------------------
     HTTP server, AsyncEngine thread              ignore SIGINT/SIGTERM (rank 0 decides when to stop)
-    EngineCore: scheduler, sampler, pools        an EngineCore of its own for the same pools and
-                                                 mixers; its scheduler never runs
+    EngineCore: scheduler, sampler, a runner     a ModelRunner of its own (the same pools, kernels
+                                                 and graphs); no scheduler, no requests
     each step: send the plan (control.py) ---->  receive the plan
-               ServingModel.forward  <-- model collectives (Communicator) -->  ServingModel.forward
+               ModelRunner.forward  <-- model collectives (Communicator) -->  ModelRunner.forward
                sample, commit, stream            (nothing else: no request state)
 
 Speculative decoding (DSpark) runs on rank 0 alone, around the shared step: rank 0 drafts before
@@ -57,13 +57,15 @@ import torch.distributed as dist
 
 from mstar.checkpoint.safetensors_io import CheckpointReader
 from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineConfig, EngineCore, build_runner
 from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.executor import ModelStep, StepExecutor, StepOutput
+from mstar.runner.model_runner import ModelRunner
 from mstar.speculative.proposer import VocabHeads
 
 from .comm_choice import CommConfig, build_communicator
@@ -155,11 +157,11 @@ def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int, late
 # --- pools and their geometry ------------------------------------------------------------------------
 
 
-def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: Any) -> ServingModel:
-    """A follower's ServingModel: pools, mixers and kernels exactly as rank 0's EngineCore builds them
-    (an EngineCore whose scheduler never runs), so rank 0's plans address the same slots and pages.
-    The pools are also checked against rank 0's geometry at startup."""
-    return EngineCore(model, tokenizer, engine).serving
+def follower_runner(model: KimiK3ForCausalLM, engine: EngineConfig) -> ModelRunner:
+    """A follower's runner: pools, kernels and graphs exactly as rank 0's EngineCore builds them
+    (`build_runner`), so rank 0's plans address the same slots and pages. The pools are also checked
+    against rank 0's geometry at startup."""
+    return build_runner(model, engine)
 
 
 def follower_engine_config(engine: EngineConfig) -> EngineConfig:
@@ -197,28 +199,28 @@ def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]
 # --- followers ------------------------------------------------------------------------------------------
 
 
-def apply_step(serving: ServingModel, message: StepMessage, device: torch.device) -> None:
+def apply_step(runner: ModelRunner, message: StepMessage, device: torch.device) -> None:
     """Run rank 0's step here: reset the slots of rows that start a sequence, take the pending prefix
     lengths, then the forward (its logits are rank 0's business)."""
     plan: BatchPlan = plan_on(message.plan, device)
-    pool = serving.pool
+    pool = runner.pool
     for b, slot in enumerate(plan.host_slots()):
         if plan.num_computed[b] == 0:
             pool.state[:, slot].zero_()
             pool.conv[:, slot].zero_()
         pool.prefix_len[slot] = message.prefix_lens[b]
-    serving.forward(plan, message.tap_layers)
+    runner.forward(plan, message.tap_layers)
 
 
 class LostRankZero(RuntimeError):
     """A follower no longer hears from rank 0."""
 
 
-def follow(channel: ControlChannel, serving: ServingModel, device: torch.device) -> None:
+def follow(channel: ControlChannel, runner: ModelRunner, device: torch.device) -> None:
     """Run rank 0's steps until it says STOP."""
     rank = channel.rank
     expected_step = 0
-    geometry = pool_geometry(serving.kv, serving.pool)
+    geometry = pool_geometry(runner.kv, runner.pool)
     while True:
         try:
             message = channel.receive()
@@ -238,7 +240,7 @@ def follow(channel: ControlChannel, serving: ServingModel, device: torch.device)
         if message.step_id != expected_step:
             raise RuntimeError(f"rank {rank}: received step {message.step_id}, expected {expected_step}: "
                                "the ranks are out of lockstep")
-        apply_step(serving, message, device)
+        apply_step(runner, message, device)
         expected_step += 1
 
 
@@ -262,10 +264,10 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
                               timeout=timedelta(seconds=setup.timeouts.startup_s))
         runtime = _join(setup, rank, store)
         model = _load(setup, rank, runtime.comm)
-        serving = follower_serving(model, setup.engine, KimiTokenizer.from_dir(setup.checkpoint))
+        runner = follower_runner(model, setup.engine)
         dist.barrier()  # every rank has loaded
         log.info("rank %d ready (%s, pid %d)", rank, runtime.comm, os.getpid())
-        follow(runtime.control, serving, setup.device(rank))
+        follow(runtime.control, runner, setup.device(rank))
     except LostRankZero as e:
         log.error("%s; exiting", e)
         logging.shutdown()
@@ -399,29 +401,27 @@ class Ranks:
         atexit.unregister(self.kill)
 
 
-class LeaderServing:
-    """Rank 0's `EngineCore.serving`: sends each step to the followers, then runs it here.
+class LeaderExecutor:
+    """Rank 0's step executor: sends each step to the followers, then runs it here (through `inner`).
 
     With async scheduling (engine/core.py) a decode step's input ids are the tokens the step in flight
     samples, gathered on the device; sending them to the followers copies them to the host, which waits
     for that step to end. The overlap left on rank 0 is its work on one step's outputs while the next
     runs; the followers replay what they receive, in order, either way."""
 
-    def __init__(self, serving: ServingModel, ranks: Ranks, channel: ControlChannel):
-        self.serving = serving
+    def __init__(self, inner: StepExecutor, pool: RecurrentStatePool, ranks: Ranks, channel: ControlChannel):
+        self.inner = inner
+        self.pool = pool
         self.ranks = ranks
         self.channel = channel
-        self.model = serving.model
-        self.pool = serving.pool
-        self.kv = serving.kv
 
     @torch.no_grad()
-    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, step: ModelStep) -> StepOutput:
         self.ranks.check()
-        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.host_slots())
+        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in step.plan.host_slots())
         try:
-            self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
-            return self.serving.forward(plan, tap_layers)
+            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers))
+            return self.inner.execute(step)
         except Exception as e:
             # A broken collective is most often a rank that died: say which, once the monitor knows.
             if self.ranks.wait_for_failure(FAILURE_ATTRIBUTION_S):
@@ -461,7 +461,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
         core = EngineCore(model, tokenizer, rank0_engine_config(engine_config, setup))
         dist.barrier()  # every rank has loaded
         runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
-        core.serving = LeaderServing(core.serving, ranks, runtime.control)
+        core.executor = LeaderExecutor(core.executor, core.pool, ranks, runtime.control)
         ranks.heartbeat = Heartbeat(runtime.control, setup.timeouts.heartbeat_s, ranks.heartbeat_failed).start()
     except BaseException as e:
         follower_failure = ranks.failed  # a follower's death explains the error better than a broken collective

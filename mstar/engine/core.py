@@ -59,10 +59,10 @@ from mstar.engine.step_results import LaunchedStep, pack
 from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.resources.latent_kv import PagedLatentKV
-from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.executor import ModelStep, StepExecutor
+from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads
 from mstar.speculative.schedule import DraftSchedule
 
@@ -83,9 +83,6 @@ class SpeculativeConfig:
         return tuple(self.draft.config.target_layer_ids) if self.draft is not None else self.tap_layers
 
 
-MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     max_seq_len: int = 4096
@@ -95,12 +92,24 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     speculative: SpeculativeConfig | None = None
     kernels: str = "auto"  # "auto": GPU kernels where available; "torch": the reference mixers everywhere
-    # decode and verify steps of up to MAX_GRAPH_BATCH sequences and prefill steps of up to 8 sequences and
-    # 8,192 tokens replay CUDA graphs captured at startup (CUDA only)
+    # decode and verify steps of up to 64 sequences (runner MAX_GRAPH_BATCH) and prefill steps of up to
+    # scheduler.max_prefill_seqs sequences and 8,192 tokens replay CUDA graphs captured at startup (CUDA only)
     cuda_graphs: bool = False
     # Plan and launch step N+1 while step N runs (module doc); False: every step finishes before the next;
     # None: on for CUDA devices (a CPU runs every op at once: nothing would overlap, only the bookkeeping)
     async_scheduling: bool | None = None
+
+
+def build_runner(model: KimiK3ForCausalLM, config: EngineConfig) -> ModelRunner:
+    """The runner an engine of this config drives: rank 0's EngineCore and every tensor-parallel follower
+    build theirs here, so that rank 0's plans address the same pages and slots on every rank."""
+    spec, sched = config.speculative, config.scheduler
+    pools = PoolSizes(config.max_num_pages, config.page_size, config.max_kda_slots,
+                      max_block=spec.speculative_tokens + 1 if spec else 0)
+    schedule = DraftSchedule.from_config(spec.speculative_tokens, spec.schedule) if spec else None
+    limits = StepLimits(config.max_seq_len, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_prefill_seqs,
+                        tap_layers=spec.taps() if spec else (), draft_schedule=schedule)
+    return ModelRunner(model, pools, limits, kernels=config.kernels, cuda_graphs=config.cuda_graphs)
 
 
 class EngineCore:
@@ -109,30 +118,11 @@ class EngineCore:
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
-        capacity = (config.max_num_pages - 1) * config.page_size
-        if capacity < config.max_seq_len:
-            raise ValueError(f"the KV pool holds {capacity} tokens, less than max_seq_len={config.max_seq_len}: "
-                             "raise resources.mla_kv.max_num_pages or lower max_seq_len")
-        param = next(model.parameters())
-        dtype, device = param.dtype, param.device
-        kinds = cfg.layer_kinds
-        self.kv = PagedLatentKV(kinds.count("mla"), config.max_num_pages, config.page_size, cfg.kv_cache_width,
-                                dtype, device)
-        la = cfg.linear_attn
+        self.runner = build_runner(model, config)
+        # what runs each step: the runner, or a wrapper of it (tensor-parallel rank 0, fault injection)
+        self.executor: StepExecutor = self.runner
+        self.kv, self.pool = self.runner.kv, self.runner.pool
         spec = config.speculative
-        self.pool = RecurrentStatePool(kinds.count("kda"), config.max_kda_slots, la.num_heads, la.head_dim,
-                                       la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
-                                       dtype, device, hidden_size=cfg.hidden_size,
-                                       max_block=spec.speculative_tokens + 1 if spec else 0)
-        ops = TorchMixerOps()
-        if config.kernels == "auto" and device.type == "cuda":
-            # The GPU kernels (Triton, fla-core) are imported only here: a CPU install has neither.
-            from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
-
-            ops = default_mixer_ops(device)
-            install_expert_kernels(model, config.scheduler.max_num_batched_tokens)  # bf16 MoE above the threshold
-            install_fused_kernels(model)
-        self.serving = ServingModel(model, self.kv, self.pool, ops)
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
         if spec is not None and spec.draft is not None:
@@ -143,45 +133,18 @@ class EngineCore:
             resources.append(proposer)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None)
-        self.graphs = []
-        if config.cuda_graphs and device.type == "cuda":
-            from mstar.engine.cuda_graphs import GraphedServing
-
-            self.graphs = self._capture_graphs()
-            self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
-        self.device = device
+        self.device = self.runner.device
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
         # launched and not yet finished.
-        overlap = config.async_scheduling if config.async_scheduling is not None else device.type == "cuda"
+        overlap = config.async_scheduling if config.async_scheduling is not None else self.device.type == "cuda"
         self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
-        self.profiler = StepProfiler.from_env(device)
-
-    def _capture_graphs(self) -> list:
-        """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
-        batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the scheduler's token budget
-        (engine/prefill_graphs.py). All share one memory pool; a TP follower captures what rank 0 does."""
-        from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, verify_graphs
-        from mstar.engine.prefill_graphs import PrefillGraphs
-
-        config, spec = self.config, self.config.speculative
-        taps = spec.taps() if spec else ()
-        shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
-                 "tap_layers": taps}
-        graphs: list[StepGraphs] = [DecodeGraphs(self.serving, **shape)]
-        if spec is not None:
-            graphs += verify_graphs(self.serving, DraftSchedule.from_config(spec.speculative_tokens, spec.schedule),
-                                    **shape)
-        # last: GraphedServing replays the first set that takes a step, and a decode step fits a prefill graph too
-        graphs.append(PrefillGraphs(self.serving, max_tokens=config.scheduler.max_num_batched_tokens,
-                                    max_seq_len=config.max_seq_len, tap_layers=taps))
-        capture_all(graphs)
-        return graphs
+        self.profiler = StepProfiler.from_env(self.device)
 
     # --- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -266,7 +229,7 @@ class EngineCore:
         requests = tuple(self.requests[s.request_id] for s in decl.seqs)
         drafts = self.spec.propose(decl, self.requests) if self.spec else {}
         plan = self._plan(decl, requests, drafts)
-        logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
+        logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else ()))
         launched = self._choose_tokens(decl, requests, drafts, plan, logits, taps)
         if launched.committed:
             self._commit(decl, requests, launched)

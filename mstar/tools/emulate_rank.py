@@ -12,12 +12,12 @@ latent KV cache and the KDA state pool with random context, and times the servin
 `EngineCore` runs (`ServingModel.forward` with the GPU mixers and MXFP4 expert kernels):
 
 - decode: B sequences of one new row each after `--context` cached tokens, replayed through the
-  decode CUDA graphs (`mstar.engine.cuda_graphs`, captured for `--max-seq-len` tokens as the served
+  decode CUDA graphs (`mstar.runner.cuda_graphs`, captured for `--max-seq-len` tokens as the served
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
 - verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
   CUDA graphs like decode;
 - prefill: one fresh sequence of T tokens, its last row sampled, replayed through the prefill graph of
-  the smallest token bucket >= T (`mstar.engine.prefill_graphs`; a T past the largest bucket, 8,192,
+  the smallest token bucket >= T (`mstar.runner.prefill_graphs`; a T past the largest bucket, 8,192,
   runs eagerly).
 `--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
@@ -58,8 +58,7 @@ from mstar.distributed.loader import rank_module
 from mstar.distributed.modeled_comm import CollectiveCost, CommTally, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
-from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
-from mstar.engine.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
+from mstar.engine.scheduler import SchedulerConfig
 from mstar.models.dspark.config import DSparkConfig, load_dspark_config
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.config import KimiK3Config
@@ -74,6 +73,8 @@ from mstar.quant.mxfp4 import random_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
+from mstar.runner.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.tools.bench_serve import git_commit
 from mstar.tools.emulate_draft import (
     DEFAULT_ACCEPTANCE,
@@ -442,8 +443,9 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
     for name, group in by_name.items():
         if group[0].kind == "prefill":
             tokens = [s.tokens for s in group]
-            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seq_len=graph_seq_len,
-                                         buckets=used(prefill_buckets(max(tokens)), tokens))
+            # as many sequences as the engine's prefill graphs take (the scheduler's default)
+            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seqs=SchedulerConfig().max_prefill_seqs,
+                                         max_seq_len=graph_seq_len, buckets=used(prefill_buckets(max(tokens)), tokens))
         else:
             rows, batches = group[0].rows, [s.batch for s in group]
             buckets = used(decode_buckets(max(batches)), batches) if rows > 1 else None

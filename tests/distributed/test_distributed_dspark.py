@@ -20,11 +20,11 @@ from test_distributed_sharding import _Healthy, _Recorder
 
 from mstar.distributed.loader import load_vocab_heads
 from mstar.distributed.worker import (
-    LeaderServing,
+    LeaderExecutor,
     Timeouts,
     apply_step,
     follower_engine_config,
-    follower_serving,
+    follower_runner,
     pool_geometry,
     start_ranks,
 )
@@ -111,8 +111,8 @@ def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draf
     references = {f"r{i}": prompt + ref for i, (prompt, _, ref) in enumerate(workload)}
     core.spec = OracleSpeculation(core.spec, references, error_rate=0.25)
     channel = _Recorder()
-    core.serving = LeaderServing(core.serving, _Healthy(), channel)
-    follower = follower_serving(tiny_model, follower_engine_config(engine), tokenizer)
+    core.executor = LeaderExecutor(core.executor, core.pool, _Healthy(), channel)
+    follower = follower_runner(tiny_model, follower_engine_config(engine))
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     assert follower.pool.prefix_x.shape[2] == 3 + 1
 
