@@ -93,6 +93,7 @@ from mstar.tools.roofline import (
     RankModel,
     _ints,
     decode_floor,
+    latent_sharded,
     prefill_floor,
     rank_model,
     resolve_config,
@@ -653,8 +654,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a config.json, a checkpoint directory or a bundled fixture name")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (rank 0 is emulated)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
-    p.add_argument("--latent-sharded", action="store_true",
-                   help="the layout that splits the latent MoE's down/up projections over the ranks (sharding.py)")
+    p.add_argument("--latent-layout", choices=("sharded", "replicated"), default="sharded",
+                   help="the latent MoE's down/up projections split over the ranks (faster at every batch measured: "
+                        "benchmarks/emulate_rank) or whole on each (sharding.py)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
     p.add_argument("--steps", default="decode,verify,prefill,draft",
                    help="which of decode,verify,prefill,draft to time (draft: the DSpark draft's work per verify step)")
@@ -705,7 +707,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ValueError(f"--max-seq-len {graph_seq_len} leaves the decode graphs no room for a row after "
                              f"--context {args.context}")
         config = first_layers(resolve_config(args.config), args.layers)
-        plan = ShardingPlan(args.tp, 0, args.ep, args.latent_sharded)
+        plan = ShardingPlan(args.tp, 0, args.ep, latent_sharded(args.latent_layout, config))
         steps = steps_to_run(args)
         rank = rank_model(config, plan, dtype)
         comm_cost = None if args.comm_latency_us == 0 else CollectiveCost(
@@ -722,7 +724,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     profile_md = profile_steps(profiled, device) if args.profile else ""
 
     header = {
-        "config": args.config, "tp": args.tp, "ep": args.ep, "latent_sharded": args.latent_sharded, "rank": 0,
+        "config": args.config, "tp": args.tp, "ep": args.ep, "latent_layout": args.latent_layout, "rank": 0,
         "layers": config.num_hidden_layers,
         "context": args.context, "pending_prefix": args.pending_prefix, "page_size": args.page_size,
         "dtype": args.dtype, "device": device_name(device),
@@ -742,7 +744,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     }
     header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
                                   shipped_pool_bytes(emulation.serving.model.config))
-    layout = ", latent MoE projections sharded" if args.latent_sharded else ""
+    layout = f", latent MoE projections {args.latent_layout}"
     title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}{layout}, "
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
