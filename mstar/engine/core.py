@@ -83,6 +83,9 @@ class SpeculativeConfig:
         return tuple(self.draft.config.target_layer_ids) if self.draft is not None else self.tap_layers
 
 
+MAX_DRAFT_GRAPH_BATCH = 16  # larger batches draft eagerly (speculation pays least there, and memory grows with B)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_seq_len: int = 4096
@@ -131,6 +134,12 @@ class EngineCore:
             schedule = DraftSchedule.from_config(spec.speculative_tokens, spec.schedule)
             self.spec = Speculation(proposer, schedule, spec.verify_method)
             resources.append(proposer)
+            if config.cuda_graphs and proposer.paged:
+                from mstar.runner.cuda_graphs import decode_buckets
+
+                # small batches only: a bucket's graph keeps [B, k, vocab] fp32 logits and probabilities
+                proposer.capture_graphs(schedule, decode_buckets(min(config.scheduler.max_num_seqs,
+                                                                     MAX_DRAFT_GRAPH_BATCH)), config.max_seq_len)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None)
         self.sampler = Sampler()

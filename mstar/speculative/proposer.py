@@ -26,6 +26,8 @@ from mstar.models.dspark import paged
 from mstar.models.dspark.model import BlockBatch, DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.speculative.draft_graphs import DraftGraphs
+from mstar.speculative.schedule import DraftSchedule
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class DSparkProposer:
         # Blocks attend through the paged MLA kernel over the draft KV (models/dspark/paged.py) where it runs;
         # elsewhere (CPU, fp32) through the reference's gathered context. Tests may set it.
         self.paged = paged.kernel_fits(draft, param.device)
+        self.graphs: dict[int, DraftGraphs] = {}  # captured greedy steps by draft count (capture_graphs)
 
     # --- the resource protocol: the draft KV pool follows the target's steps ------------------
     def can_admit(self, decl: StepDecl) -> bool:
@@ -122,15 +125,35 @@ class DSparkProposer:
             for p, g in zip(params, generators, strict=True)
         ]
         if self.paged:
-            blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table,
-                                             self._block_row_slots(decl, plan, rows, max(num_drafts)),
-                                             self.kv.page_size)
+            row_slots = self._block_row_slots(decl, plan, rows, max(num_drafts))
+            graphs = self.graphs.get(num_drafts[0])
+            if graphs is not None and graphs.can_run(num_drafts, sampling):
+                return graphs.run(anchors, starts, table, row_slots)
+            blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table, row_slots, self.kv.page_size)
             hidden = paged.paged_blocks_hidden(self.draft, self.kv.cache, blocks, self.heads.embed)
             return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling)
         context_len = max(s.num_computed for s in seqs)
         blocks = BlockBatch(anchors=anchors, starts=starts, num_drafts=num_drafts,
                             context=PagedContext(self.kv, table, starts, context_len), context_len=context_len)
         return self.draft.propose_blocks(blocks, self.heads.embed, self.heads.lm_head, sampling)
+
+    def capture_graphs(self, schedule: DraftSchedule, buckets: tuple[int, ...], max_seq_len: int) -> None:
+        """Capture the greedy draft step for every batch bucket in `buckets` and draft count the schedule gives a
+        batch that runs in it (speculative/draft_graphs.py), all in one memory pool. Only the paged path can be
+        captured."""
+        if not self.paged:
+            raise RuntimeError("the draft's steps can be captured only on the paged kernel path (a CUDA GPU the MLA "
+                               "kernel supports, a bf16/fp16 draft)")
+        by_drafts: dict[int, set[int]] = {}
+        for n in range(1, max(buckets) + 1):
+            k = schedule.drafts_for(n)
+            if k:
+                by_drafts.setdefault(k, set()).add(next(b for b in buckets if b >= n))
+        pool = torch.cuda.graph_pool_handle()
+        for k, sizes in sorted(by_drafts.items()):
+            self.graphs[k] = DraftGraphs(self.draft, self.heads.embed, self.heads.lm_head, self.kv.cache, drafts=k,
+                                         buckets=tuple(sizes), max_seq_len=max_seq_len)
+            self.graphs[k].capture(pool)
 
     @staticmethod
     def _block_row_slots(decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], k_max: int) -> torch.Tensor:

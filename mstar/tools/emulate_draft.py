@@ -10,7 +10,9 @@ rank 0 holds them), random bf16 weights, on the same GPU. One draft step is
   drafts per sequence, from the target's taps) into the draft's paged KV;
 - `propose`: B blocks of k drafts after `--context` cached rows, one batched forward, greedy.
 
-Both run eagerly, as served (the draft is not captured yet), so their launch overhead counts.
+As served: on a GPU the paged MLA kernel runs the blocks' attention (models/dspark/paged.py) and the
+greedy proposal replays a CUDA graph (speculative/draft_graphs.py); write_context runs eagerly. Off a
+GPU (tests) the reference's gathered-context path runs.
 
 With an acceptance profile p_i = P(draft i accepted) (all drafts before it accepted too), a verify
 step of k drafts emits on average 1 + p_1 + ... + p_k tokens (the bonus token included), and
@@ -32,10 +34,12 @@ from importlib import resources
 import torch
 from torch import nn
 
+from mstar.models.dspark import paged
 from mstar.models.dspark.config import DSparkConfig, parse_dspark_config
 from mstar.models.dspark.model import BlockBatch, DraftSampling, K3DSparkModel
 from mstar.models.kimi_k3.norm import RMSNorm
 from mstar.resources.latent_kv import PagedLatentKV
+from mstar.speculative.draft_graphs import DraftGraphs
 from mstar.speculative.proposer import PagedContext
 from mstar.tools.roofline import Floor
 
@@ -118,14 +122,28 @@ class DraftStep:
         self.starts = torch.full((self.batch,), self.context, dtype=torch.long, device=device)
         self.anchors = torch.randint(0, cfg.vocab_size, (self.batch,), generator=self.generator, device=device)
         self.greedy = [DraftSampling()] * self.batch
+        block = torch.arange(self.context, self.context + self.drafts, device=device)
+        self.row_slots = self.page_table[:, block // page] * page + block % page  # [B, k]: the block's rows
+        self.graphs = None
+        if device.type == "cuda" and paged.kernel_fits(self.draft, device):
+            self.graphs = DraftGraphs(self.draft, self.embed, self.lm_head, self.kv.cache, drafts=self.drafts,
+                                      buckets=(self.batch,), max_seq_len=self.page_table.shape[1] * page)
+            self.graphs.capture()
+
+    @property
+    def mode(self) -> str:
+        return "graph" if self.graphs is not None else "eager"
 
     def __call__(self) -> torch.Tensor:
         for layer, rows in enumerate(self.draft.context_kv(self.taps, self.positions)):  # write_context
             self.kv.write(layer, self.slots, rows)
-        blocks = BlockBatch(anchors=self.anchors, starts=self.starts, num_drafts=(self.drafts,) * self.batch,
-                            context=PagedContext(self.kv, self.page_table, self.starts, self.context),
-                            context_len=self.context)
-        proposals = self.draft.propose_blocks(blocks, self.embed, self.lm_head, self.greedy)
+        if self.graphs is not None:
+            proposals = self.graphs.run(self.anchors, self.starts, self.page_table, self.row_slots)
+        else:
+            blocks = BlockBatch(anchors=self.anchors, starts=self.starts, num_drafts=(self.drafts,) * self.batch,
+                                context=PagedContext(self.kv, self.page_table, self.starts, self.context),
+                                context_len=self.context)
+            proposals = self.draft.propose_blocks(blocks, self.embed, self.lm_head, self.greedy)
         return torch.stack([p.tokens for p in proposals])
 
 

@@ -508,12 +508,12 @@ def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int,
     kv = draft_kv(draft.config, step.batch, step.rows, step.context, emulation.page_size, draft.dtype,
                   emulation.device, emulation.generator)
     fn = DraftStep(draft, embed, lm_head, kv, step.batch, step.rows, step.context, committed, emulation.generator)
-    progress(f"{step.name} batch {step.batch} (eager): warming up")
+    progress(f"{step.name} batch {step.batch} ({fn.mode}): warming up")
     for _ in range(warmup):
         fn()
     kernels = count_kernels(fn) if emulation.device.type == "cuda" else None
     seconds = median_seconds(fn, reps, emulation.device)
-    result = Result(step, "eager", draft_floor(fn, step.name), seconds, None, kernels)
+    result = Result(step, fn.mode, draft_floor(fn, step.name), seconds, None, kernels)
     progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({result.ratio:.2f}x the draft's floor)")
     return result
 
