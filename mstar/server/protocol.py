@@ -7,6 +7,10 @@ clients send fields this server has no use for (`user`, `parallel_tool_calls`, `
 Range checks of sampling values live in `SamplingParams`, so the engine and the server agree on
 them; here only what the server itself needs (n, logprob counts) is bounded. The OpenAPI document
 (server/openapi.py) states all of these bounds.
+
+Fields that OpenAI or vLLM define and this server does not implement are declared too, in
+`REFUSED`, so that a request setting one is a 400 naming it rather than a 200 that ignored it; each
+is accepted only at its neutral value (what clients send by default).
 """
 
 from __future__ import annotations
@@ -55,6 +59,32 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
+
+
+_STRUCTURED = "structured outputs (a grammar that constrains the output) are not supported yet; omit it"
+_NO_PROMPT_LOGITS = "needs the prompt's logits, which this server does not compute yet; omit it"
+
+# field -> (neutral value, why it is refused). Both endpoints.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "structured_outputs": (None, _STRUCTURED),
+    "guided_json": (None, _STRUCTURED),
+    "guided_regex": (None, _STRUCTURED),
+    "guided_choice": (None, _STRUCTURED),
+    "guided_grammar": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, _STRUCTURED),
+    "guided_whitespace_pattern": (None, _STRUCTURED),
+    "prompt_logprobs": (None, _NO_PROMPT_LOGITS),
+    "use_beam_search": (False, "beam search is not supported; omit it or pass false"),
+    "length_penalty": (1.0, "is used by beam search only, which is not supported; omit it or pass 1"),
+    "bad_words": (None, "is not supported; omit it"),
+    "allowed_token_ids": (None, "is not supported; omit it"),
+    "logits_processors": (None, "custom logits processors are not supported; omit it"),
+    "skip_special_tokens": (True, "only true is supported (special tokens are never part of the text)"),
+    "spaces_between_special_tokens": (True, "only true is supported; omit it"),
+    "return_tokens_as_token_ids": (False, "is not supported; omit it or pass false"),
+    "priority": (0, "priority scheduling is not supported; omit it or pass 0"),
+}
 
 
 class SamplingFields(_Body):
@@ -75,15 +105,38 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None  # accepted and ignored
-    # Not supported; accepted only at their neutral values so that clients sending defaults work.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    min_tokens: Int | None = None
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
+    # REFUSED's fields, any JSON value: checked against their neutral value (sampling.check_supported)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
+    return_tokens_as_token_ids: Any = False
+    priority: Any = 0
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -179,6 +232,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
     response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None  # OpenAI's name for K3's thinking effort
+    continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
+    add_generation_prompt: bool = True  # vLLM: false with continue_final_message
+    chat_template: Any = None  # refused: this server renders K3's own format only
 
     @property
     def thinking(self) -> bool:

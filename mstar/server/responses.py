@@ -84,6 +84,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # current vLLM's name for reasoning_content (the same text)
     tool_calls: list[ToolCall] | None = _omitted()
 
 
@@ -135,6 +136,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omitted()
     content: str | None = _omitted()
     reasoning_content: str | None = _omitted()
+    reasoning: str | None = _omitted()
     tool_calls: list[ToolCallDelta] | None = _omitted()
 
 
