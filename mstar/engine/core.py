@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -48,7 +49,7 @@ import torch
 from mstar.engine.client import EngineStats
 from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
-from mstar.engine.outputs import RequestOutput, TokenLogprob
+from mstar.engine.outputs import RequestOutput, RequestTimes, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
@@ -212,6 +213,7 @@ class EngineCore:
             stop_ids=stop_ids,
             text=OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output),
             generator=request_generator(params.seed, self.device) if params.seed is not None else None,
+            queued_at=time.perf_counter(),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -238,6 +240,7 @@ class EngineCore:
             spec_accepted_tokens=spec.num_accepted if spec else 0,
             spec_drafted_by_position=tuple(spec.drafted_by_position) if spec else (),
             spec_accepted_by_position=tuple(spec.accepted_by_position) if spec else (),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -268,6 +271,10 @@ class EngineCore:
         """Queue a step's device work: drafts, forward, token choice, and the copy of its results.
         A step without verify rows is committed here: its commit needs no token values."""
         requests = tuple(self.requests[s.request_id] for s in decl.seqs)
+        now = time.perf_counter()
+        for request in requests:
+            if request.scheduled_at is None:
+                request.scheduled_at = now
         drafts = self.spec.propose(decl, self.requests) if self.spec else {}
         plan = self._plan(decl, requests, drafts)
         logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
@@ -429,6 +436,8 @@ class EngineCore:
     def _append(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """Emit new tokens up to the first stop; what follows a stop is dropped."""
         text, kept, reason, stop_reason = "", 0, None, None
+        if request.first_token_at is None and tokens:
+            request.first_token_at = time.perf_counter()
         for token in tokens:
             request.output_ids.append(token)
             stoppable = len(request.output_ids) >= request.params.min_tokens  # vLLM: no stop before min_tokens
@@ -461,6 +470,8 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             prompt_token_ids=list(request.prompt_ids) if first else None,
+            times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
+            if finished else None,
         ))
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:

@@ -42,7 +42,7 @@ from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs
 from mstar.server.output_segments import AlignedSegmenter, merge_text
-from mstar.server.protocol import ChatCompletionRequest, NamedToolChoice, parse_request
+from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice, parse_request
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
@@ -61,7 +61,7 @@ from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_eve
 _STRUCTURED = "would need structured outputs (a grammar that constrains the output), which are not supported yet"
 
 
-def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+def _tools(req: ChatPromptFields) -> list[dict[str, Any]] | None:
     choice = req.tool_choice
     if isinstance(choice, NamedToolChoice) or choice == "required":
         shown = "a named function" if isinstance(choice, NamedToolChoice) else "'required'"
@@ -70,16 +70,13 @@ def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
 
 
-def _check_chat_fields(req: ChatCompletionRequest) -> None:
+def _check_response_format(req: ChatCompletionRequest) -> None:
     if req.response_format is not None and req.response_format.type != "text":
         raise APIError(f"response_format {req.response_format.type} {_STRUCTURED}; omit it or use 'text'",
                        param="response_format", code="unsupported")
-    if req.chat_template is not None:
-        raise APIError("chat_template is not supported: this server renders K3's own chat format; omit it",
-                       param="chat_template", code="unsupported")
 
 
-def _thinking_effort(req: ChatCompletionRequest) -> tuple[str | None, str]:
+def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
     """(effort, the field it came from): `chat_template_kwargs.thinking_effort` or top-level `reasoning_effort`."""
     kwargs = req.chat_template_kwargs
     nested = kwargs.thinking_effort if kwargs is not None else None
@@ -91,9 +88,13 @@ def _thinking_effort(req: ChatCompletionRequest) -> tuple[str | None, str]:
     return req.reasoning_effort, "reasoning_effort"
 
 
-def _prompt_ids(req: ChatCompletionRequest, tokenizer: KimiTokenizer) -> list[int]:
+def chat_prompt_ids(req: ChatPromptFields, tokenizer: KimiTokenizer) -> list[int]:
+    """The conversation rendered in K3's format (400s name the field at fault)."""
     if not req.messages:
         raise APIError("'messages' must hold at least one message", param="messages")
+    if req.chat_template is not None:
+        raise APIError("chat_template is not supported: this server renders K3's own chat format; omit it",
+                       param="chat_template", code="unsupported")
     options: dict[str, Any] = {"thinking": req.thinking}
     effort, field = _thinking_effort(req)
     if effort is not None:
@@ -251,9 +252,9 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_model(req.model, ctx.served_model_name)
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
-    _check_chat_fields(req)
+    _check_response_format(req)
     engine = ctx.engine
-    prompt_ids = truncate_prompt(_prompt_ids(req, engine.tokenizer), req)
+    prompt_ids = truncate_prompt(chat_prompt_ids(req, engine.tokenizer), req)
     check_prompt_ids(prompt_ids, engine, "messages")
     check_stop_token_ids(req.stop_token_ids, engine)
     if req.top_logprobs is not None and not req.logprobs:

@@ -15,6 +15,7 @@ is accepted only at its neutral value (what clients send by default).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -27,6 +28,7 @@ INT64_MAX = 2**63 - 1
 
 
 Body = TypeVar("Body", bound=BaseModel)
+LOGIT_BIAS_KEY = re.compile("^[0-9]+$")  # a logit_bias key: a token id in decimal
 
 
 def _integral(value: Any) -> Any:
@@ -85,6 +87,13 @@ REFUSED: dict[str, tuple[Any, str]] = {
     "return_tokens_as_token_ids": (False, "is not supported; omit it or pass false"),
     "priority": (0, "priority scheduling is not supported; omit it or pass 0"),
 }
+
+
+def json_equal(value: Any, neutral: Any) -> bool:
+    """Equal as JSON values: `true` is not `1` (Python's `True == 1` is), `1` is `1.0`."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
 
 
 class SamplingFields(_Body):
@@ -222,16 +231,13 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPromptFields(_Body):
+    """What renders a conversation to a prompt: chat completions and /tokenize share it."""
+
     messages: list[ChatMessage]
     tools: list[ToolDecl] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    response_format: ResponseFormat | None = None
     reasoning_effort: str | None = None  # OpenAI's name for K3's thinking effort
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
     add_generation_prompt: bool = True  # vLLM: false with continue_final_message
@@ -241,7 +247,36 @@ class ChatCompletionRequest(SamplingFields):
     def thinking(self) -> bool:
         return True if self.chat_template_kwargs is None else self.chat_template_kwargs.thinking
 
+
+class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
+
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` is OpenAI's current name; `max_tokens` the deprecated one."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # K3 adds no special tokens to text: the same ids either way
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Int]

@@ -21,10 +21,15 @@ def _omitted() -> Any:
     return Field(default=None, exclude_if=_is_none)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache: always 0 (there is none yet)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:

@@ -15,7 +15,7 @@ from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec
-from mstar.server.protocol import REFUSED, SamplingFields
+from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, SamplingFields, json_equal
 
 
 def new_request_id(prefix: str) -> str:
@@ -34,7 +34,7 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 def check_supported(req: SamplingFields) -> None:
     """Fields this server does not implement (protocol.REFUSED) are a 400 unless at their neutral value."""
     for name, (neutral, why) in REFUSED.items():
-        if getattr(req, name) != neutral:
+        if not json_equal(getattr(req, name), neutral):
             raise APIError(f"{name} {why}", param=name, code="unsupported")
 
 
@@ -43,10 +43,9 @@ def logit_bias(req: SamplingFields, engine: EngineClient) -> tuple[tuple[int, fl
     pairs = []
     vocab = engine.tokenizer.vocab_size
     for key, value in (req.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise APIError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias") from None
+        if not LOGIT_BIAS_KEY.fullmatch(key):
+            raise APIError(f"logit_bias keys must be token ids (decimal digits), got {key!r}", param="logit_bias")
+        token = int(key)
         if not 0 <= token < vocab:
             raise APIError(f"logit_bias names token id {token}, outside the vocabulary 0..{vocab - 1}",
                            param="logit_bias")

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from logits_reference import ref_process, reference_processed_greedy
 
 from mstar.engine.core import EngineConfig, EngineCore
 from mstar.engine.logits_processing import (
@@ -23,24 +24,6 @@ from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 VOCAB = 40
-
-
-def ref_process(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
-                stop_ids: frozenset[int]) -> torch.Tensor:
-    """One row, token by token, in vLLM's order: min_tokens, logit_bias, repetition, frequency + presence."""
-    x = [float(v) for v in logits]
-    if len(output) < params.min_tokens:
-        for t in stop_ids:
-            x[t] = float("-inf")
-    for t, b in params.logit_bias:
-        x[t] += b
-    for t in set(prompt) | set(output):
-        p = params.repetition_penalty
-        x[t] = x[t] / p if x[t] > 0 else x[t] * p
-    for t in set(output):
-        x[t] -= params.frequency_penalty * output.count(t)
-        x[t] -= params.presence_penalty
-    return torch.tensor(x, dtype=torch.float32)
 
 
 def _random_params(rng: random.Random, vocab: int) -> SamplingParams:
@@ -121,22 +104,6 @@ def test_out_of_range_values_name_the_field(kwargs, name):
 
 
 # ---- the engine --------------------------------------------------------------------------------
-
-
-def reference_processed_greedy(model, prompt: list[int], params: SamplingParams, stop_ids: frozenset[int]
-                               ) -> list[int]:
-    """The reference model one token at a time, the processing applied to each step's logits."""
-    output: list[int] = []
-    state, feed = None, prompt
-    for _ in range(params.max_tokens):
-        out = model(torch.tensor(feed), state)
-        state = out.state
-        token = int(ref_process(out.logits[-1], params, prompt, output, stop_ids).argmax())
-        output.append(token)
-        if token in stop_ids and len(output) >= params.min_tokens:
-            break
-        feed = [token]
-    return output
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -101,7 +101,8 @@ def test_prompt_is_encode_chat_and_reply_is_split(client, engine, tok):
     parsed = parse_assistant_output(choice["token_ids"], tokenizer=tok, thinking=True)
     assert (message["reasoning_content"], message["content"]) == (parsed.reasoning_content, parsed.content)
     assert body["usage"] == {"prompt_tokens": len(expected_prompt), "completion_tokens": len(choice["token_ids"]),
-                             "total_tokens": len(expected_prompt) + len(choice["token_ids"])}
+                             "total_tokens": len(expected_prompt) + len(choice["token_ids"]),
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert engine.calls[-1].params.max_tokens == engine.max_seq_len - len(expected_prompt)
 
 

@@ -183,7 +183,7 @@ def test_invalid_requests_are_counted(client):
 
 def _invalid_count(client) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith('mstar_request_failure_total{reason="invalid_request"}'):
+        if line.startswith(f'mstar_request_failure_total{{model_name="{MODEL}",reason="invalid_request"}}'):
             return float(line.split()[-1])
     raise AssertionError("no invalid_request counter")
 
