@@ -41,13 +41,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from mstar.engine.client import EngineStats
+from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
-from mstar.engine.outputs import RequestOutput, TokenLogprob
+from mstar.engine.outputs import RequestOutput, RequestTimes, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
@@ -163,6 +165,9 @@ class EngineCore:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ParamError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"logit_bias names token ids {bad[:5]}, outside the vocabulary 0..{vocab - 1}")
         if len(prompt_ids) + params.max_tokens > limit:
             raise ParamError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the maximum sequence length {limit}; shorten the prompt or lower max_tokens")
@@ -180,6 +185,7 @@ class EngineCore:
             stop_ids=stop_ids,
             text=OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output),
             generator=request_generator(params.seed, self.device) if params.seed is not None else None,
+            queued_at=time.perf_counter(),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -206,6 +212,7 @@ class EngineCore:
             spec_accepted_tokens=spec.num_accepted if spec else 0,
             spec_drafted_by_position=tuple(spec.drafted_by_position) if spec else (),
             spec_accepted_by_position=tuple(spec.accepted_by_position) if spec else (),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -236,6 +243,10 @@ class EngineCore:
         """Queue a step's device work: drafts, forward, token choice, and the copy of its results.
         A step without verify rows is committed here: its commit needs no token values."""
         requests = tuple(self.requests[s.request_id] for s in decl.seqs)
+        now = time.perf_counter()
+        for request in requests:
+            if request.scheduled_at is None:
+                request.scheduled_at = now
         drafts = self.spec.propose(decl, self.requests) if self.spec else {}
         plan = self._plan(decl, requests, drafts)
         logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else ()))
@@ -345,6 +356,11 @@ class EngineCore:
         device = logits.device
         tokens = torch.zeros(row, dtype=torch.long, device=device)
         accepted = torch.zeros(row, dtype=torch.long, device=device)
+        raw_logits = logits  # logprobs are the raw ones; tokens are chosen from the processed logits
+        processing = LogitsProcessing.build(self._histories(decl, requests, plan, rows, sampled + verifying),
+                                            plan.input_ids, device)
+        if processing is not None:
+            logits = processing.apply(logits)
         if sampled:
             batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
                                         device)
@@ -369,20 +385,37 @@ class EngineCore:
             accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
-        logprobs = gather_logprobs(logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
-        results = HostCopy(pack(torch.isfinite(logits).all(-1), tokens, accepted, logprobs))
+        logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
+        results = HostCopy(pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs))
         return LaunchedStep(decl, requests, plan, taps, tuple(rows), tokens, results,
                             committed=not verifying,
                             token_row={requests[b]: rows[b][0] for b in sampled} if not verifying else {})
 
+    @staticmethod
+    def _histories(decl: StepDecl, requests: tuple[Request, ...], plan: BatchPlan, rows: list[tuple[int, int]],
+                   chosen: list[int]) -> list[RowHistory]:
+        """The chosen rows whose requests process their logits; a newest output token that the step in
+        flight samples is the one this step feeds, at its row of `plan.input_ids`."""
+        histories = []
+        for b in chosen:
+            request, s = requests[b], decl.seqs[b]
+            if request.params.processes_logits:
+                inflight = plan.seq_starts[b] + len(s.token_ids) - 1 if s.token_ids[-1] == PLACEHOLDER else None
+                histories.append(RowHistory(rows[b][0], request.params, request.prompt_ids, request.output_ids,
+                                            inflight, request.stop_ids))
+        return histories
+
     def _append(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """Emit new tokens up to the first stop; what follows a stop is dropped."""
         text, kept, reason, stop_reason = "", 0, None, None
+        if request.first_token_at is None and tokens:
+            request.first_token_at = time.perf_counter()
         for token in tokens:
             request.output_ids.append(token)
-            text += request.text.push(token)
+            stoppable = len(request.output_ids) >= request.params.min_tokens  # vLLM: no stop before min_tokens
+            text += request.text.push(token, check_stops=stoppable)
             kept += 1
-            if token in request.stop_ids:
+            if stoppable and token in request.stop_ids:
                 reason, stop_reason = "stop", token
             elif request.text.stopped_by is not None:
                 reason, stop_reason = "stop", request.text.stopped_by
@@ -409,6 +442,8 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             prompt_token_ids=list(request.prompt_ids) if first else None,
+            times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
+            if finished else None,
         ))
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:

@@ -194,7 +194,8 @@ def test_mstar_serve_tp2_dspark_greedy_over_http(tiny_dirs, tiny_model):
         choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert choice["token_ids"] == greedy_generate(tiny_model, prompt, 16)
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        drafted = next(line for line in metrics.splitlines() if line.startswith("mstar_spec_draft_tokens "))
+        name = "mstar_spec_decode_num_draft_tokens_total{"
+        drafted = next(line for line in metrics.splitlines() if line.startswith(name))
         assert float(drafted.split()[1]) > 0, "the server did not speculate"
     finally:
         proc.terminate()
