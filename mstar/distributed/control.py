@@ -9,7 +9,7 @@ followers (`broadcast_object_list` on a gloo group of its own, apart from the mo
   commit recorded and the forward replays first).
 
 A follower holds no request state of its own: no scheduler, no sampler, no token counts. It runs
-`ServingModel.forward` on exactly these steps, so every rank takes the same control flow by
+`ModelRunner.forward` on exactly these steps, so every rank takes the same control flow by
 construction. Tokens that rank 0 samples or verifies reach the followers as input ids of the next
 step, and what rank 0 committed (accepted lengths) as the prefix lengths of the next step: every
 decision is rank 0's and every rank acts on it. A KDA slot is reset where a row starts a sequence

@@ -15,7 +15,8 @@ What is split how (tp ranks, "rows" = dim 0 = output features, "cols" = dim 1 = 
             q_a_proj, kv_a_proj_with_mqa, q_a/kv_a_layernorm       replicated (the latent is shared by heads)
     dense MLP and shared experts: gate/up_proj rows, down_proj cols (intermediate dim)
     routed experts: `ExpertSharding` (EP groups own whole experts; a group's ranks split w1/w3 rows
-            and w2 cols); the router, routed_expert_down/up_proj and routed_expert_norm replicated
+            and w2 cols); the router and routed_expert_norm replicated; routed_expert_down/up_proj
+            replicated, or with `latent_sharded` down_proj rows and up_proj cols (the latent dim)
     embed_tokens, lm_head: rows, by vocabulary (vocab_parallel.py)
     norms, AttnRes projections and norms, the final norm: replicated
 
@@ -40,7 +41,13 @@ on every rank before the next one starts: at least one reduction per sublayer. T
 bound only because its two partial sums share one buffer and its up-projection is replicated (a
 row-parallel up-projection would need a second all-reduce after the norm). The price: each rank
 holds and reads the whole routed_expert_down_proj and up_proj, 2 x 7168 x 3584 x 2 B = 98 MiB per
-MoE layer (9.0 GiB over K3's 92); a future option can shard them and pay one more all-reduce.
+MoE layer (9.0 GiB over K3's 92), 36% of a TP8 rank's bytes per decode step at batch 1.
+
+`latent_sharded` is the other layout: each rank holds 1/tp of both projections (12.25 MiB per MoE
+layer at TP8) and the MoE pays two more collectives, an all-gather of the latent z [T, 3584] before
+the experts and a second all-reduce after the norm (LatentMoE.forward_sharded_latent): 2 x 92 more
+per forward. Which one is faster depends on the collective's latency against the ~11 us of weight
+reads it saves per projection at batch 1: mstar-emulate-rank --latent-sharded measures it.
 
 The MLA latent cache is replicated: the 576-wide [c_kv | k_pe] row of a token is shared by all
 heads, so every rank needs all of it and computes it itself (kv_a_proj is replicated). Per rank for
@@ -87,6 +94,11 @@ _RULES: tuple[tuple[re.Pattern[str], int, str], ...] = tuple((re.compile(p), dim
     (r"^model\.embed_tokens\.weight$", 0, TP),
     (r"^lm_head\.weight$", 0, TP),
 ))
+# the latent projections, in the latent_sharded layout only: z's columns, and up_proj's matching inputs
+_LATENT_RULES: tuple[tuple[re.Pattern[str], int, str], ...] = tuple((re.compile(p), dim, TP) for p, dim in (
+    (r"\.block_sparse_moe\.routed_expert_down_proj\.weight$", 0),
+    (r"\.block_sparse_moe\.routed_expert_up_proj\.weight$", 1),
+))
 
 
 def even_range(total: int, parts: int, index: int) -> tuple[int, int]:
@@ -118,11 +130,13 @@ class Split:
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """One rank's place: `tp_size` ranks hold the model, in `ep_size` expert-parallel groups."""
+    """One rank's place: `tp_size` ranks hold the model, in `ep_size` expert-parallel groups; with
+    `latent_sharded`, the latent MoE's down/up projections split over the ranks too (module doc)."""
 
     tp_size: int
     rank: int = 0
     ep_size: int = 1
+    latent_sharded: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or not 0 <= self.rank < self.tp_size:
@@ -144,6 +158,10 @@ class ShardingPlan:
             "moe_intermediate_size": config.moe_intermediate_size,
             "vocab_size": config.vocab_size,
         }
+        if self.latent_sharded:
+            if config.routed_expert_hidden_size is None:
+                raise ValueError("latent_sharded needs a latent MoE (routed_expert_hidden_size); this model has none")
+            sizes["routed_expert_hidden_size"] = config.routed_expert_hidden_size
         for key, size in sizes.items():
             if size % tp:
                 raise ValueError(f"tp_size={tp} does not divide {key}={size}: choose a tp_size that divides it")
@@ -161,6 +179,7 @@ class ShardingPlan:
             # sizes the shared experts (moe_intermediate_size x num_shared_experts, split over all ranks);
             # the routed experts' width comes from the ExpertSharding
             moe_intermediate_size=config.moe_intermediate_size // tp,
+            latent_shards=tp if self.latent_sharded else 1,
         )
 
     def expert_sharding(self, config: KimiK3Config) -> ExpertSharding:
@@ -172,7 +191,7 @@ class ShardingPlan:
         the whole tensor (replicated). Routed experts the rank does not hold are not asked about."""
         if self.tp_size == 1:
             return None
-        for pattern, dim, axis in _RULES:
+        for pattern, dim, axis in _RULES + (_LATENT_RULES if self.latent_sharded else ()):
             if pattern.search(name):
                 if axis == TP:
                     return Split(dim, self.tp_size, self.rank)

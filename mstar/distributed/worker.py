@@ -3,10 +3,10 @@
     mstar-serve (rank 0)                         followers (ranks 1 .. tp-1), spawned by rank 0
     ---------------------------------            ---------------------------------------------
     HTTP server, AsyncEngine thread              ignore SIGINT/SIGTERM (rank 0 decides when to stop)
-    EngineCore: scheduler, sampler, pools        an EngineCore of its own for the same pools and
-                                                 mixers; its scheduler never runs
+    EngineCore: scheduler, sampler, a runner     a ModelRunner of its own (the same pools, kernels
+                                                 and graphs); no scheduler, no requests
     each step: send the plan (control.py) ---->  receive the plan
-               ServingModel.forward  <-- model collectives (Communicator) -->  ServingModel.forward
+               ModelRunner.forward  <-- model collectives (Communicator) -->  ModelRunner.forward
                sample, commit, stream            (nothing else: no request state)
 
 Speculative decoding (DSpark) runs on rank 0 alone, around the shared step: rank 0 drafts before
@@ -58,13 +58,15 @@ import torch.distributed as dist
 from mstar.checkpoint.safetensors_io import CheckpointReader
 from mstar.config import NO_ENV, EngineConfig, Environment, ServeConfig, torch_dtype
 from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineCore, SpeculativeModels
+from mstar.engine.core import EngineCore, SpeculativeModels, build_runner
 from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.executor import ModelStep, StepExecutor, StepOutput
+from mstar.runner.model_runner import ModelRunner
 from mstar.speculative.proposer import VocabHeads
 
 from .comm_choice import CommConfig, build_communicator
@@ -100,12 +102,16 @@ class RankSetup:
     dtype: torch.dtype
     device_type: str  # "cpu" or "cuda"
     engine: EngineConfig  # rank 0's
-    speculative: SpeculativeModels | None  # the followers' (`follower_speculative`)
-    env: Environment  # rank 0's environment knobs (followers read none of their own)
     comm: CommConfig
     store_port: int
     timeouts: Timeouts = field(default_factory=Timeouts)
     log_level: int = logging.INFO
+    latent_sharded: bool = False  # the latent MoE's projections split over the ranks (ShardingPlan)
+    speculative: SpeculativeModels | None = None  # the followers' (`follower_speculative`)
+    env: Environment = NO_ENV  # rank 0's environment knobs (followers read none of their own)
+
+    def plan(self, rank: int) -> ShardingPlan:
+        return ShardingPlan(self.tp_size, rank, self.ep_size, self.latent_sharded)
 
     def device(self, rank: int) -> torch.device:
         if self.device_type == "cuda":
@@ -137,14 +143,13 @@ def _join(setup: RankSetup, rank: int, store: dist.Store) -> RankRuntime:
 
 
 def _load(setup: RankSetup, rank: int, comm: Communicator) -> KimiK3ForCausalLM:
-    plan = ShardingPlan(setup.tp_size, rank, setup.ep_size)
-    return load_rank_model(setup.checkpoint, plan, comm, dtype=setup.dtype, device=setup.device(rank))
+    return load_rank_model(setup.checkpoint, setup.plan(rank), comm, dtype=setup.dtype, device=setup.device(rank))
 
 
-def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int) -> None:
+def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int, latent_sharded: bool = False) -> None:
     """Raise (naming the key) unless the checkpoint shards over tp_size ranks in ep_size expert groups
     (MXFP4 experts: on whole scale groups). Reads the config and the tensor names only."""
-    plan = ShardingPlan(tp_size, 0, ep_size)
+    plan = ShardingPlan(tp_size, 0, ep_size, latent_sharded)
     config = load_config(checkpoint)
     plan.check(config)
     with CheckpointReader(checkpoint) as reader:
@@ -155,12 +160,12 @@ def check_tp_checkpoint(checkpoint: str | Path, tp_size: int, ep_size: int) -> N
 # --- pools and their geometry ------------------------------------------------------------------------
 
 
-def follower_serving(model: KimiK3ForCausalLM, engine: EngineConfig, tokenizer: Any,
-                     speculative: SpeculativeModels | None = None, *, env: Environment = NO_ENV) -> ServingModel:
-    """A follower's ServingModel: pools, mixers and kernels exactly as rank 0's EngineCore builds them
-    (an EngineCore whose scheduler never runs), so rank 0's plans address the same slots and pages.
-    The pools are also checked against rank 0's geometry at startup."""
-    return EngineCore(model, tokenizer, engine, speculative, env=env).serving
+def follower_runner(model: KimiK3ForCausalLM, engine: EngineConfig, speculative: SpeculativeModels | None = None, *,
+                    env: Environment = NO_ENV) -> ModelRunner:
+    """A follower's runner: pools, kernels and graphs exactly as rank 0's EngineCore builds them
+    (`build_runner`), so rank 0's plans address the same slots and pages. The pools are also checked
+    against rank 0's geometry at startup."""
+    return build_runner(model, engine, speculative, env=env)
 
 
 def follower_speculative(spec: SpeculativeModels | None) -> SpeculativeModels | None:
@@ -196,28 +201,28 @@ def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]
 # --- followers ------------------------------------------------------------------------------------------
 
 
-def apply_step(serving: ServingModel, message: StepMessage, device: torch.device) -> None:
+def apply_step(runner: ModelRunner, message: StepMessage, device: torch.device) -> None:
     """Run rank 0's step here: reset the slots of rows that start a sequence, take the pending prefix
     lengths, then the forward (its logits are rank 0's business)."""
     plan: BatchPlan = plan_on(message.plan, device)
-    pool = serving.pool
+    pool = runner.pool
     for b, slot in enumerate(plan.host_slots()):
         if plan.num_computed[b] == 0:
             pool.state[:, slot].zero_()
             pool.conv[:, slot].zero_()
         pool.prefix_len[slot] = message.prefix_lens[b]
-    serving.forward(plan, message.tap_layers)
+    runner.forward(plan, message.tap_layers)
 
 
 class LostRankZero(RuntimeError):
     """A follower no longer hears from rank 0."""
 
 
-def follow(channel: ControlChannel, serving: ServingModel, device: torch.device) -> None:
+def follow(channel: ControlChannel, runner: ModelRunner, device: torch.device) -> None:
     """Run rank 0's steps until it says STOP."""
     rank = channel.rank
     expected_step = 0
-    geometry = pool_geometry(serving.kv, serving.pool)
+    geometry = pool_geometry(runner.kv, runner.pool)
     while True:
         try:
             message = channel.receive()
@@ -237,7 +242,7 @@ def follow(channel: ControlChannel, serving: ServingModel, device: torch.device)
         if message.step_id != expected_step:
             raise RuntimeError(f"rank {rank}: received step {message.step_id}, expected {expected_step}: "
                                "the ranks are out of lockstep")
-        apply_step(serving, message, device)
+        apply_step(runner, message, device)
         expected_step += 1
 
 
@@ -261,11 +266,10 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
                               timeout=timedelta(seconds=setup.timeouts.startup_s))
         runtime = _join(setup, rank, store)
         model = _load(setup, rank, runtime.comm)
-        serving = follower_serving(model, setup.engine, KimiTokenizer.from_dir(setup.checkpoint), setup.speculative,
-                                   env=setup.env)
+        runner = follower_runner(model, setup.engine, setup.speculative, env=setup.env)
         dist.barrier()  # every rank has loaded
         log.info("rank %d ready (%s, pid %d)", rank, runtime.comm, os.getpid())
-        follow(runtime.control, serving, setup.device(rank))
+        follow(runtime.control, runner, setup.device(rank))
     except LostRankZero as e:
         log.error("%s; exiting", e)
         logging.shutdown()
@@ -399,29 +403,27 @@ class Ranks:
         atexit.unregister(self.kill)
 
 
-class LeaderServing:
-    """Rank 0's `EngineCore.serving`: sends each step to the followers, then runs it here.
+class LeaderExecutor:
+    """Rank 0's step executor: sends each step to the followers, then runs it here (through `inner`).
 
     With async scheduling (engine/core.py) a decode step's input ids are the tokens the step in flight
     samples, gathered on the device; sending them to the followers copies them to the host, which waits
     for that step to end. The overlap left on rank 0 is its work on one step's outputs while the next
     runs; the followers replay what they receive, in order, either way."""
 
-    def __init__(self, serving: ServingModel, ranks: Ranks, channel: ControlChannel):
-        self.serving = serving
+    def __init__(self, inner: StepExecutor, pool: RecurrentStatePool, ranks: Ranks, channel: ControlChannel):
+        self.inner = inner
+        self.pool = pool
         self.ranks = ranks
         self.channel = channel
-        self.model = serving.model
-        self.pool = serving.pool
-        self.kv = serving.kv
 
     @torch.no_grad()
-    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, step: ModelStep) -> StepOutput:
         self.ranks.check()
-        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in plan.host_slots())
+        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in step.plan.host_slots())
         try:
-            self.channel.send_step(plan, prefix_lens, tuple(tap_layers))
-            return self.serving.forward(plan, tap_layers)
+            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers))
+            return self.inner.execute(step)
         except Exception as e:
             # A broken collective is most often a rank that died: say which, once the monitor knows.
             if self.ranks.wait_for_failure(FAILURE_ATTRIBUTION_S):
@@ -435,18 +437,19 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
                 speculative: SpeculativeModels | None = None, *, tp_size: int, ep_size: int = 1,
                 dtype: torch.dtype = torch.float32, device_type: str = "cpu", env: Environment = NO_ENV,
                 comm: CommConfig | None = None, timeouts: Timeouts | None = None,
-                exit_on_failure: bool = False) -> tuple[EngineCore, Ranks]:
+                exit_on_failure: bool = False, latent_sharded: bool = False) -> tuple[EngineCore, Ranks]:
     """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
     every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process.
-    With `speculative` (the draft, given when engine_config speculates), rank 0 drafts and every rank verifies."""
+    With `speculative` (the draft, given when engine_config speculates), rank 0 drafts and every rank
+    verifies. `latent_sharded`: the latent MoE's projections split over the ranks (sharding.py)."""
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
-    check_tp_checkpoint(checkpoint, tp_size, ep_size)
+    check_tp_checkpoint(checkpoint, tp_size, ep_size, latent_sharded)
     store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
     setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config,
-                      follower_speculative(speculative), env, comm or CommConfig(), store.port, timeouts or Timeouts(),
-                      logging.getLogger().getEffectiveLevel())
+                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel(),
+                      latent_sharded, speculative=follower_speculative(speculative), env=env)
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
                  for rank in range(1, tp_size)]
@@ -461,7 +464,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
         core = EngineCore(model, tokenizer, engine_config, rank0_speculative(speculative, setup), env=env)
         dist.barrier()  # every rank has loaded
         runtime.control.send(StepMessage(GEOMETRY, geometry=pool_geometry(core.kv, core.pool)))
-        core.serving = LeaderServing(core.serving, ranks, runtime.control)
+        core.executor = LeaderExecutor(core.executor, core.pool, ranks, runtime.control)
         ranks.heartbeat = Heartbeat(runtime.control, setup.timeouts.heartbeat_s, ranks.heartbeat_failed).start()
     except BaseException as e:
         follower_failure = ranks.failed  # a follower's death explains the error better than a broken collective

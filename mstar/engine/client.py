@@ -30,6 +30,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_drafted_by_position: tuple[int, ...] = ()  # [i]: verify rows that proposed draft i+1
     spec_accepted_by_position: tuple[int, ...] = ()  # [i]: rows whose draft i+1 was accepted
+    num_preemptions: int = 0  # requests preempted (their caches freed, to be recomputed), cumulative
 
     @property
     def spec_mean_accepted_length(self) -> float:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -48,8 +49,9 @@ import torch
 
 from mstar.config import NO_ENV, EngineConfig, Environment
 from mstar.engine.client import EngineStats
+from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
-from mstar.engine.outputs import RequestOutput, TokenLogprob
+from mstar.engine.outputs import RequestOutput, RequestTimes, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
@@ -61,10 +63,10 @@ from mstar.engine.step_results import LaunchedStep, pack
 from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-from mstar.resources.latent_kv import PagedLatentKV
-from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.executor import ModelStep, StepExecutor
+from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads
 from mstar.speculative.schedule import DraftSchedule
 
@@ -84,7 +86,30 @@ class SpeculativeModels:
         return tuple(self.draft.config.target_layer_ids) if self.draft is not None else self.tap_layers
 
 
-MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
+MAX_DRAFT_GRAPH_BATCH = 16  # larger batches draft eagerly (speculation pays least there, and memory grows with B)
+
+
+def draft_schedule(config: EngineConfig) -> DraftSchedule | None:
+    """Drafts per row by decode batch size; None when the config does not speculate."""
+    mk = config.model_kwargs
+    return DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule) if config.speculative else None
+
+
+def build_runner(model: KimiK3ForCausalLM, config: EngineConfig, speculative: SpeculativeModels | None = None, *,
+                 env: Environment = NO_ENV, kernels: Literal["auto", "torch"] = "auto") -> ModelRunner:
+    """The runner an engine of this config drives: rank 0's EngineCore and every tensor-parallel follower
+    build theirs here, so that rank 0's plans address the same pages and slots on every rank."""
+    if config.speculative != (speculative is not None):
+        raise ValueError(f"model_kwargs.speculative_tokens is {config.model_kwargs.speculative_tokens} but the "
+                         f"engine was {'not ' if speculative is None else ''}given the speculative models: "
+                         "pass SpeculativeModels exactly when speculative_tokens > 0")
+    r, sched, mk = config.resources, config.scheduler, config.model_kwargs
+    pools = PoolSizes(r.mla_kv.max_num_pages, r.mla_kv.page_size, r.kda_state.max_slots,
+                      max_block=mk.speculative_tokens + 1 if speculative else 0)
+    limits = StepLimits(config.max_seq_len, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_prefill_seqs,
+                        tap_layers=speculative.taps() if speculative else (), draft_schedule=draft_schedule(config),
+                        moe_bf16_above=env.moe_bf16_tokens)
+    return ModelRunner(model, pools, limits, kernels=kernels, cuda_graphs=mk.cuda_graphs)
 
 
 class EngineCore:
@@ -98,84 +123,40 @@ class EngineCore:
         self.model_config = cfg
         self.config = config
         self.tokenizer = tokenizer
-        if config.speculative != (speculative is not None):
-            raise ValueError(f"model_kwargs.speculative_tokens is {config.model_kwargs.speculative_tokens} but the "
-                             f"engine was {'not ' if speculative is None else ''}given the speculative models: "
-                             "pass SpeculativeModels exactly when speculative_tokens > 0")
-        param = next(model.parameters())
-        dtype, device = param.dtype, param.device
-        kinds = cfg.layer_kinds
-        mla_kv, mk = config.resources.mla_kv, config.model_kwargs
-        self.kv = PagedLatentKV(kinds.count("mla"), mla_kv.max_num_pages, mla_kv.page_size, cfg.kv_cache_width,
-                                dtype, device)
-        la = cfg.linear_attn
-        # drafts per row by decode batch size; None without speculation
-        self.draft_schedule = (DraftSchedule.from_config(mk.speculative_tokens, mk.speculative_schedule)
-                               if speculative else None)
-        self.pool = RecurrentStatePool(kinds.count("kda"), config.resources.kda_state.max_slots, la.num_heads,
-                                       la.head_dim, la.short_conv_kernel_size,
-                                       torch.promote_types(dtype, torch.float32), dtype, device,
-                                       hidden_size=cfg.hidden_size,
-                                       max_block=mk.speculative_tokens + 1 if speculative else 0)
-        ops = TorchMixerOps()
-        if kernels == "auto" and device.type == "cuda":
-            # The GPU kernels (Triton, fla-core) are imported only here: a CPU install has neither.
-            from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
-
-            ops = default_mixer_ops(device)
-            install_expert_kernels(model, config.scheduler.max_num_batched_tokens,  # bf16 MoE above the threshold
-                                   bf16_above_tokens=env.moe_bf16_tokens)
-            install_fused_kernels(model)
-        self.serving = ServingModel(model, self.kv, self.pool, ops)
+        self.runner = build_runner(model, config, speculative, env=env, kernels=kernels)
+        # what runs each step: the runner, or a wrapper of it (tensor-parallel rank 0, fault injection)
+        self.executor: StepExecutor = self.runner
+        self.kv, self.pool = self.runner.kv, self.runner.pool
+        mk = config.model_kwargs
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
         if speculative is not None and speculative.draft is not None:
             proposer = DSparkProposer(speculative.draft, model, num_pages=config.dspark_kv_pages,
-                                      page_size=mla_kv.page_size, heads=speculative.heads)
-            self.spec = Speculation(proposer, self.draft_schedule)
+                                      page_size=config.resources.mla_kv.page_size, heads=speculative.heads)
+            schedule = self.runner.limits.draft_schedule
+            self.spec = Speculation(proposer, schedule)
             resources.append(proposer)
+            if mk.cuda_graphs and proposer.paged:
+                from mstar.runner.cuda_graphs import decode_buckets
+
+                # small batches only: a bucket's graph keeps [B, k, vocab] fp32 logits and probabilities
+                proposer.capture_graphs(schedule, decode_buckets(min(config.scheduler.max_num_seqs,
+                                                                     MAX_DRAFT_GRAPH_BATCH)), config.max_seq_len)
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None,
                                    mixed_prefill_decode=mk.mixed_prefill_decode)
-        self.speculative_models = speculative
-        self.graphs = []
-        if mk.cuda_graphs and device.type == "cuda":
-            from mstar.engine.cuda_graphs import GraphedServing
-
-            self.graphs = self._capture_graphs()
-            self.serving = GraphedServing(self.serving, self.graphs)
         self.sampler = Sampler()
-        self.device = device
+        self.device = self.runner.device
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
         # launched and not yet finished.
-        overlap = mk.async_scheduling if mk.async_scheduling is not None else device.type == "cuda"
+        overlap = mk.async_scheduling if mk.async_scheduling is not None else self.device.type == "cuda"
         self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
-        self.profiler = StepProfiler.from_window(env.torch_profile, device)
-
-    def _capture_graphs(self) -> list:
-        """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
-        batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the scheduler's token budget
-        (engine/prefill_graphs.py). All share one memory pool; a TP follower captures what rank 0 does."""
-        from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, verify_graphs
-        from mstar.engine.prefill_graphs import PrefillGraphs
-
-        config, spec = self.config, self.speculative_models
-        taps = spec.taps() if spec else ()
-        shape = {"max_batch": min(config.scheduler.max_num_seqs, MAX_GRAPH_BATCH), "max_seq_len": config.max_seq_len,
-                 "tap_layers": taps}
-        graphs: list[StepGraphs] = [DecodeGraphs(self.serving, **shape)]
-        if spec is not None:
-            graphs += verify_graphs(self.serving, self.draft_schedule, **shape)
-        # last: GraphedServing replays the first set that takes a step, and a decode step fits a prefill graph too
-        graphs.append(PrefillGraphs(self.serving, max_tokens=config.scheduler.max_num_batched_tokens,
-                                    max_seq_len=config.max_seq_len, tap_layers=taps))
-        capture_all(graphs)
-        return graphs
+        self.profiler = StepProfiler.from_window(env.torch_profile, self.device)
 
     # --- requests ---------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -185,6 +166,9 @@ class EngineCore:
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise ParamError(f"prompt token ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+        if bad:
+            raise ParamError(f"logit_bias names token ids {bad[:5]}, outside the vocabulary 0..{vocab - 1}")
         if len(prompt_ids) + params.max_tokens > limit:
             raise ParamError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the maximum sequence length {limit}; shorten the prompt or lower max_tokens")
@@ -202,6 +186,7 @@ class EngineCore:
             stop_ids=stop_ids,
             text=OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output),
             generator=request_generator(params.seed, self.device) if params.seed is not None else None,
+            queued_at=time.perf_counter(),
         )
         self.requests[request_id] = request
         self.scheduler.add(request)
@@ -228,6 +213,7 @@ class EngineCore:
             spec_accepted_tokens=spec.num_accepted if spec else 0,
             spec_drafted_by_position=tuple(spec.drafted_by_position) if spec else (),
             spec_accepted_by_position=tuple(spec.accepted_by_position) if spec else (),
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -258,9 +244,13 @@ class EngineCore:
         """Queue a step's device work: drafts, forward, token choice, and the copy of its results.
         A step without verify rows is committed here: its commit needs no token values."""
         requests = tuple(self.requests[s.request_id] for s in decl.seqs)
+        now = time.perf_counter()
+        for request in requests:
+            if request.scheduled_at is None:
+                request.scheduled_at = now
         drafts = self.spec.propose(decl, self.requests) if self.spec else {}
         plan = self._plan(decl, requests, drafts)
-        logits, taps = self.serving.forward(plan, self.spec.tap_layers if self.spec else ())
+        logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else ()))
         launched = self._choose_tokens(decl, requests, drafts, plan, logits, taps)
         if launched.committed:
             self._commit(decl, requests, launched)
@@ -367,6 +357,11 @@ class EngineCore:
         device = logits.device
         tokens = torch.zeros(row, dtype=torch.long, device=device)
         accepted = torch.zeros(row, dtype=torch.long, device=device)
+        raw_logits = logits  # logprobs are the raw ones; tokens are chosen from the processed logits
+        processing = LogitsProcessing.build(self._histories(decl, requests, plan, rows, sampled + verifying),
+                                            plan.input_ids, device)
+        if processing is not None:
+            logits = processing.apply(logits)
         if sampled:
             batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
                                         device)
@@ -391,20 +386,37 @@ class EngineCore:
             accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
-        logprobs = gather_logprobs(logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
-        results = HostCopy(pack(torch.isfinite(logits).all(-1), tokens, accepted, logprobs))
+        logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
+        results = HostCopy(pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs))
         return LaunchedStep(decl, requests, plan, taps, tuple(rows), tokens, results,
                             committed=not verifying,
                             token_row={requests[b]: rows[b][0] for b in sampled} if not verifying else {})
 
+    @staticmethod
+    def _histories(decl: StepDecl, requests: tuple[Request, ...], plan: BatchPlan, rows: list[tuple[int, int]],
+                   chosen: list[int]) -> list[RowHistory]:
+        """The chosen rows whose requests process their logits; a newest output token that the step in
+        flight samples is the one this step feeds, at its row of `plan.input_ids`."""
+        histories = []
+        for b in chosen:
+            request, s = requests[b], decl.seqs[b]
+            if request.params.processes_logits:
+                inflight = plan.seq_starts[b] + len(s.token_ids) - 1 if s.token_ids[-1] == PLACEHOLDER else None
+                histories.append(RowHistory(rows[b][0], request.params, request.prompt_ids, request.output_ids,
+                                            inflight, request.stop_ids))
+        return histories
+
     def _append(self, request: Request, tokens: list[int], logprobs: list[TokenLogprob] | None) -> None:
         """Emit new tokens up to the first stop; what follows a stop is dropped."""
         text, kept, reason, stop_reason = "", 0, None, None
+        if request.first_token_at is None and tokens:
+            request.first_token_at = time.perf_counter()
         for token in tokens:
             request.output_ids.append(token)
-            text += request.text.push(token)
+            stoppable = len(request.output_ids) >= request.params.min_tokens  # vLLM: no stop before min_tokens
+            text += request.text.push(token, check_stops=stoppable)
             kept += 1
-            if token in request.stop_ids:
+            if stoppable and token in request.stop_ids:
                 reason, stop_reason = "stop", token
             elif request.text.stopped_by is not None:
                 reason, stop_reason = "stop", request.text.stopped_by
@@ -431,6 +443,8 @@ class EngineCore:
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
             prompt_token_ids=list(request.prompt_ids) if first else None,
+            times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
+            if finished else None,
         ))
 
     def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:

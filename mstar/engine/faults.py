@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar.runner.executor import ModelStep, StepExecutor, StepOutput
+
 
 class InjectedFault(RuntimeError):
     """The failure a fault injection raises."""
@@ -78,14 +80,13 @@ def parse_fault_spec(text: str) -> FaultPlan:
 
 @dataclass
 class FaultInjector:
-    """Wraps an `EngineCore`'s forward pass and scheduler (`install`) to carry out a `FaultPlan`;
-    `injected` counts what it did."""
+    """Wraps an `EngineCore`'s step executor (`install`) to carry out a `FaultPlan`; `injected` counts
+    what it did."""
 
     plan: FaultPlan
     steps: int = 0  # steps that reached the forward pass
     attempts: int = 0  # step attempts of the engine loop
     injected: Counter = field(default_factory=Counter)  # "step", "crash", "poisoned_rows"
-    _last_decl: object = None
     _prompt_text: dict[str, str] = field(default_factory=dict)
     _armed_step_failures: int = 0
     _armed_crash: bool = False
@@ -108,24 +109,18 @@ class FaultInjector:
         return self.steps in plan.failing_steps or (plan.failing_from is not None and self.steps >= plan.failing_from)
 
     def install(self, core) -> None:
-        forward, schedule = core.serving.forward, core.scheduler.schedule
+        """Wrap the engine's step executor: every step the engine runs passes through `FaultyExecutor`."""
+        core.executor = FaultyExecutor(core.executor, self, core)
 
-        def scheduled():
-            self._last_decl = schedule()
-            return self._last_decl
-
-        def faulty_forward(plan, tap_layers=()):
-            self.steps += 1
-            logits, taps = forward(plan, tap_layers)
-            if self._step_fails():
-                self.injected["step"] += 1
-                raise InjectedFault(f"injected fault in engine step {self.steps}")
-            if self.plan.poison:
-                logits = self._poisoned(core, logits)
-            return logits, taps
-
-        core.scheduler.schedule = scheduled
-        core.serving.forward = faulty_forward
+    def after_forward(self, core, step: ModelStep, output: StepOutput) -> StepOutput:
+        """Count a step that ran the model; raise where the plan fails it, else poison its marked rows."""
+        self.steps += 1
+        if self._step_fails():
+            self.injected["step"] += 1
+            raise InjectedFault(f"injected fault in engine step {self.steps}")
+        if self.plan.poison:
+            return StepOutput(self._poisoned(core, step, output.logits), output.taps)
+        return output
 
     def before_step(self) -> None:
         """Called by the engine loop before each step attempt, outside its error handling."""
@@ -135,14 +130,14 @@ class FaultInjector:
             self.injected["crash"] += 1
             raise InjectedFault(f"injected crash of the engine thread before step attempt {self.attempts}")
 
-    def _poisoned(self, core, logits: torch.Tensor) -> torch.Tensor:
+    def _poisoned(self, core, step: ModelStep, logits: torch.Tensor) -> torch.Tensor:
         """The sampled rows of marked requests set to the poison value (rows as EngineCore reads them)."""
         live = set(core.requests)
         for request_id in [r for r in self._prompt_text if r not in live]:
             del self._prompt_text[request_id]
         logits = logits.clone()
         row = 0
-        for s in self._last_decl.seqs:
+        for s in step.decl.seqs:
             n = s.num_tokens if s.verify else int(s.sample)
             value = self._poison_value(core, s.request_id) if n else None
             if value is not None:
@@ -156,3 +151,13 @@ class FaultInjector:
         if text is None:
             text = self._prompt_text[request_id] = core.tokenizer.decode(core.requests[request_id].prompt_ids)
         return next((value for marker, value in self.plan.poison if marker in text), None)
+
+
+class FaultyExecutor:
+    """A step executor that runs each step through `inner`, then lets the injector fail or poison it."""
+
+    def __init__(self, inner: StepExecutor, injector: FaultInjector, core):
+        self.inner, self.injector, self.core = inner, injector, core
+
+    def execute(self, step: ModelStep) -> StepOutput:
+        return self.injector.after_forward(self.core, step, self.inner.execute(step))

@@ -20,10 +20,11 @@ class OutputText:
         self._sent = 0
         self.stopped_by: str | None = None
 
-    def push(self, token_id: int) -> str:
-        """Add a token; return the newly releasable text. Sets `stopped_by` when a stop string hits."""
+    def push(self, token_id: int, check_stops: bool = True) -> str:
+        """Add a token; return the newly releasable text. Sets `stopped_by` when a stop string hits;
+        with `check_stops` False (before min_tokens) a stop string passes as text."""
         self.text += self._detok.push(token_id)
-        if self._stop:
+        if self._stop and check_stops:
             hit = self._first_stop()
             if hit is not None:
                 at, stop = hit

@@ -12,6 +12,34 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
 
 
+@dataclass(frozen=True)
+class RequestTimes:
+    """When the engine saw a request's milestones (time.perf_counter() of the engine's process)."""
+
+    queued: float  # added to the engine
+    scheduled: float | None  # first scheduled into a step (None: never)
+    first_token: float | None  # its first output token reached the host
+    finished: float
+
+    @property
+    def queue_s(self) -> float:
+        return (self.scheduled if self.scheduled is not None else self.finished) - self.queued
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduled to first token (vLLM's prefill time)."""
+        return None if self.first_token is None or self.scheduled is None else self.first_token - self.scheduled
+
+    @property
+    def decode_s(self) -> float | None:
+        """First token to the end (vLLM's decode time)."""
+        return None if self.first_token is None else self.finished - self.first_token
+
+    @property
+    def inference_s(self) -> float | None:
+        return None if self.scheduled is None else self.finished - self.scheduled
+
+
 @dataclass
 class RequestOutput:
     """The delta for one request since its last output. Deltas arrive in position order."""
@@ -27,3 +55,4 @@ class RequestOutput:
     num_output_tokens: int = 0  # total so far
     error: str | None = None
     prompt_token_ids: list[int] | None = field(default=None, repr=False)  # on the first delta only
+    times: RequestTimes | None = None  # on the finishing delta

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range is [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 
 
 class ParamError(ValueError):
@@ -24,6 +28,13 @@ class SamplingParams:
     ignore_eos: bool = False  # do not stop on the model's stop ids (stop_token_ids still apply)
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k alternatives
     include_stop_str_in_output: bool = False
+    # Logits processing (engine/logits_processing.py), all off at these values. min_tokens: the stop ids
+    # (and stop strings) do not end the request before it has this many tokens.
+    min_tokens: int = 0
+    presence_penalty: float = 0.0  # minus this on every token the output holds already
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (vLLM's definition)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -38,6 +49,15 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "entries must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in 0..max_tokens ({self.max_tokens})"),
+            (abs(self.presence_penalty) <= MAX_PENALTY, "presence_penalty",
+             f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}]"),
+            (abs(self.frequency_penalty) <= MAX_PENALTY, "frequency_penalty",
+             f"must be in [-{MAX_PENALTY}, {MAX_PENALTY}]"),
+            (0 < self.repetition_penalty < math.inf, "repetition_penalty", "must be > 0 (1: off)"),
+            (all(abs(b) <= MAX_LOGIT_BIAS for _, b in self.logit_bias), "logit_bias",
+             f"values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"),
+            (len({t for t, _ in self.logit_bias}) == len(self.logit_bias), "logit_bias", "names a token id twice"),
         ]
         for ok, name, what in checks:
             if not ok:
@@ -46,3 +66,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """The logits of this request's rows are changed before a token is chosen (greedy ones too)."""
+        return self.min_tokens > 0 or self.penalized or bool(self.logit_bias)

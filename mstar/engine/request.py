@@ -41,6 +41,10 @@ class Request:
     # Tokens sampled by launched steps that have not reached the host yet (async scheduling: at most
     # the step in flight's, plus the next one's while it is being launched). They follow output_ids.
     num_inflight: int = 0
+    # time.perf_counter() at its milestones, for the server's queue/prefill/decode time metrics
+    queued_at: float = 0.0
+    scheduled_at: float | None = None
+    first_token_at: float | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -143,9 +143,11 @@ def paged_mla_decode_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor,
 
 
 def paged_mla_prefill_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor,
-                                context_lens: Tensor, scale: float, *, rope_dim: int = 64) -> Tensor:
+                                context_lens: Tensor, scale: float, *, rope_dim: int = 64,
+                                causal: bool = True) -> Tensor:
     """q_abs [N, H, W]; sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1], its last positions of
-    context_lens[b] -> o_lat [N, H, W - rope_dim], causal. Rows past cu_seqlens[-1] are zeros."""
+    context_lens[b] -> o_lat [N, H, W - rope_dim], causal (or, `causal=False`, every query of b over all of
+    b's rows). Rows past cu_seqlens[-1] are zeros."""
     latent = q_abs.shape[-1] - rope_dim
     out = q_abs.new_zeros(*q_abs.shape[:-1], latent)
     cu = cu_seqlens.tolist()
@@ -154,7 +156,11 @@ def paged_mla_prefill_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor
         if q.shape[0] == 0 or ctx == 0:
             continue
         rows = gather_rows(cache, page_table[b], ctx).to(q.dtype)
-        out[cu[b]: cu[b + 1]] = absorbed_attention(q, rows, ctx - q.shape[0], scale, kv_lora_rank=latent)
+        if causal:
+            out[cu[b]: cu[b + 1]] = absorbed_attention(q, rows, ctx - q.shape[0], scale, kv_lora_rank=latent)
+        else:  # every query row as one more head of a single query at the last row: it sees all rows
+            whole = absorbed_attention(q.reshape(1, -1, q.shape[-1]), rows, ctx - 1, scale, kv_lora_rank=latent)
+            out[cu[b]: cu[b + 1]] = whole.view(*q.shape[:-1], latent)
     return out
 
 
@@ -176,7 +182,7 @@ if triton is not None:
         stride_ot, stride_oh, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        SPLIT_KV: tl.constexpr, MIN_SPLIT: tl.constexpr, MULTI_QUERY: tl.constexpr,
+        SPLIT_KV: tl.constexpr, MIN_SPLIT: tl.constexpr, MULTI_QUERY: tl.constexpr, CAUSAL: tl.constexpr,
     ):
         tile = tl.program_id(0)
         seq = tl.program_id(1)
@@ -199,9 +205,13 @@ if triton is not None:
             t_local = rows // num_heads
             head = rows % num_heads
             token = (first_token + t_local).to(tl.int64)
-            query_pos = ctx - q_len + t_local  # each query sees keys 0..query_pos
             last_t = (tl.minimum(tile * BLOCK_M + BLOCK_M, n_rows) - 1) // num_heads
-            kv_end = tl.minimum(kv_start + split_len, ctx - q_len + last_t + 1)
+            if CAUSAL:  # each query sees keys 0..query_pos
+                query_pos = ctx - q_len + t_local
+                kv_end = tl.minimum(kv_start + split_len, ctx - q_len + last_t + 1)
+            else:  # every query sees all ctx keys
+                query_pos = t_local * 0 + ctx - 1
+                kv_end = tl.minimum(kv_start + split_len, ctx)
 
             d_lat = tl.arange(0, LATENT)
             d_pe = tl.arange(0, ROPE)
@@ -337,7 +347,7 @@ def _check_inputs(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens
 
 def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor | None, context_lens: Tensor,
             scale: float, out: Tensor, *, num_seqs: int, max_rows: int, num_splits: int, min_split_tokens: int,
-            workspace: tuple[Tensor, Tensor] | None, config: KernelConfig) -> Tensor:
+            workspace: tuple[Tensor, Tensor] | None, config: KernelConfig, causal: bool = True) -> Tensor:
     latent, rope = _check_inputs(q_abs, cache, page_table, context_lens, out, num_splits)
     num_tokens, num_heads = q_abs.shape[:2]
     if num_seqs == 0 or num_tokens == 0:
@@ -366,7 +376,7 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
         out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=cache.shape[1], LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        SPLIT_KV=num_splits > 1, MIN_SPLIT=min_split_tokens, MULTI_QUERY=multi_query,
+        SPLIT_KV=num_splits > 1, MIN_SPLIT=min_split_tokens, MULTI_QUERY=multi_query, CAUSAL=causal,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
@@ -410,8 +420,11 @@ def paged_mla_decode(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_l
 def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor, context_lens: Tensor,
                       scale: float, out: Tensor, *, max_query_len: int | None = None, num_splits: int = 1,
                       min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS, workspace: tuple[Tensor, Tensor] | None = None,
-                      config: KernelConfig | None = None) -> Tensor:
-    """Absorbed MLA over several query tokens per sequence (chunked prefill, speculative verify); causal.
+                      config: KernelConfig | None = None, causal: bool = True) -> Tensor:
+    """Absorbed MLA over several query tokens per sequence (chunked prefill, speculative verify); causal, or
+    with `causal=False` every query of sequence b sees all its context_lens[b] rows (a DSpark draft block,
+    bidirectional over its own rows and its context; its rows need not be the last ones: q_len_b may exceed
+    context_lens[b] for padding rows, which then attend to the same rows).
 
     q_abs        [N, H, latent + rope]; sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1], which are its
                  last q_len_b positions: query i sits at position context_lens[b] - q_len_b + i
@@ -431,7 +444,7 @@ def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqle
     cfg = config or default_config(num_heads, cache.shape[1], multi_query=True)
     return _launch(q_abs, cache, page_table, cu_seqlens, context_lens, scale, out, num_seqs=context_lens.shape[0],
                    max_rows=max_q * num_heads, num_splits=num_splits, min_split_tokens=min_split_tokens,
-                   workspace=workspace, config=cfg)
+                   workspace=workspace, config=cfg, causal=causal)
 
 
 def decode_bytes(batch: int, context: int, num_heads: int, width: int = 576, latent: int = 512,

@@ -21,6 +21,7 @@ from mstar.server.metrics import CONTENT_TYPE, ServerMetrics
 from mstar.server.openapi import build_openapi
 from mstar.server.options import ServerOptions
 from mstar.server.streaming import json_response
+from mstar.server.vllm_routes import add_vllm_routes
 
 logger = logging.getLogger("mstar.server")
 
@@ -31,7 +32,7 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
     fresh `ServerMetrics` with its own registry, `options` to `ServerOptions()` (open, no bound on
     requests in flight)."""
     options = options if options is not None else ServerOptions()
-    metrics = metrics if metrics is not None else ServerMetrics()
+    metrics = metrics if metrics is not None else ServerMetrics(served_model_name)
     ctx = ServerContext(
         engine=engine,
         served_model_name=served_model_name,
@@ -94,4 +95,5 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
             logger.exception("engine.stats() failed; engine gauges keep their last values")
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
+    add_vllm_routes(app, ctx)
     return app

@@ -6,9 +6,13 @@ The prompt is `encode_chat(tokenizer, messages, tools, thinking=...)` (`chat_tem
 `parse_assistant_output`; a malformed section is given back as text in `content`). With tool calls
 and a natural stop, `finish_reason` is "tool_calls"; a turn cut by max_tokens stays "length".
 
-A named `tool_choice` ({"type": "function", "function": {"name": N}}) is rendered as K3's
-`tool_choice=required` note with only tool N declared; nothing forces the model's output.
+`reasoning_effort` (OpenAI's name) is K3's `thinking_effort`. With `continue_final_message` (and
+`add_generation_prompt` false, as vLLM asks) the last assistant message is continued, not closed.
+Structured outputs are not supported yet: `response_format` json_object / json_schema and
+`tool_choice` "required" or a named function are a 400 (they would need a grammar to constrain the
+output; "auto", "none" and response_format "text" are fine), as is `chat_template` (K3's format only).
 `max_completion_tokens` (or the older `max_tokens`) defaults to all the room the context leaves.
+The reasoning is sent both as `reasoning_content` and as `reasoning` (current vLLM's name).
 
 Streaming: one role chunk per choice, then for each engine delta the chunks of the text it released
 (`reasoning_content` while in the think channel, `content` after; a delta that crosses the boundary
@@ -28,7 +32,7 @@ from starlette.responses import Response
 
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError
-from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat, parse_assistant_output
+from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think, encode_chat, parse_assistant_output
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
 from mstar.server import responses
 from mstar.server.assistant_stream import AssistantStreamParser, Piece
@@ -38,7 +42,7 @@ from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs
 from mstar.server.output_segments import AlignedSegmenter, merge_text
-from mstar.server.protocol import ChatCompletionRequest, NamedToolChoice, parse_request
+from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice, parse_request
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
@@ -50,46 +54,77 @@ from mstar.server.sampling import (
     choices_for_prompt,
     new_request_id,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
 
+_STRUCTURED = "would need structured outputs (a grammar that constrains the output), which are not supported yet"
 
-def _tools_and_choice(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, str | None]:
-    tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+
+def _tools(req: ChatPromptFields) -> list[dict[str, Any]] | None:
     choice = req.tool_choice
-    if isinstance(choice, NamedToolChoice):
-        named = [tool for tool in tools or () if tool["function"]["name"] == choice.function.name]
-        if not named:
-            raise APIError(
-                f"tool_choice names the function '{choice.function.name}', which is not declared in 'tools'",
-                param="tool_choice",
-            )
-        return named, "required"
-    if choice == "required" and not tools:
-        raise APIError("tool_choice 'required' needs at least one tool in 'tools'", param="tool_choice")
-    return tools, choice
+    if isinstance(choice, NamedToolChoice) or choice == "required":
+        shown = "a named function" if isinstance(choice, NamedToolChoice) else "'required'"
+        raise APIError(f"tool_choice {shown} {_STRUCTURED}; use 'auto' or 'none'", param="tool_choice",
+                       code="unsupported")
+    return [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
 
 
-def _prompt_ids(req: ChatCompletionRequest, tokenizer: KimiTokenizer) -> list[int]:
+def _check_response_format(req: ChatCompletionRequest) -> None:
+    if req.response_format is not None and req.response_format.type != "text":
+        raise APIError(f"response_format {req.response_format.type} {_STRUCTURED}; omit it or use 'text'",
+                       param="response_format", code="unsupported")
+
+
+def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
+    """(effort, the field it came from): `chat_template_kwargs.thinking_effort` or top-level `reasoning_effort`."""
+    kwargs = req.chat_template_kwargs
+    nested = kwargs.thinking_effort if kwargs is not None else None
+    if nested is not None and req.reasoning_effort is not None and nested != req.reasoning_effort:
+        raise APIError(f"reasoning_effort={req.reasoning_effort!r} and chat_template_kwargs.thinking_effort="
+                       f"{nested!r} disagree; give one of them", param="reasoning_effort")
+    if nested is not None:
+        return nested, "chat_template_kwargs.thinking_effort"
+    return req.reasoning_effort, "reasoning_effort"
+
+
+def chat_prompt_ids(req: ChatPromptFields, tokenizer: KimiTokenizer) -> list[int]:
+    """The conversation rendered in K3's format (400s name the field at fault)."""
     if not req.messages:
         raise APIError("'messages' must hold at least one message", param="messages")
+    if req.chat_template is not None:
+        raise APIError("chat_template is not supported: this server renders K3's own chat format; omit it",
+                       param="chat_template", code="unsupported")
     options: dict[str, Any] = {"thinking": req.thinking}
-    kwargs = req.chat_template_kwargs
-    if kwargs is not None and kwargs.thinking_effort is not None:
-        if kwargs.thinking_effort not in THINKING_EFFORTS:
-            raise APIError(
-                f"thinking_effort={kwargs.thinking_effort!r} is not supported; use one of {THINKING_EFFORTS}",
-                param="chat_template_kwargs.thinking_effort",
-            )
-        options["thinking_effort"] = kwargs.thinking_effort
-    tools, options["tool_choice"] = _tools_and_choice(req)
-    if req.response_format is not None:
-        options["response_format"] = req.response_format.model_dump()
+    effort, field = _thinking_effort(req)
+    if effort is not None:
+        if effort not in THINKING_EFFORTS:
+            raise APIError(f"{field}={effort!r} is not supported; use one of {THINKING_EFFORTS}", param=field)
+        options["thinking_effort"] = effort
+    tools = _tools(req)
+    options["tool_choice"] = req.tool_choice
+    if req.continue_final_message:
+        if req.add_generation_prompt:
+            raise APIError("continue_final_message continues the last message; set add_generation_prompt to false",
+                           param="add_generation_prompt")
+        last = req.messages[-1]
+        if last.role != "assistant" or last.tool_calls:
+            raise APIError("continue_final_message needs the last message to be an assistant's, without "
+                           "tool_calls", param="continue_final_message")
+    options["continue_final_message"] = req.continue_final_message
+    options["add_generation_prompt"] = req.add_generation_prompt
     messages = [message.for_template() for message in req.messages]
     try:
         return encode_chat(tokenizer, messages, tools, **options)
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The messages cannot be rendered for K3: {err}", param="messages") from None
+
+
+def _starts_in_think(req: ChatCompletionRequest) -> bool:
+    """Whether the generated text begins inside the think channel (what the output parsers need)."""
+    if req.continue_final_message:
+        return continues_in_think(req.messages[-1].for_template(), req.thinking)
+    return req.thinking
 
 
 # Engine parameter names -> this endpoint's request fields, for the `param` of a 400.
@@ -113,11 +148,11 @@ class _ChoiceOutput:
     def __init__(self, spec: ChoiceSpec, tokenizer: KimiTokenizer, req: ChatCompletionRequest):
         self.spec = spec
         self._tokenizer = tokenizer
-        self._thinking = req.thinking
+        self._thinking = _starts_in_think(req)
         self._want_logprobs = req.logprobs
         self._want_token_ids = req.return_token_ids
         self._segmenter = AlignedSegmenter(tokenizer)
-        self._parser = AssistantStreamParser(req.thinking) if req.stream else None
+        self._parser = AssistantStreamParser(self._thinking) if req.stream else None
         self._segments: list[Segment] = []
         self._tool_calls_sent = 0
         self.token_ids: list[int] = []
@@ -169,7 +204,7 @@ class _ChoiceOutput:
 
     def _delta(self, piece: Piece) -> responses.ChatDelta:
         if piece.kind == "reasoning":
-            return responses.ChatDelta(reasoning_content=piece.value)
+            return responses.ChatDelta(reasoning_content=piece.value, reasoning=piece.value)
         if piece.kind == "content":
             return responses.ChatDelta(content=piece.value)
         calls = []
@@ -189,7 +224,8 @@ class _ChoiceOutput:
         tool_calls = [_tool_call(call) for call in parsed.tool_calls]
         content = parsed.content if parsed.content is not None or tool_calls else ""
         message = responses.AssistantMessage(
-            content=content, reasoning_content=parsed.reasoning_content, tool_calls=tool_calls or None
+            content=content, reasoning_content=parsed.reasoning_content, reasoning=parsed.reasoning_content,
+            tool_calls=tool_calls or None
         )
         logprobs = chat_logprobs(self._tokenizer, self._logprobs) if self._want_logprobs else None
         return responses.ChatChoice(
@@ -216,19 +252,20 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_model(req.model, ctx.served_model_name)
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
+    _check_response_format(req)
     engine = ctx.engine
-    prompt_ids = _prompt_ids(req, engine.tokenizer)
+    prompt_ids = truncate_prompt(chat_prompt_ids(req, engine.tokenizer), req)
     check_prompt_ids(prompt_ids, engine, "messages")
     check_stop_token_ids(req.stop_token_ids, engine)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = base_params(req, logprobs, renames=_ENGINE_NAMES)
+    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param,
                                     ctx.options.max_tokens)
     request_id = new_request_id("chatcmpl")
-    specs = choices_for_prompt(request_id, 0, prompt_ids, params, req.n, max_tokens)
+    specs = choices_for_prompt(request_id, 0, prompt_ids, params, req.n, max_tokens, req.min_tokens)
     log_request(ctx.options.log_requests, "/v1/chat/completions", request_id,
                 [m.model_dump(exclude_none=True) for m in req.messages], specs[0].params, req.n)
 
@@ -248,13 +285,17 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
         await until_disconnected(request, run.start())
 
         async def chunks() -> AsyncIterator[bytes]:
-            exclude = None if req.include_usage else {"usage"}
+            exclude = None if req.include_usage or req.continuous_usage else {"usage"}
+
+            def so_far() -> responses.Usage | None:
+                return usage() if req.continuous_usage else None
+
             for o in outputs:  # the prompt's ids (vLLM: on the first chunk) are the same for every choice
                 first_ids = prompt_token_ids if o is outputs[0] else None
-                yield sse_event(chunk([o.role_chunk()], prompt_token_ids=first_ids), exclude=exclude)
+                yield sse_event(chunk([o.role_chunk()], prompt_token_ids=first_ids, usage=so_far()), exclude=exclude)
             async for index, out in run.outputs():
                 for choice in outputs[index].add(out):
-                    yield sse_event(chunk([choice]), exclude=exclude)
+                    yield sse_event(chunk([choice], usage=so_far()), exclude=exclude)
             if req.include_usage:
                 yield sse_event(chunk([], usage=usage()))
 

@@ -2,10 +2,13 @@
 
 `prompt` is a string, a list of token ids, a list of strings or a list of token-id lists. Several
 prompts are supported: prompt p's n choices get indices p*n .. p*n+n-1 (OpenAI's order), each its
-own engine request. `echo` and `suffix` are refused (400), as is `best_of` other than n.
+own engine request. `echo` puts the prompt's text before each choice's text (in the first chunk when
+streaming); with `logprobs` it would need the prompt's logprobs, so that pair is refused (400), as
+are `suffix` and `best_of` other than n. `truncate_prompt_tokens` keeps each prompt's last N tokens.
 `max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
 With `stream`, each engine delta of each choice becomes one chunk (choices interleave, each in
-order); with `stream_options.include_usage`, a last chunk with no choices carries the usage.
+order); with `stream_options.include_usage`, a last chunk with no choices carries the usage, and with
+`continuous_usage_stats` every chunk carries the usage so far.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from mstar.server.sampling import (
     choices_for_prompt,
     new_request_id,
     resolve_max_tokens,
+    truncate_prompt,
 )
 from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
 
@@ -55,10 +59,21 @@ def _prompts(prompt: str | list, tokenizer: KimiTokenizer) -> list[list[int]]:
     return [list(ids) for ids in prompt]
 
 
+def _echo_text(req: CompletionRequest, p: int, ids: list[int], tokenizer: KimiTokenizer) -> str:
+    """Prompt p's text for `echo`: as sent when it was text and was not truncated, else its ids decoded."""
+    if not req.echo:
+        return ""
+    text = req.prompt if isinstance(req.prompt, str) else req.prompt[p]
+    if isinstance(text, str) and req.truncate_prompt_tokens is None:
+        return text
+    return tokenizer.decode(ids, skip_special=False)
+
+
 def _check_supported(req: CompletionRequest) -> None:
     check_supported(req)
-    if req.echo:
-        raise APIError("echo is not supported; omit it or pass false", param="echo", code="unsupported")
+    if req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute yet; "
+                       "omit one of them", param="echo", code="unsupported")
     if req.suffix:
         raise APIError("suffix is not supported; omit it", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
@@ -68,12 +83,13 @@ def _check_supported(req: CompletionRequest) -> None:
 class _ChoiceOutput:
     """One choice's output: per-delta chunks for streaming, merged for a whole response."""
 
-    def __init__(self, spec: ChoiceSpec, tokenizer: KimiTokenizer, req: CompletionRequest):
+    def __init__(self, spec: ChoiceSpec, tokenizer: KimiTokenizer, req: CompletionRequest, echo: str):
         self.spec = spec
+        self._echo = echo  # the prompt's text when `echo`, else ""
         self._logprobs = CompletionLogprobsBuilder(tokenizer) if req.logprobs is not None else None
         self._token_ids = req.return_token_ids
         self._sent_first = False
-        self.text: list[str] = []
+        self.text: list[str] = [echo]
         self.token_ids: list[int] = []
         self.logprobs = responses.CompletionLogprobs() if self._logprobs else None
         self.finish_reason: str | None = None
@@ -95,7 +111,7 @@ class _ChoiceOutput:
         self._sent_first = True
         return responses.CompletionChoice(
             index=self.spec.index,
-            text=out.text,
+            text=self._echo + out.text if first else out.text,
             logprobs=logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
@@ -123,23 +139,24 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
-    prompts = _prompts(req.prompt, engine.tokenizer)
+    prompts = [truncate_prompt(ids, req) for ids in _prompts(req.prompt, engine.tokenizer)]
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request", param="n")
     for p, ids in enumerate(prompts):
         check_prompt_ids(ids, engine, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
     check_stop_token_ids(req.stop_token_ids, engine)
-    params = base_params(req, logprobs=req.logprobs)
+    params = base_params(req, req.logprobs, engine)
     request_id = new_request_id("cmpl")
     specs: list[ChoiceSpec] = []
     for p, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len, DEFAULT_MAX_TOKENS, "max_tokens",
                                         ctx.options.max_tokens)
-        specs += choices_for_prompt(request_id, p * req.n, ids, params, req.n, max_tokens)
+        specs += choices_for_prompt(request_id, p * req.n, ids, params, req.n, max_tokens, req.min_tokens)
     log_request(ctx.options.log_requests, "/v1/completions", request_id, req.prompt, specs[0].params, req.n)
 
     run = GenerationRun(engine, specs, ctx.metrics, arrival, ctx.admission)
-    outputs = [_ChoiceOutput(spec, engine.tokenizer, req) for spec in specs]
+    echoes = [_echo_text(req, p, ids, engine.tokenizer) for p, ids in enumerate(prompts)]
+    outputs = [_ChoiceOutput(spec, engine.tokenizer, req, echoes[spec.index // req.n]) for spec in specs]
     prompt_tokens = sum(len(ids) for ids in prompts)
 
     def completion(choices: list[responses.CompletionChoice], usage: responses.Usage | None) -> responses.Completion:
@@ -151,7 +168,7 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
 
     if req.stream:
         await until_disconnected(request, run.start())
-        return SSEResponse(sse_body(_chunks(run, outputs, completion, usage, req.include_usage), run.close))
+        return SSEResponse(sse_body(_chunks(run, outputs, completion, usage, req), run.close))
 
     async def generate() -> responses.Completion:
         await run.start()
@@ -163,12 +180,12 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     return json_response(result)
 
 
-async def _chunks(run: GenerationRun, outputs: list[_ChoiceOutput], completion, usage, include_usage: bool
+async def _chunks(run: GenerationRun, outputs: list[_ChoiceOutput], completion, usage, req: CompletionRequest
                   ) -> AsyncIterator[bytes]:
-    exclude = None if include_usage else {"usage"}
+    exclude = None if req.include_usage or req.continuous_usage else {"usage"}
     async for index, out in run.outputs():
         choice = outputs[index].add(out)
         if choice is not None:
-            yield sse_event(completion([choice], None), exclude=exclude)
-    if include_usage:
+            yield sse_event(completion([choice], usage() if req.continuous_usage else None), exclude=exclude)
+    if req.include_usage:
         yield sse_event(completion([], usage()))

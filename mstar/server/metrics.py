@@ -1,10 +1,17 @@
 """Prometheus metrics of the server, in a registry of its own (so tests can build many apps).
 
+vLLM's metric set under mstar_ names (`vllm:x` is `mstar_x`, where a vLLM metric exists), every one
+labelled with `model_name` as vLLM's are. Kinds follow what is measured: a cumulative count is a
+counter (graph its rate), a level a gauge, a per-request distribution a histogram.
+
 Engine state (requests running/waiting, KV pages, KDA slots) is read from `engine.stats()` at
-scrape time. Token counters, finish counters and the latency histograms are observed here, in the
-server, from when each engine request's outputs arrive: TTFT from the HTTP request's arrival to
-the first output token, inter-token latency (ITL) per token after the first (a delta that carries
-k tokens counts k gaps of 1/k of its wait), end-to-end latency to the finishing output.
+scrape time, and so are the engine's cumulative counts (preemptions, speculative decoding): each
+scrape adds what they grew by since the last. Token counters, finish counters and the latency
+histograms are observed here, in the server, from when each engine request's outputs arrive: TTFT
+from the HTTP request's arrival to the first output token, inter-token latency (ITL) per token
+after the first (a delta that carries k tokens counts k gaps of 1/k of its wait), end-to-end
+latency to the finishing output. Queue, prefill, decode and inference times are the engine's own
+(`RequestOutput.times` on the finishing output): queued -> first scheduled -> first token -> end.
 All counts are per engine request: a request with n choices is n engine requests.
 """
 
@@ -21,78 +28,95 @@ from mstar.engine.outputs import RequestOutput
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)
+_PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 480.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000, 200000)
 
 SUCCESS_REASONS = ("stop", "length")
 REFUSED_REASONS = ("unauthorized", "too_large", "overloaded")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+MODEL = ["model_name"]
 
 
 class ServerMetrics:
-    """All metrics of one server. `registry` defaults to a fresh `CollectorRegistry`."""
+    """All metrics of one server serving `model_name`. `registry` defaults to a fresh `CollectorRegistry`."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
-        self.requests_running = Gauge("mstar_requests_running", "Engine requests being generated.", registry=r)
-        self.requests_waiting = Gauge("mstar_requests_waiting", "Engine requests queued for admission.", registry=r)
-        self.kv_pages_used = Gauge("mstar_kv_pages_used", "MLA KV cache pages in use.", registry=r)
-        self.kv_pages_total = Gauge("mstar_kv_pages_total", "MLA KV cache pages in all.", registry=r)
-        self.kv_pages_usage = Gauge("mstar_kv_pages_usage_ratio", "Fraction of KV pages in use (0..1).", registry=r)
-        self.kda_slots_used = Gauge("mstar_kda_slots_used", "KDA recurrent-state slots in use.", registry=r)
-        self.kda_slots_total = Gauge("mstar_kda_slots_total", "KDA recurrent-state slots in all.", registry=r)
-        self.kda_slots_usage = Gauge("mstar_kda_slots_usage_ratio", "Fraction of KDA slots in use (0..1).", registry=r)
-        self.spec_verify_rows = Gauge("mstar_spec_verify_rows", "Speculative verify rows run (cumulative).",
-                                      registry=r)
-        self.spec_draft_tokens = Gauge("mstar_spec_draft_tokens", "Draft tokens proposed (cumulative).", registry=r)
-        self.spec_accepted_tokens = Gauge("mstar_spec_accepted_tokens", "Draft tokens accepted (cumulative).",
-                                          registry=r)
-        self.spec_mean_accepted_length = Gauge(
-            "mstar_spec_mean_accepted_length", "Tokens emitted per verify row: accepted drafts + 1.", registry=r)
-        self.spec_position_acceptance = Gauge(
-            "mstar_spec_position_acceptance_rate", "Fraction of verify rows that proposed draft `position` and "
-            "had it accepted.", ["position"], registry=r)
-        self.spec_drafted_by_position = Gauge(
-            "mstar_spec_drafted_by_position", "Verify rows that proposed draft `position` (cumulative).",
-            ["position"], registry=r)
-        self.spec_accepted_by_position = Gauge(
-            "mstar_spec_accepted_by_position", "Verify rows whose draft `position` was accepted (cumulative).",
-            ["position"], registry=r)
-        self.prompt_tokens = Counter("mstar_prompt_tokens", "Prompt tokens of started requests.", registry=r)
-        self.generation_tokens = Counter("mstar_generation_tokens", "Tokens generated.", registry=r)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, MODEL, registry=r).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, MODEL, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
+            return Histogram(name, doc, MODEL, buckets=buckets, registry=r).labels(model_name)
+
+        self.requests_running = gauge("mstar_requests_running", "Engine requests being generated.")
+        self.requests_waiting = gauge("mstar_requests_waiting", "Engine requests queued for admission.")
+        self.kv_pages_used = gauge("mstar_kv_pages_used", "MLA KV cache pages in use.")
+        self.kv_pages_total = gauge("mstar_kv_pages_total", "MLA KV cache pages in all.")
+        self.kv_pages_usage = gauge("mstar_kv_pages_usage_ratio", "Fraction of KV pages in use (0..1).")
+        self.kda_slots_used = gauge("mstar_kda_slots_used", "KDA recurrent-state slots in use.")
+        self.kda_slots_total = gauge("mstar_kda_slots_total", "KDA recurrent-state slots in all.")
+        self.kda_slots_usage = gauge("mstar_kda_slots_usage_ratio", "Fraction of KDA slots in use (0..1).")
+        self.num_preemptions = counter("mstar_num_preemptions", "Requests preempted (caches freed, recomputed).")
+        self.spec_num_drafts = counter("mstar_spec_decode_num_drafts", "Speculative verify rows run.")
+        self.spec_draft_tokens = counter("mstar_spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.spec_accepted_tokens = counter("mstar_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_drafted_per_pos = Counter(
+            "mstar_spec_decode_num_drafts_per_pos", "Verify rows that proposed draft `position`.",
+            [*MODEL, "position"], registry=r)
+        self.spec_accepted_per_pos = Counter(
+            "mstar_spec_decode_num_accepted_tokens_per_pos", "Verify rows whose draft `position` was accepted.",
+            [*MODEL, "position"], registry=r)
+        self.prompt_tokens = counter("mstar_prompt_tokens", "Prompt tokens of started requests.")
+        self.generation_tokens = counter("mstar_generation_tokens", "Tokens generated.")
         self.request_success = Counter(
-            "mstar_request_success", "Engine requests that finished, by finish reason.", ["finish_reason"], registry=r
-        )
+            "mstar_request_success", "Engine requests that finished, by finish reason.", [*MODEL, "finish_reason"],
+            registry=r)
         self.request_failure = Counter(
             "mstar_request_failure",
             "Requests that failed: error/abort (engine), cancelled (client gone), invalid_request (400).",
-            ["reason"],
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "mstar_time_to_first_token_seconds", "Request arrival to first token.", buckets=_TTFT_BUCKETS, registry=r
-        )
-        self.itl = Histogram(
-            "mstar_inter_token_latency_seconds", "Time between output tokens.", buckets=_ITL_BUCKETS, registry=r
-        )
-        self.e2e = Histogram(
-            "mstar_e2e_request_latency_seconds", "Request arrival to its last token.", buckets=_E2E_BUCKETS, registry=r
-        )
+            [*MODEL, "reason"], registry=r)
+        self.ttft = histogram("mstar_time_to_first_token_seconds", "Request arrival to first token.", _TTFT_BUCKETS)
+        self.itl = histogram("mstar_inter_token_latency_seconds", "Time between output tokens.", _ITL_BUCKETS)
+        self.e2e = histogram("mstar_e2e_request_latency_seconds", "Request arrival to its last token.", _E2E_BUCKETS)
+        self.queue_time = histogram("mstar_request_queue_time_seconds", "In the engine's queue before it was "
+                                    "first scheduled.", _PHASE_BUCKETS)
+        self.prefill_time = histogram("mstar_request_prefill_time_seconds", "First scheduled to first token.",
+                                      _PHASE_BUCKETS)
+        self.decode_time = histogram("mstar_request_decode_time_seconds", "First token to the last.", _E2E_BUCKETS)
+        self.inference_time = histogram("mstar_request_inference_time_seconds", "First scheduled to the last "
+                                        "token.", _E2E_BUCKETS)
+        self.request_prompt_tokens = histogram("mstar_request_prompt_tokens", "Prompt tokens per request.",
+                                               _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("mstar_request_generation_tokens", "Tokens generated per "
+                                                   "finished request.", _TOKEN_BUCKETS)
         self.request_refused = Counter(
             "mstar_request_refused",
             "HTTP requests refused before reaching the engine: unauthorized (401), too_large (413), "
             "overloaded (429).",
-            ["reason"],
-            registry=r,
-        )
-        self.in_flight = Gauge("mstar_requests_in_flight", "Engine requests admitted by the server and not "
-                               "yet ended (bounded by scheduler.max_num_seqs + scheduler.max_waiting).", registry=r)
+            [*MODEL, "reason"], registry=r)
+        self.in_flight = gauge("mstar_requests_in_flight", "Engine requests admitted by the server and not "
+                               "yet ended (bounded by scheduler.max_num_seqs + scheduler.max_waiting).")
         # A missing label value would not show up until first used; make every known one visible.
         for reason in SUCCESS_REASONS:
-            self.request_success.labels(reason)
+            self.request_success.labels(model_name, reason)
         for reason in ("error", "abort", "cancelled", "invalid_request"):
-            self.request_failure.labels(reason)
+            self.request_failure.labels(model_name, reason)
         for reason in REFUSED_REASONS:
-            self.request_refused.labels(reason)
+            self.request_refused.labels(model_name, reason)
+        self._engine_counts: dict[object, float] = {}  # the engine's cumulative counts at the last scrape
+
+    def _count_up(self, child, total: float) -> None:
+        """Add to `child` what the engine's cumulative `total` grew by since the last scrape."""
+        grown = total - self._engine_counts.get(child, 0.0)
+        if grown > 0:
+            child.inc(grown)
+            self._engine_counts[child] = total
 
     def update_engine_stats(self, stats: EngineStats) -> None:
         self.requests_running.set(stats.running)
@@ -103,27 +127,24 @@ class ServerMetrics:
         self.kda_slots_used.set(stats.kda_slots_used)
         self.kda_slots_total.set(stats.kda_slots_total)
         self.kda_slots_usage.set(stats.kda_slots_used / stats.kda_slots_total if stats.kda_slots_total else 0.0)
-        if stats.spec_verify_rows:
-            self.spec_verify_rows.set(stats.spec_verify_rows)
-            self.spec_draft_tokens.set(stats.spec_draft_tokens)
-            self.spec_accepted_tokens.set(stats.spec_accepted_tokens)
-            self.spec_mean_accepted_length.set(stats.spec_mean_accepted_length)
-            for i, (drafted, accepted) in enumerate(zip(stats.spec_drafted_by_position,
-                                                        stats.spec_accepted_by_position, strict=True)):
-                position = str(i + 1)
-                self.spec_drafted_by_position.labels(position=position).set(drafted)
-                self.spec_accepted_by_position.labels(position=position).set(accepted)
-                if drafted:
-                    self.spec_position_acceptance.labels(position=position).set(accepted / drafted)
+        self._count_up(self.num_preemptions, stats.num_preemptions)
+        self._count_up(self.spec_num_drafts, stats.spec_verify_rows)
+        self._count_up(self.spec_draft_tokens, stats.spec_draft_tokens)
+        self._count_up(self.spec_accepted_tokens, stats.spec_accepted_tokens)
+        for i, (drafted, accepted) in enumerate(zip(stats.spec_drafted_by_position, stats.spec_accepted_by_position,
+                                                    strict=True)):
+            position = str(i + 1)
+            self._count_up(self.spec_drafted_per_pos.labels(self.model_name, position), drafted)
+            self._count_up(self.spec_accepted_per_pos.labels(self.model_name, position), accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
     def invalid_request(self) -> None:
-        self.request_failure.labels("invalid_request").inc()
+        self.request_failure.labels(self.model_name, "invalid_request").inc()
 
     def refused(self, reason: str) -> None:
-        self.request_refused.labels(reason).inc()
+        self.request_refused.labels(self.model_name, reason).inc()
 
     def track(self, arrival: float, prompt_tokens: int) -> RequestTracker:
         return RequestTracker(self, arrival, prompt_tokens)
@@ -154,17 +175,28 @@ class RequestTracker:
             self._last_token_at = now
             m.generation_tokens.inc(count)
         if output.finished:
-            self._finish(output.finish_reason or "stop", now)
+            self._finish(output, now)
 
-    def _finish(self, reason: str, now: float) -> None:
+    def _finish(self, output: RequestOutput, now: float) -> None:
         if self.done:
             return
         self.done = True
-        self._metrics.e2e.observe(now - self._arrival)
+        m = self._metrics
+        m.e2e.observe(now - self._arrival)
+        reason = output.finish_reason or "stop"
         if reason in SUCCESS_REASONS:
-            self._metrics.request_success.labels(reason).inc()
+            m.request_success.labels(m.model_name, reason).inc()
+            m.request_prompt_tokens.observe(self._prompt_tokens)
+            m.request_generation_tokens.observe(output.num_output_tokens)
         else:
-            self._metrics.request_failure.labels(reason).inc()
+            m.request_failure.labels(m.model_name, reason).inc()
+        times = output.times
+        if times is not None:
+            m.queue_time.observe(times.queue_s)
+            for histogram, value in ((m.prefill_time, times.prefill_s), (m.decode_time, times.decode_s),
+                                     (m.inference_time, times.inference_s)):
+                if value is not None:
+                    histogram.observe(value)
 
     def discard(self) -> None:
         """The engine refused the request (a 400, counted once per HTTP request by the server)."""
@@ -174,4 +206,4 @@ class RequestTracker:
         """The request ended without a finishing output (client gone, invalid, server error)."""
         if not self.done:
             self.done = True
-            self._metrics.request_failure.labels(reason).inc()
+            self._metrics.request_failure.labels(self._metrics.model_name, reason).inc()

@@ -5,7 +5,7 @@ FastAPI cannot derive the schema from their signatures; it is built here from th
 models, then tightened with the checks the server makes beyond pydantic's types, so that a body
 valid by the schema passes every check the schema can express and one it rejects is refused:
 the model name, `n` and `max_tokens` under this server's limits, token ids inside the
-vocabulary, sampling values in range, unsupported parameters only at their neutral value.
+vocabulary, sampling values in range, refused parameters (protocol.REFUSED) only at their neutral value.
 What a JSON schema cannot say (a prompt's length in tokens, `best_of` equal to `n`, prompts x n
 choices) is checked by the server and answered with a 400.
 
@@ -21,9 +21,20 @@ from typing import Any
 
 from pydantic.json_schema import models_json_schema
 
+from mstar.engine.params import MAX_LOGIT_BIAS, MAX_PENALTY
+from mstar.models.kimi_k3.chat import THINKING_EFFORTS
 from mstar.server import responses
 from mstar.server.options import ServerOptions
-from mstar.server.protocol import INT64_MAX, ChatCompletionRequest, CompletionRequest
+from mstar.server.protocol import (
+    INT64_MAX,
+    LOGIT_BIAS_KEY,
+    REFUSED,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -58,6 +69,13 @@ _SSE_EVENT = {
         "event": {"type": "string"},
     },
 }
+_TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "tokens", "token_strs"],
+                      "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+                                     "tokens": {"type": "array", "items": {"type": "integer"}},
+                                     "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
+                                                              {"type": "null"}]}}}
+_DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _HEALTH_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unhealthy"]}}}
 
 
@@ -82,9 +100,26 @@ def _sampling_fields(props: dict, options: ServerOptions, model_name: str, vocab
     props["stop"] = {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": MAX_STOP_STRINGS},
                                {"type": "null"}], "default": None}
     props["stop_token_ids"] = _nullable({"type": "array", "items": _token_ids(vocab_size, 1)["items"]})
-    for name, neutral in (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1)):
-        props[name] = _nullable({"type": "number", "const": neutral})
-    props["logit_bias"] = _nullable({"type": "object", "maxProperties": 0})
+    for name in ("presence_penalty", "frequency_penalty"):
+        props[name] = _nullable({"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY})
+    props["repetition_penalty"] = _nullable({"type": "number", "exclusiveMinimum": 0})
+    props["logit_bias"] = _nullable({"type": "object", "propertyNames": {"pattern": LOGIT_BIAS_KEY.pattern},
+                                     "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS,
+                                                              "maximum": MAX_LOGIT_BIAS}})
+    props["min_tokens"] = _nullable({"type": "integer", "minimum": 0})
+    props["truncate_prompt_tokens"] = _nullable({"type": "integer", "minimum": 1})
+    for name, (neutral, why) in REFUSED.items():  # accepted at their neutral value only
+        props[name] = {"const": neutral, "default": neutral, "description": f"Refused unless {neutral!r}: {why}"}
+
+
+def _chat_prompt_fields(props: dict, model_name: str) -> None:
+    """What renders a conversation (chat completions and /tokenize), as the server checks it."""
+    props["model"] = _nullable({"type": "string", "enum": [model_name]})
+    props["messages"]["minItems"] = 1
+    # Structured outputs are not supported yet: only the tool choices that need no grammar.
+    props["tool_choice"] = _nullable({"enum": ["none", "auto"]})
+    props["reasoning_effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
+    props["chat_template"] = {"type": "null", "default": None, "description": "Refused: K3's own format only"}
 
 
 def _max_tokens(options: ServerOptions, max_seq_len: int) -> dict:
@@ -95,7 +130,9 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     """Component schemas of request and response bodies, the request ones tightened."""
     models = [(CompletionRequest, "validation"), (ChatCompletionRequest, "validation"),
               (responses.Completion, "serialization"), (responses.ChatCompletion, "serialization"),
-              (responses.ModelList, "serialization"), (responses.ModelCard, "serialization")]
+              (responses.ModelList, "serialization"), (responses.ModelCard, "serialization"),
+              (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
+              (DetokenizeRequest, "validation")]
     _, top = models_json_schema(models, ref_template=REF)
     schemas = copy.deepcopy(top["$defs"])
     completion = schemas["CompletionRequest"]["properties"]
@@ -106,14 +143,25 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
                                                   "maxItems": MAX_PROMPTS},
                                       {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}
     completion["max_tokens"] = _max_tokens(options, max_seq_len)
-    completion["echo"] = {"type": "boolean", "const": False, "default": False}
     completion["suffix"] = _nullable({"type": "string", "maxLength": 0})
     completion["best_of"] = _nullable({"type": "integer", "minimum": 1, "maximum": options.max_n})
     chat = schemas["ChatCompletionRequest"]["properties"]
     _sampling_fields(chat, options, model_name, vocab_size)
-    chat["messages"]["minItems"] = 1
+    _chat_prompt_fields(chat, model_name)
     chat["max_tokens"] = _max_tokens(options, max_seq_len)
     chat["max_completion_tokens"] = _max_tokens(options, max_seq_len)
+    chat["response_format"] = _nullable({"type": "object", "required": ["type"],
+                                         "properties": {"type": {"const": "text"}}})
+    _chat_prompt_fields(schemas["TokenizeChatRequest"]["properties"], model_name)
+    schemas["TokenizeCompletionRequest"]["properties"]["model"] = _nullable({"type": "string", "enum": [model_name]})
+    detokenize = schemas["DetokenizeRequest"]["properties"]
+    detokenize["model"] = _nullable({"type": "string", "enum": [model_name]})
+    detokenize["tokens"] = {"type": "array", "items": _token_ids(vocab_size, 1)["items"]}
+    schemas["TokenizeRequest"] = {"anyOf": [{"$ref": REF.format(model="TokenizeCompletionRequest")},
+                                            {"$ref": REF.format(model="TokenizeChatRequest")}]}
+    schemas["TokenizeResponse"] = _TOKENIZE_RESPONSE
+    schemas["DetokenizeResponse"] = _DETOKENIZE_RESPONSE
+    schemas["Version"] = _VERSION
     schemas["FunctionDecl"]["properties"]["name"]["minLength"] = 1
     text_part = schemas["TextPart"]
     text_part["properties"] = {"type": {"type": "string", "const": "text"}, "text": {"type": "string"}}
@@ -190,6 +238,23 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
                                    "content": {"text/plain": {"schema": {"type": "string"}}}},
             protected=auth and options.protect_metrics, errors={})},
     }
+    tokens_errors = {400: "Invalid request: the message names the parameter",
+                     413: f"The body is larger than {options.max_body_bytes} bytes"}
+    paths["/tokenize"] = {"post": _operation(
+        "Token ids of a prompt or a conversation (vLLM)", {"description": "The ids",
+                                                            "content": _json("TokenizeResponse")},
+        protected=auth, errors=tokens_errors, body="TokenizeRequest")}
+    paths["/detokenize"] = {"post": _operation(
+        "Text of token ids (vLLM)", {"description": "The text", "content": _json("DetokenizeResponse")},
+        protected=auth, errors=tokens_errors, body="DetokenizeRequest")}
+    paths["/version"] = {"get": _operation("The server's version", {"description": "Version",
+                                                                     "content": _json("Version")},
+                                           protected=auth, errors={})}
+    ping_ok = {"description": "Healthy (an empty body)"}
+    paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth,
+                                         errors={}) for method in ("get", "post")}
+    for method in ("get", "post"):
+        paths["/ping"][method]["responses"]["503"] = {"description": "The engine is not healthy"}
     paths["/health"]["get"]["responses"]["503"] = {"description": "The engine is not healthy",
                                                     "content": _json("Health")}
     doc: dict[str, Any] = {

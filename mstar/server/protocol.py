@@ -7,10 +7,15 @@ clients send fields this server has no use for (`user`, `parallel_tool_calls`, `
 Range checks of sampling values live in `SamplingParams`, so the engine and the server agree on
 them; here only what the server itself needs (n, logprob counts) is bounded. The OpenAPI document
 (server/openapi.py) states all of these bounds.
+
+Fields that OpenAI or vLLM define and this server does not implement are declared too, in
+`REFUSED`, so that a request setting one is a 400 naming it rather than a 200 that ignored it; each
+is accepted only at its neutral value (what clients send by default).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -23,6 +28,7 @@ INT64_MAX = 2**63 - 1
 
 
 Body = TypeVar("Body", bound=BaseModel)
+LOGIT_BIAS_KEY = re.compile("^[0-9]+$")  # a logit_bias key: a token id in decimal
 
 
 def _integral(value: Any) -> Any:
@@ -55,6 +61,39 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
+
+
+_STRUCTURED = "structured outputs (a grammar that constrains the output) are not supported yet; omit it"
+_NO_PROMPT_LOGITS = "needs the prompt's logits, which this server does not compute yet; omit it"
+
+# field -> (neutral value, why it is refused). Both endpoints.
+REFUSED: dict[str, tuple[Any, str]] = {
+    "structured_outputs": (None, _STRUCTURED),
+    "guided_json": (None, _STRUCTURED),
+    "guided_regex": (None, _STRUCTURED),
+    "guided_choice": (None, _STRUCTURED),
+    "guided_grammar": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, _STRUCTURED),
+    "guided_whitespace_pattern": (None, _STRUCTURED),
+    "prompt_logprobs": (None, _NO_PROMPT_LOGITS),
+    "use_beam_search": (False, "beam search is not supported; omit it or pass false"),
+    "length_penalty": (1.0, "is used by beam search only, which is not supported; omit it or pass 1"),
+    "bad_words": (None, "is not supported; omit it"),
+    "allowed_token_ids": (None, "is not supported; omit it"),
+    "logits_processors": (None, "custom logits processors are not supported; omit it"),
+    "skip_special_tokens": (True, "only true is supported (special tokens are never part of the text)"),
+    "spaces_between_special_tokens": (True, "only true is supported; omit it"),
+    "return_tokens_as_token_ids": (False, "is not supported; omit it or pass false"),
+    "priority": (0, "priority scheduling is not supported; omit it or pass 0"),
+}
+
+
+def json_equal(value: Any, neutral: Any) -> bool:
+    """Equal as JSON values: `true` is not `1` (Python's `True == 1` is), `1` is `1.0`."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
 
 
 class SamplingFields(_Body):
@@ -75,15 +114,38 @@ class SamplingFields(_Body):
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None  # accepted and ignored
-    # Not supported; accepted only at their neutral values so that clients sending defaults work.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
+    min_tokens: Int | None = None
+    truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
+    # REFUSED's fields, any JSON value: checked against their neutral value (sampling.check_supported)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_logprobs: Any = None
+    use_beam_search: Any = False
+    length_penalty: Any = 1.0
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    logits_processors: Any = None
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
+    return_tokens_as_token_ids: Any = False
+    priority: Any = 0
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -169,22 +231,52 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema"]
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatPromptFields(_Body):
+    """What renders a conversation to a prompt: chat completions and /tokenize share it."""
+
     messages: list[ChatMessage]
     tools: list[ToolDecl] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    max_tokens: Int | None = None
-    max_completion_tokens: Int | None = None
-    logprobs: bool = False
-    top_logprobs: TopLogprobs | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    response_format: ResponseFormat | None = None
+    reasoning_effort: str | None = None  # OpenAI's name for K3's thinking effort
+    continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
+    add_generation_prompt: bool = True  # vLLM: false with continue_final_message
+    chat_template: Any = None  # refused: this server renders K3's own format only
 
     @property
     def thinking(self) -> bool:
         return True if self.chat_template_kwargs is None else self.chat_template_kwargs.thinking
 
+
+class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
+    logprobs: bool = False
+    top_logprobs: TopLogprobs | None = None
+    response_format: ResponseFormat | None = None
+
     @property
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` is OpenAI's current name; `max_tokens` the deprecated one."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# ---- /tokenize and /detokenize (vLLM's shapes) ----------------------------------------------
+
+
+class TokenizeCompletionRequest(_Body):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True  # K3 adds no special tokens to text: the same ids either way
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatPromptFields):
+    model: str | None = None
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[Int]

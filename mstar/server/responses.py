@@ -21,10 +21,15 @@ def _omitted() -> Any:
     return Field(default=None, exclude_if=_is_none)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from a prefix cache: always 0 (there is none yet)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -84,6 +89,7 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # current vLLM's name for reasoning_content (the same text)
     tool_calls: list[ToolCall] | None = _omitted()
 
 
@@ -135,6 +141,7 @@ class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omitted()
     content: str | None = _omitted()
     reasoning_content: str | None = _omitted()
+    reasoning: str | None = _omitted()
     tool_calls: list[ToolCallDelta] | None = _omitted()
 
 

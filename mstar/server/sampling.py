@@ -15,7 +15,7 @@ from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec
-from mstar.server.protocol import SamplingFields
+from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, SamplingFields, json_equal
 
 
 def new_request_id(prefix: str) -> str:
@@ -32,14 +32,31 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 
 
 def check_supported(req: SamplingFields) -> None:
-    """Parameters this server does not implement are refused unless they are at their neutral value."""
-    neutral = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
-    for name, value in neutral.items():
-        given = getattr(req, name)
-        if given is not None and given != value:
-            raise APIError(f"{name} is not supported; omit it or pass {value}", param=name, code="unsupported")
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported; omit it", param="logit_bias", code="unsupported")
+    """Fields this server does not implement (protocol.REFUSED) are a 400 unless at their neutral value."""
+    for name, (neutral, why) in REFUSED.items():
+        if not json_equal(getattr(req, name), neutral):
+            raise APIError(f"{name} {why}", param=name, code="unsupported")
+
+
+def logit_bias(req: SamplingFields, engine: EngineClient) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as (id, bias) pairs; keys must be token ids of the vocabulary."""
+    pairs = []
+    vocab = engine.tokenizer.vocab_size
+    for key, value in (req.logit_bias or {}).items():
+        if not LOGIT_BIAS_KEY.fullmatch(key):
+            raise APIError(f"logit_bias keys must be token ids (decimal digits), got {key!r}", param="logit_bias")
+        token = int(key)
+        if not 0 <= token < vocab:
+            raise APIError(f"logit_bias names token id {token}, outside the vocabulary 0..{vocab - 1}",
+                           param="logit_bias")
+        pairs.append((token, value))
+    return tuple(pairs)
+
+
+def truncate_prompt(ids: list[int], req: SamplingFields) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens."""
+    n = req.truncate_prompt_tokens
+    return ids if n is None else ids[-n:]
 
 
 def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
@@ -97,11 +114,13 @@ def resolve_max_tokens(
     return requested
 
 
-def base_params(req: SamplingFields, logprobs: int | None, renames: dict[str, str] | None = None) -> SamplingParams:
-    """The request's sampling parameters (max_tokens and seed are set per choice later)."""
+def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
+                renames: dict[str, str] | None = None) -> SamplingParams:
+    """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later)."""
     optional = {
         name: getattr(req, name)
-        for name in ("temperature", "top_p", "top_k", "min_p")
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty")
         if getattr(req, name) is not None
     }
     try:
@@ -113,19 +132,27 @@ def base_params(req: SamplingFields, logprobs: int | None, renames: dict[str, st
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias(req, engine),
         )
     except ParamError as err:
         raise from_param_error(err, renames) from None
 
 
 def choices_for_prompt(
-    request_id: str, first_index: int, prompt_ids: list[int], params: SamplingParams, n: int, max_tokens: int
+    request_id: str, first_index: int, prompt_ids: list[int], params: SamplingParams, n: int, max_tokens: int,
+    min_tokens: int | None = None,
 ) -> list[ChoiceSpec]:
     """n choices of one prompt: engine ids `{request_id}-{index}`, seeds seed + i."""
+    if min_tokens is not None and min_tokens > max_tokens:
+        raise APIError(f"min_tokens={min_tokens} is above max_tokens={max_tokens}", param="min_tokens",
+                       code="invalid_value")
     specs = []
     for i in range(n):
         seed = None if params.seed is None else params.seed + i
         index = first_index + i
-        choice_params = dataclasses.replace(params, max_tokens=max_tokens, seed=seed)
+        try:
+            choice_params = dataclasses.replace(params, max_tokens=max_tokens, seed=seed, min_tokens=min_tokens or 0)
+        except ParamError as err:
+            raise from_param_error(err) from None
         specs.append(ChoiceSpec(index, f"{request_id}-{index}", prompt_ids, choice_params))
     return specs

@@ -22,9 +22,12 @@ import torch
 from mstar.engine.params import SamplingParams
 from mstar.engine.step import StepDecl
 from mstar.engine.transfer import to_device
+from mstar.models.dspark import paged
 from mstar.models.dspark.model import BlockBatch, DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.speculative.draft_graphs import DraftGraphs
+from mstar.speculative.schedule import DraftSchedule
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,10 @@ class DSparkProposer:
         self.kv = PagedLatentKV(cfg.num_hidden_layers, num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
                                 param.dtype, param.device)
         self.heads = heads or VocabHeads.of_target(target)
+        # Blocks attend through the paged MLA kernel over the draft KV (models/dspark/paged.py) where it runs;
+        # elsewhere (CPU, fp32) through the reference's gathered context. Tests may set it.
+        self.paged = paged.kernel_fits(draft, param.device)
+        self.graphs: dict[int, DraftGraphs] = {}  # captured greedy steps by draft count (capture_graphs)
 
     # --- the resource protocol: the draft KV pool follows the target's steps ------------------
     def can_admit(self, decl: StepDecl) -> bool:
@@ -108,22 +115,53 @@ class DSparkProposer:
         seqs = [decl.seqs[b] for b in rows]
         for s in seqs:  # each anchor needs the rows of every position before it committed to the draft KV
             self.draft.check_block(s.token_ids[0], s.num_computed, s.num_drafts, self.kv.lengths.get(s.request_id, 0))
-        context_len = max(s.num_computed for s in seqs)
         device = self.kv.cache.device
         starts = to_device([s.num_computed for s in seqs], torch.long, device)
-        blocks = BlockBatch(
-            anchors=to_device([s.token_ids[0] for s in seqs], torch.long, device),
-            starts=starts,
-            num_drafts=tuple(s.num_drafts for s in seqs),
-            context=PagedContext(self.kv, plan.page_table[to_device(list(rows), torch.long, device)], starts,
-                                 context_len),
-            context_len=context_len,
-        )
+        anchors = to_device([s.token_ids[0] for s in seqs], torch.long, device)
+        num_drafts = tuple(s.num_drafts for s in seqs)
+        table = plan.page_table[to_device(list(rows), torch.long, device)]
         sampling = [
             DraftSampling(p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None, g)
             for p, g in zip(params, generators, strict=True)
         ]
+        if self.paged:
+            row_slots = self._block_row_slots(decl, plan, rows, max(num_drafts))
+            graphs = self.graphs.get(num_drafts[0])
+            if graphs is not None and graphs.can_run(num_drafts, sampling):
+                return graphs.run(anchors, starts, table, row_slots)
+            blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table, row_slots, self.kv.page_size)
+            hidden = paged.paged_blocks_hidden(self.draft, self.kv.cache, blocks, self.heads.embed)
+            return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling)
+        context_len = max(s.num_computed for s in seqs)
+        blocks = BlockBatch(anchors=anchors, starts=starts, num_drafts=num_drafts,
+                            context=PagedContext(self.kv, table, starts, context_len), context_len=context_len)
         return self.draft.propose_blocks(blocks, self.heads.embed, self.heads.lm_head, sampling)
+
+    def capture_graphs(self, schedule: DraftSchedule, buckets: tuple[int, ...], max_seq_len: int) -> None:
+        """Capture the greedy draft step for every batch bucket in `buckets` and draft count the schedule gives a
+        batch that runs in it (speculative/draft_graphs.py), all in one memory pool. Only the paged path can be
+        captured."""
+        if not self.paged:
+            raise RuntimeError("the draft's steps can be captured only on the paged kernel path (a CUDA GPU the MLA "
+                               "kernel supports, a bf16/fp16 draft)")
+        by_drafts: dict[int, set[int]] = {}
+        for n in range(1, max(buckets) + 1):
+            k = schedule.drafts_for(n)
+            if k:
+                by_drafts.setdefault(k, set()).add(next(b for b in buckets if b >= n))
+        pool = torch.cuda.graph_pool_handle()
+        for k, sizes in sorted(by_drafts.items()):
+            self.graphs[k] = DraftGraphs(self.draft, self.heads.embed, self.heads.lm_head, self.kv.cache, drafts=k,
+                                         buckets=tuple(sizes), max_seq_len=max_seq_len)
+            self.graphs[k].capture(pool)
+
+    @staticmethod
+    def _block_row_slots(decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], k_max: int) -> torch.Tensor:
+        """[B, k_max] the draft KV slots of each block's rows (positions p .. p + k - 1: the step's anchor and
+        draft rows, which the step admitted); entries past a block's k are padding (the caller sinks them)."""
+        first = [sum(s.num_tokens for s in decl.seqs[:b]) for b in range(len(decl.seqs))]
+        index = [first[b] + min(j, decl.seqs[b].num_drafts - 1) for b in rows for j in range(k_max)]
+        return plan.slot_mapping[to_device(index, torch.long, plan.slot_mapping.device)].view(len(rows), k_max)
 
     @torch.no_grad()
     def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor,

@@ -65,13 +65,13 @@ def read_spec_counters(url: str) -> SpecCounters:
     out = SpecCounters(drafted_by_position={}, accepted_by_position={})
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "mstar_spec_verify_rows":
+            if sample.name == "mstar_spec_decode_num_drafts_total":
                 out.verify_rows = sample.value
-            elif sample.name == "mstar_spec_accepted_tokens":
+            elif sample.name == "mstar_spec_decode_num_accepted_tokens_total":
                 out.accepted = sample.value
-            elif sample.name == "mstar_spec_drafted_by_position":
+            elif sample.name == "mstar_spec_decode_num_drafts_per_pos_total":
                 out.drafted_by_position[int(sample.labels["position"])] = sample.value
-            elif sample.name == "mstar_spec_accepted_by_position":
+            elif sample.name == "mstar_spec_decode_num_accepted_tokens_per_pos_total":
                 out.accepted_by_position[int(sample.labels["position"])] = sample.value
     return out
 

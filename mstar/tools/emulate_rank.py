@@ -4,24 +4,29 @@
 
 It builds rank 0's model at the rank's real shapes (`rank_module`: heads / tp, each routed expert's
 intermediate width / tp held as MXFP4, the vocabulary-parallel embedding and lm_head) with random
-weights made on the device, replaces the all-reduces by the null communicator (every collective is
-the identity, so no other rank is needed and the numbers are not the model's), fills the paged
+weights made on the device, stands in for the other ranks with a communicator that moves no data (so
+no other rank is needed and the numbers are not the model's) but charges every collective its modeled
+cost as a GPU-side wait inside the step (`distributed/modeled_comm.py`: by default 6 us per message up
+to 64 KiB per rank, plus bytes / 150 GB/s beyond; `--comm-latency-us 0`: free collectives), fills the paged
 latent KV cache and the KDA state pool with random context, and times the serving forward that
 `EngineCore` runs (`ServingModel.forward` with the GPU mixers and MXFP4 expert kernels):
 
 - decode: B sequences of one new row each after `--context` cached tokens, replayed through the
-  decode CUDA graphs (`mstar.engine.cuda_graphs`, captured for `--max-seq-len` tokens as the served
+  decode CUDA graphs (`mstar.runner.cuda_graphs`, captured for `--max-seq-len` tokens as the served
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
 - verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
   CUDA graphs like decode;
 - prefill: one fresh sequence of T tokens, its last row sampled, replayed through the prefill graph of
-  the smallest token bucket >= T (`mstar.engine.prefill_graphs`; a T past the largest bucket, 8,192,
+  the smallest token bucket >= T (`mstar.runner.prefill_graphs`; a T past the largest bucket, 8,192,
   runs eagerly).
 `--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
-the ratio measured / floor. Timings are medians over `--reps` steps (CUDA events on the GPU) after
-`--warmup` untimed ones; repeating a step rewrites the same cache rows and slots, so the context is
-the same every time. A verify step never commits, so no slot carries a pending prefix.
+the ratio measured / floor, with the collectives its run held (count, bytes, modeled time, tallied on
+the device by the replayed graph itself) and the kernels it launched (on CUDA, from the profiler). The
+header says whether the shipped pruned75 config's pools fit an 80 GB H100 beside this rank's weights.
+Timings are medians over `--reps` steps (CUDA events on the GPU) after `--warmup` untimed ones;
+repeating a step rewrites the same cache rows and slots, so the context is the same every time. A
+verify step never commits, so no slot carries a pending prefix.
 
 Weights are never made on the host (one pruned75 rank holds ~64 GiB): the model is built on the meta
 device, moved with `to_empty` and filled in place, every tensor by a rule for the module that owns it
@@ -41,7 +46,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +54,13 @@ import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from mstar.config import NO_ENV, Environment
+from mstar.config import NO_ENV, Environment, SchedulerConfig
 from mstar.distributed.loader import rank_module
+from mstar.distributed.modeled_comm import CollectiveCost, CommTally, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
-from mstar.engine.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
-from mstar.engine.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
+from mstar.models.dspark.config import DSparkConfig, load_dspark_config
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.config import KimiK3Config
 from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
@@ -67,7 +73,19 @@ from mstar.quant.mxfp4 import random_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
+from mstar.runner.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.tools.bench_serve import git_commit
+from mstar.tools.emulate_draft import (
+    DEFAULT_ACCEPTANCE,
+    DraftStep,
+    build_draft,
+    draft_config,
+    draft_floor,
+    draft_kv,
+    implied_speedup,
+    tokens_per_step,
+)
 from mstar.tools.roofline import (
     BF16_FLOPS_PER_S,
     HBM_BYTES_PER_S,
@@ -75,6 +93,7 @@ from mstar.tools.roofline import (
     RankModel,
     _ints,
     decode_floor,
+    latent_sharded,
     prefill_floor,
     rank_model,
     resolve_config,
@@ -82,7 +101,13 @@ from mstar.tools.roofline import (
 )
 
 GIB, GB, MS = 2**30, 1e9, 1e-3
-STEP_KINDS = ("decode", "verify", "prefill")
+H100_BYTES = 80 * GB  # an H100 SXM's HBM
+# CUDA context, NCCL buffers, the allocator's slack: what a served rank holds beyond weights, pools and
+# the step's working memory (an estimate, not measured here: one process on one GPU has no NCCL)
+RUNTIME_RESERVE_BYTES = 3 * GIB
+SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "kimi_k3_pruned75_tp8.yaml"
+STEP_KINDS = ("decode", "verify", "prefill", "draft")
+TARGET_KINDS = ("decode", "verify", "prefill")  # the target's steps; "draft" is the DSpark draft's work on rank 0
 _T0 = time.perf_counter()
 
 
@@ -109,13 +134,15 @@ def first_layers(config: KimiK3Config, num_layers: int | None) -> KimiK3Config:
 class Step:
     """One timed step: `batch` sequences of `rows` new rows each after `context` cached tokens."""
 
-    kind: str  # "decode", "verify" or "prefill"
+    kind: str  # "decode", "verify", "prefill" or "draft" (rows = the drafts k of each block)
     batch: int
     rows: int
     context: int
 
     @property
     def name(self) -> str:
+        if self.kind == "draft":
+            return f"draft k={self.rows}"
         return f"verify k={self.rows - 1}" if self.kind == "verify" else self.kind
 
     @property
@@ -127,6 +154,8 @@ class Step:
             return decode_floor(rank, self.batch, self.context)
         if self.kind == "verify":
             return verify_floor(rank, self.batch, self.rows - 1, self.context)
+        if self.kind == "draft":
+            raise ValueError("a draft step's floor is the draft's (emulate_draft.draft_floor), not the target's")
         return prefill_floor(rank, self.rows, self.batch)
 
 
@@ -138,6 +167,8 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
         steps += [Step("verify", b, k + 1, args.context) for k in args.drafts for b in args.verify_batch]
     if "prefill" in args.steps:
         steps += [Step("prefill", 1, t, 0) for t in args.prefill]
+    if "draft" in args.steps:
+        steps += [Step("draft", b, k, args.context) for k in args.drafts for b in args.verify_batch]
     if not steps:
         raise ValueError("no steps to run: --steps and the batch/draft/prefill lists leave nothing")
     if min(min(s.batch, s.rows) for s in steps) < 1:
@@ -149,10 +180,11 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
 
 
 def build_model(config: KimiK3Config, plan: ShardingPlan, dtype: torch.dtype, device: torch.device,
-                generator: torch.Generator) -> KimiK3ForCausalLM:
+                generator: torch.Generator, comm: ModeledCommunicator | None = None) -> KimiK3ForCausalLM:
     """Rank `plan.rank`'s model with random weights made on `device`, routed experts held as MXFP4
-    (as `load_rank_model` holds them from the real checkpoint)."""
-    model = rank_module(config, plan)  # meta device, NullCommunicator(tp, rank)
+    (as `load_rank_model` holds them from the real checkpoint); collectives through `comm` (None: the
+    null communicator, every collective free)."""
+    model = rank_module(config, plan, comm)  # meta device
     use_mxfp4_linears(model, {name for name in model.state_dict() if is_expert_weight(name)})
     model.to(dtype)  # still on meta: float tensors only, the MXFP4 bytes stay uint8
     model.to_empty(device=device)
@@ -298,6 +330,8 @@ class Result:
     mode: str  # "graph" or "eager"
     floor: Floor
     seconds: float
+    comm: CommTally | None = None  # the collectives of one run (None: free, the null communicator)
+    kernels: int | None = None  # kernels one run launched (CUDA only)
 
     @property
     def ratio(self) -> float:
@@ -308,9 +342,12 @@ class Result:
         return self.step.batch / self.seconds if self.step.kind == "decode" else None
 
     def as_dict(self) -> dict[str, Any]:
+        comm = None if self.comm is None else {"calls": self.comm.calls, "bytes": self.comm.bytes,
+                                               "modeled_s": self.comm.seconds}
         return {"step": self.step.name, "batch": self.step.batch, "rows": self.step.tokens,
                 "context": self.step.context, "mode": self.mode, "measured_s": self.seconds, "ratio": self.ratio,
-                "tokens_per_s": self.tokens_per_s, "floor": self.floor.as_dict()}
+                "tokens_per_s": self.tokens_per_s, "collectives": comm, "kernels": self.kernels,
+                "floor": self.floor.as_dict()}
 
 
 # --- one emulation ------------------------------------------------------------------------------
@@ -328,6 +365,11 @@ class Emulation:
     page_size: int
     expert_kernel_layers: int
     pending_prefix: int = 0  # accepted rows of the previous verify block each verify sequence replays first
+    comm: ModeledCommunicator | None = None  # None: collectives are free (the null communicator)
+    # the DSpark draft and its heads, built at the first draft step (after every target step: target_peak)
+    draft: tuple[K3DSparkModel, nn.Embedding, nn.Linear] | None = None
+    target_peak: int | None = None  # peak device memory of the target's steps alone (CUDA)
+    draft_config: DSparkConfig = field(default_factory=draft_config)  # the Inferact draft's unless told
 
     @property
     def vocab_slice(self) -> int:
@@ -352,11 +394,12 @@ class Emulation:
 
 def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype: torch.dtype,
           device: torch.device, page_size: int, seed: int, pending_prefix: int = 0,
-          moe_bf16_tokens: int = NO_ENV.moe_bf16_tokens) -> Emulation:
+          comm_cost: CollectiveCost | None = None, moe_bf16_tokens: int = NO_ENV.moe_bf16_tokens) -> Emulation:
     generator = torch.Generator(device=device).manual_seed(seed)
     progress(f"building rank {plan.rank} of tp={plan.tp_size} ep={plan.ep_size}: {config.num_hidden_layers} layers, "
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
-    model = build_model(config, plan, dtype, device, generator)
+    comm = ModeledCommunicator(plan.tp_size, plan.rank, comm_cost, device) if comm_cost is not None else None
+    model = build_model(config, plan, dtype, device, generator, comm)
     prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
     # as EngineCore: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
     kernels = install_expert_kernels(model, max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
@@ -364,13 +407,14 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
     progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
-    kv, pool = build_pools(model.config, steps, page_size, dtype, device, generator)  # the rank's heads
+    target_steps = [s for s in steps if s.kind in TARGET_KINDS]
+    kv, pool = build_pools(model.config, target_steps, page_size, dtype, device, generator)  # the rank's heads
     emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
-                          page_size, kernels, pending_prefix)
+                          page_size, kernels, pending_prefix, comm)
     synchronize(device)
     progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
              f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")
-    check_finite(emulation, steps[0].context)
+    check_finite(emulation, target_steps[0].context if target_steps else 1)
     return emulation
 
 
@@ -392,14 +436,17 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
     by_name: dict[str, list[Step]] = {}
     for step in steps:
+        if step.kind == "draft":
+            continue  # the draft runs eagerly, as served
         if step.kind != "prefill" or step.tokens <= MAX_PREFILL_TOKENS:
             by_name.setdefault(step.name, []).append(step)
     graphs: dict[str, StepGraphs] = {}
     for name, group in by_name.items():
         if group[0].kind == "prefill":
             tokens = [s.tokens for s in group]
-            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seq_len=graph_seq_len,
-                                         buckets=used(prefill_buckets(max(tokens)), tokens))
+            # as many sequences as the engine's prefill graphs take (the scheduler's default)
+            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seqs=SchedulerConfig().max_prefill_seqs,
+                                         max_seq_len=graph_seq_len, buckets=used(prefill_buckets(max(tokens)), tokens))
         else:
             rows, batches = group[0].rows, [s.batch for s in group]
             buckets = used(decode_buckets(max(batches)), batches) if rows > 1 else None
@@ -412,13 +459,17 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
 
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
-            graph_seq_len: int | None) -> tuple[list[Result], dict[str, Callable[[], object]]]:
+            graph_seq_len: int | None, acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
+            ) -> tuple[list[Result], dict[str, Callable[[], object]]]:
     """Time every step, through CUDA graphs captured for `graph_seq_len` tokens where one takes it (None:
     all eager); also return, for the profile, the first and last step of each kind as run, by label."""
     serving, device = emulation.serving, emulation.device
     graphs = capture_step_graphs(serving, steps, graph_seq_len) if graph_seq_len is not None else {}
     results, fns = [], {}
     for step in steps:
+        if step.kind == "draft":
+            results.append(measure_draft(emulation, step, reps=reps, warmup=warmup, acceptance=acceptance))
+            continue
         plan = emulation.plan_for(step)
         step_graphs = graphs.get(step.name)
         if step_graphs is not None and step_graphs.can_run(plan):
@@ -430,14 +481,59 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
         progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
         for _ in range(warmup):
             fn()
-        synchronize(device)
+        comm = one_run_collectives(emulation, fn)
+        kernels = count_kernels(fn) if device.type == "cuda" else None
         seconds = median_seconds(fn, reps, device)
-        results.append(Result(step, mode, step.floor(rank), seconds))
-        progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor)")
+        results.append(Result(step, mode, step.floor(rank), seconds, comm, kernels))
+        held = f"; {comm.calls} collectives, {comm.seconds / MS:.3f} ms modeled" if comm is not None else ""
+        progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({results[-1].ratio:.2f}x the floor{held})")
         same_kind = [other for other in steps if other.kind == step.kind]
         if step in (same_kind[0], same_kind[-1]):
             fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({mode})"] = fn
     return results, fns
+
+
+def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int,
+                  acceptance: tuple[float, ...]) -> Result:
+    """The draft's work of one speculative step (emulate_draft.py), eagerly as served: the context rows of the
+    tokens the previous step committed (its expected count, rounded) and B blocks of k drafts."""
+    if emulation.draft is None:
+        if emulation.device.type == "cuda":
+            emulation.target_peak = torch.cuda.max_memory_allocated(emulation.device)
+        progress("building the DSpark draft (Inferact layout) and its whole-vocabulary heads, random weights")
+        dtype = next(emulation.serving.model.parameters()).dtype
+        emulation.draft = build_draft(emulation.draft_config, dtype, emulation.device, emulation.generator)
+    draft, embed, lm_head = emulation.draft
+    committed = round(tokens_per_step(acceptance, step.rows))
+    kv = draft_kv(draft.config, step.batch, step.rows, step.context, emulation.page_size, draft.dtype,
+                  emulation.device, emulation.generator)
+    fn = DraftStep(draft, embed, lm_head, kv, step.batch, step.rows, step.context, committed, emulation.generator)
+    progress(f"{step.name} batch {step.batch} ({fn.mode}): warming up")
+    for _ in range(warmup):
+        fn()
+    kernels = count_kernels(fn) if emulation.device.type == "cuda" else None
+    seconds = median_seconds(fn, reps, emulation.device)
+    result = Result(step, fn.mode, draft_floor(fn, step.name), seconds, None, kernels)
+    progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({result.ratio:.2f}x the draft's floor)")
+    return result
+
+
+def one_run_collectives(emulation: Emulation, fn: Callable[[], object]) -> CommTally | None:
+    """The collectives one run of `fn` holds, as the device tallied them (None: they are free)."""
+    if emulation.comm is None:
+        return None
+    synchronize(emulation.device)
+    emulation.comm.reset()
+    fn()
+    return emulation.comm.tally()
+
+
+def count_kernels(fn: Callable[[], object]) -> int:
+    """How many kernels one run of `fn` launches on the GPU (a graph replay's kernels each count)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
 def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, top: int = 25) -> str:
@@ -477,16 +573,79 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu")
 
 
-def markdown_table(results: list[Result]) -> str:
+def markdown_table(results: list[Result], num_layers: int) -> str:
     lines = ["| step | batch | rows | mode | floor GB | floor GFLOP | floor ms | bound | measured ms | measured/floor "
-             "| tok/s |", "|---|--:|--:|---|--:|--:|--:|---|--:|--:|--:|"]
+             "| collectives | comm MB | comm ms (modeled) | kernels | kernels/layer | tok/s |",
+             "|---|--:|--:|---|--:|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in results:
         f = r.floor
         tok_s = f"{r.tokens_per_s:,.0f}" if r.tokens_per_s is not None else ""
+        comm = (f"{r.comm.calls} | {r.comm.bytes / 1e6:.4g} | {r.comm.seconds / MS:.4g}" if r.comm is not None
+                else "free | | ")
+        kernels = f"{r.kernels:,} | {r.kernels / num_layers:.1f}" if r.kernels is not None else " | "
         lines.append(f"| {r.step.name} | {r.step.batch} | {r.step.tokens} | {r.mode} | {f.bytes / GB:.4g} "
                      f"| {f.flops / 1e9:.4g} | {f.floor_s / MS:.4g} | {f.bound} | {r.seconds / MS:.4g} "
-                     f"| {r.ratio:,.2f} | {tok_s} |")
+                     f"| {r.ratio:,.2f} | {comm} | {kernels} | {tok_s} |")
     return "\n".join(lines)
+
+
+def speculative_rows(results: list[Result], acceptance: tuple[float, ...]) -> list[dict[str, Any]]:
+    """For every (k, batch) with a decode, a verify and a draft step measured: the expected tokens per verify
+    step under `acceptance` and the implied speedup of speculation over plain decode (emulate_draft.py)."""
+    by = {(r.step.kind, r.step.rows if r.step.kind != "verify" else r.step.rows - 1, r.step.batch): r.seconds
+          for r in results}
+    rows = []
+    for (kind, k, batch), t_draft in sorted(by.items()):
+        t_verify, t_decode = by.get(("verify", k, batch)), by.get(("decode", 1, batch))
+        if kind != "draft" or t_verify is None or t_decode is None or k > len(acceptance):
+            continue
+        rows.append({"drafts": k, "batch": batch, "t_decode_s": t_decode, "t_draft_s": t_draft, "t_verify_s": t_verify,
+                     "tokens_per_step": tokens_per_step(acceptance, k),
+                     "speedup": implied_speedup(acceptance, k, t_decode, t_draft, t_verify)})
+    return rows
+
+
+def speculative_table(rows: list[dict[str, Any]], acceptance: tuple[float, ...]) -> str:
+    if not rows:
+        return ""
+    lines = [f"## Speculation at these step times (acceptance profile {', '.join(f'{a:g}' for a in acceptance)})",
+             "", "| k | batch | decode ms | draft ms | verify ms | tokens/step | implied speedup |",
+             "|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        lines.append(f"| {r['drafts']} | {r['batch']} | {r['t_decode_s'] / MS:.3f} | {r['t_draft_s'] / MS:.3f} "
+                     f"| {r['t_verify_s'] / MS:.3f} | {r['tokens_per_step']:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def shipped_pool_bytes(config: KimiK3Config, shipped: Path = SHIPPED_CONFIG) -> int:
+    """Bytes of the pools the shipped pruned75 TP8 config makes on one rank of `config` (the rank's heads)."""
+    import yaml
+
+    resources = yaml.safe_load(shipped.read_text())["resources"]
+    kinds, la = config.layer_kinds, config.linear_attn
+    mla, kda = resources["mla_kv"], resources["kda_state"]
+    kv = PagedLatentKV(kinds.count("mla"), mla["max_num_pages"], mla["page_size"], config.kv_cache_width,
+                       torch.bfloat16, "meta")
+    pool = RecurrentStatePool(kinds.count("kda"), kda["max_slots"], la.num_heads, la.head_dim,
+                              la.short_conv_kernel_size, torch.float32, torch.bfloat16, "meta",
+                              hidden_size=config.hidden_size)
+    return tensor_bytes([kv.cache, pool.state, pool.conv, pool.prefix_x])
+
+
+def h100_fit(weight_bytes: int, pool_bytes: int, peak_bytes: int | None, shipped_pools: int) -> dict[str, Any]:
+    """Whether a served rank (weights, the shipped config's pools, the step's working memory as measured
+    here, a runtime reserve) fits an 80 GB H100."""
+    working = max(0, peak_bytes - weight_bytes - pool_bytes) if peak_bytes is not None else 0
+    need = weight_bytes + shipped_pools + working + RUNTIME_RESERVE_BYTES
+    return {"weights": weight_bytes, "shipped_pools": shipped_pools, "working": working,
+            "reserve": RUNTIME_RESERVE_BYTES, "total": need, "h100_bytes": H100_BYTES, "fits": need <= H100_BYTES}
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 0.8,0.6") from None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -495,8 +654,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="a config.json, a checkpoint directory or a bundled fixture name")
     p.add_argument("--tp", type=int, default=8, help="tensor-parallel ranks (rank 0 is emulated)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
+    p.add_argument("--latent-layout", choices=("sharded", "replicated"), default="sharded",
+                   help="the latent MoE's down/up projections split over the ranks (faster at every batch measured: "
+                        "benchmarks/emulate_rank) or whole on each (sharding.py)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
-    p.add_argument("--steps", default="decode,verify,prefill", help="which of decode,verify,prefill to time")
+    p.add_argument("--steps", default="decode,verify,prefill,draft",
+                   help="which of decode,verify,prefill,draft to time (draft: the DSpark draft's work per verify step)")
+    p.add_argument("--draft-config", type=Path, default=None,
+                   help="the draft's config.json (default: the Inferact Kimi-K3-DSpark layout, bundled)")
     p.add_argument("--context", type=int, default=1024, help="tokens cached per sequence (decode, verify)")
     p.add_argument("--batch", type=_ints, default=[1, 8, 16, 32, 64], help="decode batch sizes")
     p.add_argument("--drafts", type=_ints, default=[4, 7], help="drafts k of the verify steps (k+1 rows each)")
@@ -510,6 +675,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--eager", action="store_true", help="run every step eagerly (no CUDA graphs)")
     p.add_argument("--max-seq-len", type=int, default=32768,
                    help="the graphs' capacity, which fixes the decode MLA split count (the served config's)")
+    p.add_argument("--comm-latency-us", type=float, default=6.0,
+                   help="modeled cost of every collective up to --comm-small-kib per rank (0: collectives are free)")
+    p.add_argument("--comm-small-kib", type=float, default=64.0, help="message size the latency term covers")
+    p.add_argument("--comm-gb-per-s", type=float, default=150.0, help="link rate for the bytes beyond it")
+    p.add_argument("--acceptance", type=_floats, default=DEFAULT_ACCEPTANCE,
+                   help="P(draft i accepted) for i = 1.. (the speculation summary of draft steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pending-prefix", type=int, default=2,
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
@@ -536,40 +707,78 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             raise ValueError(f"--max-seq-len {graph_seq_len} leaves the decode graphs no room for a row after "
                              f"--context {args.context}")
         config = first_layers(resolve_config(args.config), args.layers)
-        plan = ShardingPlan(args.tp, 0, args.ep)
+        plan = ShardingPlan(args.tp, 0, args.ep, latent_sharded(args.latent_layout, config))
         steps = steps_to_run(args)
         rank = rank_model(config, plan, dtype)
+        comm_cost = None if args.comm_latency_us == 0 else CollectiveCost(
+            args.comm_latency_us * 1e-6, round(args.comm_small_kib * 1024), args.comm_gb_per_s * 1e9)
     except ValueError as e:
         raise SystemExit(f"mstar-emulate-rank: {e}") from None
     emulation = build(config, plan, steps, dtype=dtype, device=device, page_size=args.page_size, seed=args.seed,
-                      pending_prefix=args.pending_prefix, moe_bf16_tokens=Environment.read().moe_bf16_tokens)
+                      pending_prefix=args.pending_prefix, comm_cost=comm_cost,
+                      moe_bf16_tokens=Environment.read().moe_bf16_tokens)
+    if args.draft_config is not None:
+        emulation.draft_config = load_dspark_config(args.draft_config)
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
-                                graph_seq_len=graph_seq_len)
+                                graph_seq_len=graph_seq_len, acceptance=args.acceptance)
+    speculative = speculative_rows(results, args.acceptance)
     profile_md = profile_steps(profiled, device) if args.profile else ""
 
     header = {
-        "config": args.config, "tp": args.tp, "ep": args.ep, "rank": 0, "layers": config.num_hidden_layers,
+        "config": args.config, "tp": args.tp, "ep": args.ep, "latent_layout": args.latent_layout, "rank": 0,
+        "layers": config.num_hidden_layers,
         "context": args.context, "pending_prefix": args.pending_prefix, "page_size": args.page_size,
         "dtype": args.dtype, "device": device_name(device),
         "graph_max_seq_len": graph_seq_len, "torch": torch.__version__, "commit": git_commit(), "reps": args.reps,
         "warmup": args.warmup,
         "weight_bytes": emulation.weight_bytes(), "pool_bytes": emulation.pool_bytes(),
         "expert_kernel_layers": emulation.expert_kernel_layers,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        # the target's steps alone (before the draft, if any, was built)
+        "peak_memory_bytes": (emulation.target_peak or torch.cuda.max_memory_allocated(device))
+        if device.type == "cuda" else None,
+        "peak_memory_with_draft_bytes": torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda" and emulation.draft is not None else None,
         "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
+        "collective_cost": None if comm_cost is None else {"latency_s": comm_cost.latency_s,
+                                                            "small_bytes": comm_cost.small_bytes,
+                                                            "bytes_per_s": comm_cost.bytes_per_s},
     }
-    title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}, "
+    header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
+                                  shipped_pool_bytes(emulation.serving.model.config))
+    layout = f", latent MoE projections {args.latent_layout}"
+    title = (f"# mstar-emulate-rank: {args.config}, rank 0 of tp={args.tp} ep={args.ep}{layout}, "
              f"{config.num_hidden_layers} layers\n\n"
              f"{header['device']}, torch {header['torch']}, commit {header['commit']}; {args.dtype}, context "
              f"{args.context} ({args.pending_prefix} pending rows per verify sequence), page size {args.page_size}; "
              f"median of {args.reps} steps; CUDA graphs "
              f"{f'captured for {graph_seq_len} tokens' if graph_seq_len else 'off'}. Weights "
-             f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; all-reduces "
-             f"are the identity (null communicator). Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
-             f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.")
+             f"{header['weight_bytes'] / GIB:.2f} GiB, pools {header['pool_bytes'] / GIB:.2f} GiB; "
+             f"{comm_note(comm_cost)} Floors: mstar-roofline at {HBM_BYTES_PER_S / 1e12:.1f} TB/s "
+             f"and {BF16_FLOPS_PER_S / 1e12:.0f} TFLOP/s.\n\n{fit_note(header)}")
     # the table last, so that it ends what the tool prints
-    markdown = "\n\n".join(part for part in (title, profile_md, markdown_table(results)) if part) + "\n"
-    return header | {"rows": [r.as_dict() for r in results]}, markdown
+    table = markdown_table(results, config.num_hidden_layers)
+    spec_md = speculative_table(speculative, args.acceptance)
+    markdown = "\n\n".join(part for part in (title, profile_md, spec_md, table) if part) + "\n"
+    return header | {"rows": [r.as_dict() for r in results], "acceptance": list(args.acceptance),
+                     "speculative": speculative}, markdown
+
+
+def comm_note(cost: CollectiveCost | None) -> str:
+    if cost is None:
+        return "collectives are free (null communicator, --comm-latency-us 0)."
+    return (f"every collective waits its modeled cost on the GPU ({cost.latency_s * 1e6:g} us up to "
+            f"{cost.small_bytes / 1024:g} KiB per rank, then {cost.bytes_per_s / 1e9:g} GB/s).")
+
+
+def fit_note(header: dict[str, Any]) -> str:
+    fit = header["h100_fit"]
+    peak = header["peak_memory_bytes"]
+    return (f"Memory: peak {peak / GIB:.2f} GiB here" if peak is not None else "Memory:") + (
+        f". A served rank with the shipped pools ({SHIPPED_CONFIG.name}: {fit['shipped_pools'] / GIB:.2f} GiB) "
+        f"needs weights {fit['weights'] / GIB:.2f} + pools {fit['shipped_pools'] / GIB:.2f} + working memory "
+        f"{fit['working'] / GIB:.2f} (measured here) + {fit['reserve'] / GIB:.0f} GiB reserve = "
+        f"{fit['total'] / GIB:.2f} GiB: {'fits' if fit['fits'] else 'does NOT fit'} an 80 GB H100 "
+        f"({fit['h100_bytes'] / GIB:.1f} GiB).")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -221,6 +221,12 @@ def resolve_config(name: str) -> KimiK3Config:
     return parse_config(json.loads(fixture.read_text()))
 
 
+def latent_sharded(layout: str, config: KimiK3Config) -> bool:
+    """--latent-layout as a ShardingPlan flag: "sharded" splits the projections of a latent MoE (a model
+    without one, Kimi-Linear, has none to split)."""
+    return layout == "sharded" and config.routed_expert_hidden_size is not None
+
+
 def _ints(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x]
@@ -252,6 +258,9 @@ def main(argv: list[str] | None = None) -> None:
                                        "(e.g. kimi_k3_pruned75_config.json)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel groups")
+    parser.add_argument("--latent-layout", choices=("sharded", "replicated"), default="sharded",
+                   help="the latent MoE's down/up projections split over the ranks (faster at every batch measured: "
+                        "benchmarks/emulate_rank) or whole on each (sharding.py)")
     parser.add_argument("--rank", type=int, default=0, help="the rank to count (ranks differ only under EP)")
     parser.add_argument("--context", type=int, default=4096, help="tokens cached per request (decode, verify)")
     parser.add_argument("--batch", type=_ints, default=[1, 8, 16, 32, 64], help="decode batch sizes")
@@ -262,7 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     args = parser.parse_args(argv)
     try:
-        rank = rank_model(resolve_config(args.config), ShardingPlan(args.tp, args.rank, args.ep))
+        config = resolve_config(args.config)
+        rank = rank_model(config, ShardingPlan(args.tp, args.rank, args.ep, latent_sharded(args.latent_layout, config)))
         rows = floors(rank, args)
     except ValueError as e:
         raise SystemExit(f"mstar-roofline: {e}") from None

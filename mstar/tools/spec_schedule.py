@@ -1,5 +1,9 @@
 """`mstar-spec-schedule DIR`: pick `speculative_schedule` from serving sweeps at several draft counts.
 
+(`mstar-spec-schedule --emulation FILE` picks it from an `mstar-emulate-rank` report instead: the step
+times of decode, verify and draft steps at one rank's real dimensions and the report's acceptance
+profile give each (batch, k) an implied rate, batch x tokens per step / step time; see below.)
+
 DIR holds `k<K>.json` files written by `mstar-bench-serve --name k<K>` against the same server config
 with `model_kwargs.speculative_tokens=K` (k0 = no speculation). For every concurrency the draft count
 with the highest output tok/s wins; runs of concurrencies with the same winner become one bucket
@@ -27,6 +31,23 @@ def load_sweeps(directory: Path) -> dict[int, dict[int, dict]]:
     if 0 not in sweeps or len(sweeps) < 2:
         raise SystemExit(f"{directory}: need k0.json (no speculation) and at least one k<K>.json; "
                          f"found {sorted(sweeps)}")
+    return sweeps
+
+
+def sweeps_from_emulation(path: Path) -> dict[int, dict[int, dict]]:
+    """{K: {batch: level record}} of implied rates from an mstar-emulate-rank JSON report's speculative rows:
+    batch / t_decode for K = 0, batch x tokens per step / (t_draft + t_verify) for each measured K."""
+    rows = json.loads(path.read_text()).get("speculative") or []
+    if not rows:
+        raise SystemExit(f"{path}: no speculative rows; run mstar-emulate-rank with decode, verify and draft steps "
+                         "at the same batch sizes (--steps decode,verify,draft)")
+    sweeps: dict[int, dict[int, dict]] = {0: {}}
+    for r in rows:
+        b = r["batch"]
+        sweeps[0][b] = {"concurrency": b, "output_tok_s": b / r["t_decode_s"]}
+        sweeps.setdefault(r["drafts"], {})[b] = {
+            "concurrency": b, "output_tok_s": b * r["tokens_per_step"] / (r["t_draft_s"] + r["t_verify_s"]),
+            "mean_accepted_length": r["tokens_per_step"]}
     return sweeps
 
 
@@ -90,16 +111,23 @@ def plot(sweeps: dict[int, dict[int, dict]], path: Path, title: str) -> bool:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mstar-spec-schedule", description=__doc__.split("\n\n")[0])
-    p.add_argument("directory", type=Path)
+    p.add_argument("directory", type=Path, nargs="?", help="the sweeps' folder (k0.json, k<K>.json)")
+    p.add_argument("--emulation", type=Path, default=None,
+                   help="an mstar-emulate-rank JSON report: implied rates per batch (C) instead of served sweeps")
     p.add_argument("--title", default="", help="plot and table title (model, machine)")
     args = p.parse_args(argv)
-    sweeps = load_sweeps(args.directory)
+    if (args.directory is None) == (args.emulation is None):
+        p.error("give either the sweeps' DIR or --emulation FILE")
+    sweeps = sweeps_from_emulation(args.emulation) if args.emulation else load_sweeps(args.directory)
+    out = args.emulation.parent if args.emulation else args.directory
+    name = args.title or out.name
     best = best_drafts(sweeps)
     buckets = schedule_buckets(best)
-    text = f"## {args.title or args.directory.name}: output tok/s by draft count\n\n" + report(sweeps, best, buckets)
-    (args.directory / "schedule.md").write_text(text)
-    if plot(sweeps, args.directory / "schedule.png", args.title or args.directory.name):
-        print(f"wrote {args.directory / 'schedule.png'}", file=sys.stderr)
+    what = "implied output tok/s (emulated steps)" if args.emulation else "output tok/s"
+    text = f"## {name}: {what} by draft count\n\n" + report(sweeps, best, buckets)
+    (out / "schedule.md").write_text(text)
+    if plot(sweeps, out / "schedule.png", name):
+        print(f"wrote {out / 'schedule.png'}", file=sys.stderr)
     print(text)
 
 

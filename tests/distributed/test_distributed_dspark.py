@@ -21,10 +21,10 @@ from test_distributed_sharding import _Healthy, _Recorder
 from mstar.config import EngineConfig
 from mstar.distributed.loader import load_vocab_heads
 from mstar.distributed.worker import (
-    LeaderServing,
+    LeaderExecutor,
     Timeouts,
     apply_step,
-    follower_serving,
+    follower_runner,
     follower_speculative,
     pool_geometry,
     start_ranks,
@@ -105,8 +105,8 @@ def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draf
     references = {f"r{i}": prompt + ref for i, (prompt, _, ref) in enumerate(workload)}
     core.spec = OracleSpeculation(core.spec, references, error_rate=0.25)
     channel = _Recorder()
-    core.serving = LeaderServing(core.serving, _Healthy(), channel)
-    follower = follower_serving(tiny_model, SMALL_ENGINE, tokenizer, follower_speculative(SpeculativeModels(draft)))
+    core.executor = LeaderExecutor(core.executor, core.pool, _Healthy(), channel)
+    follower = follower_runner(tiny_model, SMALL_ENGINE, follower_speculative(SpeculativeModels(draft)))
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     assert follower.pool.prefix_x.shape[2] == 3 + 1
 
@@ -189,7 +189,8 @@ def test_mstar_serve_tp2_dspark_greedy_over_http(tiny_dirs, tiny_model):
         choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
         assert choice["token_ids"] == greedy_generate(tiny_model, prompt, 16)
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        drafted = next(line for line in metrics.splitlines() if line.startswith("mstar_spec_draft_tokens "))
+        name = "mstar_spec_decode_num_draft_tokens_total{"
+        drafted = next(line for line in metrics.splitlines() if line.startswith(name))
         assert float(drafted.split()[1]) > 0, "the server did not speculate"
     finally:
         proc.terminate()

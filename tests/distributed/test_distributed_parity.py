@@ -1,5 +1,6 @@
-"""TP2, EP2 and a TP x EP hybrid (4 ranks: 2 expert groups of 2) serve the same greedy tokens as the
-single-rank reference: real gloo processes, rank 0 in this process driving the engine, followers spawned."""
+"""TP2, EP2 and a TP x EP hybrid (4 ranks: 2 expert groups of 2), each also with the latent MoE's
+projections sharded, serve the same greedy tokens as the single-rank reference: real gloo processes,
+rank 0 in this process driving the engine, followers spawned."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ def workload(tiny_model):
     return random_jobs(tiny_model, (15, 31, 47, 6, 60), max_tokens=(4, 10))
 
 
-@pytest.mark.parametrize("tp, ep", [(2, 1), (2, 2), (4, 2)], ids=["tp2", "ep2", "tp4-ep2-hybrid"])
-def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep):
+@pytest.mark.parametrize("tp, ep, latent_sharded", [(2, 1, False), (2, 2, False), (4, 2, False), (2, 1, True),
+                                                    (4, 2, True)],
+                         ids=["tp2", "ep2", "tp4-ep2-hybrid", "tp2-latent-sharded", "tp4-ep2-latent-sharded"])
+def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep, latent_sharded):
     # A small KV pool and token budget: chunked prefill, mixed steps and preemption all happen.
     engine = EngineConfig(max_seq_len=112, resources={"mla_kv": {"page_size": 16, "max_num_pages": 8},
                                                       "kda_state": {"max_slots": 9}},
                           scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 48})
     core, ranks = start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=tp, ep_size=ep,
-                              timeouts=TIMEOUTS)
+                              timeouts=TIMEOUTS, latent_sharded=latent_sharded)
     try:
         for i, (prompt, max_tokens, _) in enumerate(workload):
             core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))

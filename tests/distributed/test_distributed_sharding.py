@@ -15,7 +15,7 @@ from mstar.distributed.control import GEOMETRY, STEP, StepMessage, plan_on
 from mstar.distributed.expert_sharding import INVALID_ID, ExpertSharding
 from mstar.distributed.loader import rank_module
 from mstar.distributed.sharding import ShardingPlan
-from mstar.distributed.worker import LeaderServing, apply_step, follow, follower_serving, pool_geometry
+from mstar.distributed.worker import LeaderExecutor, apply_step, follow, follower_runner, pool_geometry
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.config import load_config, parse_config
@@ -189,8 +189,8 @@ def test_follower_mirrors_rank0_state_through_step_messages(tiny_model, tiny_dir
     tokenizer = KimiTokenizer.from_dir(tiny_dir)
     core = EngineCore(tiny_model, tokenizer, engine)
     channel = _Recorder()
-    core.serving = LeaderServing(core.serving, _Healthy(), channel)
-    follower = follower_serving(tiny_model, engine, tokenizer)
+    core.executor = LeaderExecutor(core.executor, core.pool, _Healthy(), channel)
+    follower = follower_runner(tiny_model, engine)
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     rng = random.Random()
     for i, n in enumerate([3, 30, 70, 9, 50, 1]):
@@ -224,13 +224,13 @@ def test_follower_refuses_a_step_out_of_order_or_foreign_pools(tiny_model, tiny_
     engine = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 16, "max_num_pages": 8},
                                                      "kda_state": {"max_slots": 3}},
                           scheduler={"max_num_seqs": 2})
-    serving = follower_serving(tiny_model, engine, KimiTokenizer.from_dir(tiny_dir))
-    geometry = pool_geometry(serving.kv, serving.pool)
+    runner = follower_runner(tiny_model, engine)
+    geometry = pool_geometry(runner.kv, runner.pool)
     wrong = copy.deepcopy(geometry)
     wrong["kda_state"] = ((1, 2, 3), "torch.float32")
     with pytest.raises(RuntimeError, match="differ from rank 0"):
-        follow(_Script([StepMessage(GEOMETRY, geometry=wrong)]), serving, torch.device("cpu"))
+        follow(_Script([StepMessage(GEOMETRY, geometry=wrong)]), runner, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="out of lockstep"):
-        follow(_Script([StepMessage(GEOMETRY, geometry=geometry), StepMessage(STEP, step_id=1)]), serving,
+        follow(_Script([StepMessage(GEOMETRY, geometry=geometry), StepMessage(STEP, step_id=1)]), runner,
                torch.device("cpu"))
 

@@ -198,7 +198,7 @@ def test_speculative_logprobs_are_those_of_the_emitted_tokens(tiny_model, tokeni
 @pytest.mark.parametrize("overlap", [False, True])
 def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer, overlap):
     engine = make_engine(tiny_model, tokenizer, overlap=overlap)
-    forward = engine.serving.forward
+    forward = engine.runner.forward
 
     def poisoned(plan, tap_layers=()):
         logits, taps = forward(plan, tap_layers)
@@ -211,7 +211,7 @@ def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer, overlap
             logits[plan.slot_ids.index(engine.pool.slots["bad"])] = float("nan")
         return logits, taps
 
-    engine.serving.forward = poisoned
+    engine.runner.forward = poisoned
     jobs = [("good", [1, 2, 3], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)),
             ("bad", [4, 5, 6], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))]
     outs = summary(drive(engine, jobs, arrivals_per_step=2))
@@ -229,7 +229,7 @@ def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer, overlap
 def record_events(engine):
     """Log each forward ("forward", its input ids) and each token the engine appends ("append", token)."""
     events = []
-    forward, append = engine.serving.forward, engine._append
+    forward, append = engine.runner.forward, engine._append
 
     def recording_forward(plan, tap_layers=()):
         events.append(("forward", plan.input_ids.tolist()))
@@ -239,7 +239,7 @@ def record_events(engine):
         events.extend(("append", t) for t in tokens)
         return append(request, tokens, logprobs)
 
-    engine.serving.forward = recording_forward
+    engine.runner.forward = recording_forward
     engine._append = recording_append
     return events
 

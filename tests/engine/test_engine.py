@@ -178,7 +178,7 @@ def test_pool_too_small_for_max_seq_len_is_a_config_error(tiny_model, tokenizer)
 
 def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer):
     engine = make_engine(tiny_model, tokenizer)
-    forward = engine.serving.forward
+    forward = engine.runner.forward
 
     def poisoned(plan, tap_layers=()):
         logits, taps = forward(plan, tap_layers)
@@ -187,7 +187,7 @@ def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer):
             logits[:, 7] = float("nan")  # every sampled row; only "bad" is still running by then
         return logits, taps
 
-    engine.serving.forward = poisoned
+    engine.runner.forward = poisoned
     engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     engine.add_request("bad", [4, 5, 6], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     outs = {}

@@ -173,7 +173,7 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
                        model_kwargs={"speculative_tokens": 3})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dirs[0]), cfg, SpeculativeModels(draft))
-    core.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
+    core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
     for i, (prompt, max_tokens, _) in enumerate(jobs):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     got = {}

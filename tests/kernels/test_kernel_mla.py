@@ -206,6 +206,39 @@ def test_prefill_tiny(num_splits, block_m, block_n):
         assert rel_err(out[sl], ref[sl]) <= 3 * tolerance(dtype), f"sequence {b}"
 
 
+def noncausal_case(q_lens, lens, heads, page_size, dtype, device):
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    table, num_pages = make_pages(lens, page_size, device=device)
+    cache = torch.randn(num_pages, page_size, WIDTH, device=device).to(dtype)
+    q = torch.randn(int(cu[-1]), heads, WIDTH, device=device).to(dtype)
+    return q, cache, table, cu, torch.tensor(lens, dtype=torch.int32, device=device)
+
+
+@tiny
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_noncausal_blocks_see_every_row(num_splits):
+    """causal=False (DSpark draft blocks): every query of a sequence sees all its rows, whatever its place,
+    also when the block holds more query rows than its sequence has rows (padding slots)."""
+    device, dtype = tiny_device(), torch.float16
+    q_lens, lens = [4, 4, 7], [23, 3, 40]
+    q, cache, table, cu, ctx = noncausal_case(q_lens, lens, 2, 16, dtype, device)
+    out = poisoned((q.shape[0], 2, LATENT), dtype, device)
+    mla.paged_mla_prefill(q, cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
+                          num_splits=num_splits, min_split_tokens=16, causal=False)
+    up = torch.float64
+    ref = mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu, ctx, SCALE, causal=False)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) <= tolerance(dtype)
+    first = slice(0, q_lens[0])  # a sequence that a causal block fits too: the two differ, the flag is no no-op
+    causal = mla.paged_mla_prefill_reference(q[first].to(up), cache.to(up), table[:1], cu[:2], ctx[:1], SCALE)
+    assert rel_err(causal, ref[first]) > 0.05
+    # each query row equals a decode of the whole sequence (one query at the last row)
+    for b, (first, n) in enumerate(zip(cu[:-1].tolist(), q_lens, strict=True)):
+        whole = mla.paged_mla_decode_reference(q[first : first + n].to(up), cache.to(up), table[b].repeat(n, 1),
+                                               ctx[b].repeat(n), SCALE)
+        assert rel_err(ref[first : first + n], whole) < 1e-12
+
+
 @tiny
 def test_prefill_rows_equal_decode_rows():
     """The last query of a verify block sees what a decode of the same sequence sees."""
@@ -308,6 +341,20 @@ def test_gpu_prefill(heads, num_splits, case):
         sl = slice(int(cu[b]), int(cu[b + 1]))
         assert rel_err(out[sl], ref[sl]) <= 1.5e-2, f"sequence {b} (q_len {q_lens[b]}, context {lens[b]})"
     assert rel_err(out[:rows], ref[:rows]) <= 1e-2
+
+
+@gpu
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_gpu_noncausal_draft_blocks(num_splits):
+    """The DSpark draft's shape: 64 heads, 16 blocks of 8 rows, contexts up to 8192, bf16."""
+    lens = torch.randint(8, 8193, (16,)).tolist()
+    q, cache, table, cu, ctx = noncausal_case([8] * 16, lens, 64, 64, torch.bfloat16, "cuda")
+    out = poisoned((q.shape[0], 64, LATENT), torch.bfloat16, "cuda")
+    mla.paged_mla_prefill(q, cache, table, cu.cuda(), ctx, SCALE, out, max_query_len=8, num_splits=num_splits,
+                          causal=False)
+    torch.cuda.synchronize()
+    ref = mla.paged_mla_prefill_reference(q.float(), cache.float(), table, cu, ctx, SCALE, causal=False)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= 1e-2
 
 
 @gpu

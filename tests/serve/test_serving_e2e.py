@@ -196,8 +196,8 @@ def test_dspark_config_serves_greedy_identical_to_reference(tiny_dirs, tiny_mode
                               max_tied=1)
         assert engine.core.spec.num_drafted > 0
         metrics = httpx.get(live.url + "/metrics").text
-        assert "mstar_spec_mean_accepted_length" in metrics
-        assert 'mstar_spec_position_acceptance_rate{position="1"}' in metrics
+        assert 'mstar_spec_decode_num_accepted_tokens_total{model_name="kimi_k3_tiny"}' in metrics
+        assert 'mstar_spec_decode_num_drafts_per_pos_total{model_name="kimi_k3_tiny",position="1"}' in metrics
         assert wait_until(lambda: pools_empty(engine))
     finally:
         live.stop()

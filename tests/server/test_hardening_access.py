@@ -47,7 +47,7 @@ def completion(**fields) -> dict:
 
 
 def refused(metrics_text: str, reason: str) -> float:
-    name = f'mstar_request_refused_total{{reason="{reason}"}}'
+    name = f'mstar_request_refused_total{{model_name="{MODEL}",reason="{reason}"}}'
     line = next(x for x in metrics_text.splitlines() if x.startswith(name))
     return float(line.rsplit(" ", 1)[1])
 

@@ -73,11 +73,20 @@ BAD_REQUESTS = [
     (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream", "boolean"),
     (COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": 1}}, "stream_options.include_usage", "bool"),
     (COMPLETIONS, {"prompt": "hi", "model": "gpt-4"}, "model", "does not exist"),
-    (COMPLETIONS, {"prompt": "hi", "echo": True}, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "echo": True, "logprobs": 1}, "echo", "prompt's logprobs"),
     (COMPLETIONS, {"prompt": "hi", "suffix": "x"}, "suffix", "not supported"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of", "not supported"),
-    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "not supported"),
-    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 5}}, "logit_bias", "not supported"),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty", "must be in [-2.0, 2.0]"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"x": 5}}, "logit_bias", "must be token ids"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"99999999": 5}}, "logit_bias", "outside the vocabulary"),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"1": 101}}, "logit_bias", "[-100.0, 100.0]"),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, "min_tokens", "above max_tokens"),
+    (COMPLETIONS, {"prompt": "hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "greater than"),
+    (COMPLETIONS, {"prompt": "hi", "prompt_logprobs": 1}, "prompt_logprobs", "prompt's logits"),
+    (COMPLETIONS, {"prompt": "hi", "guided_regex": "a+"}, "guided_regex", "structured outputs"),
+    (COMPLETIONS, {"prompt": "hi", "structured_outputs": {"choice": ["a"]}}, "structured_outputs",
+     "structured outputs"),
+    (COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, "use_beam_search", "beam search"),
     (CHAT, {}, "messages", "required"),
     (CHAT, {"messages": []}, "messages", "at least one"),
     (CHAT, {"messages": "hi"}, "messages", "valid array"),
@@ -106,11 +115,26 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name",
      "at least 1"),
     (CHAT, {"messages": HI, "tool_choice": "always"}, "tool_choice", "tool_choice takes"),
-    (CHAT, {"messages": HI, "tool_choice": "required"}, "tool_choice", "needs at least one tool"),
+    (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice", "structured outputs"),
     (CHAT, {"messages": HI, "tools": [{"type": "function", "function": {"name": "f"}}],
-            "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "not declared"),
+            "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice", "structured outputs"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, "response_format", "structured outputs"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+     "response_format", "structured outputs"),
+    (CHAT, {"messages": HI, "guided_json": {"type": "object"}}, "guided_json", "structured outputs"),
+    (CHAT, {"messages": HI, "guided_choice": ["a", "b"]}, "guided_choice", "structured outputs"),
+    (CHAT, {"messages": HI, "guided_grammar": "root ::= 'a'"}, "guided_grammar", "structured outputs"),
+    (CHAT, {"messages": HI, "chat_template": "{{ messages }}"}, "chat_template", "K3's own chat format"),
+    (CHAT, {"messages": HI, "reasoning_effort": "extreme"}, "reasoning_effort", "not supported"),
+    (CHAT, {"messages": HI, "reasoning_effort": "low", "chat_template_kwargs": {"thinking_effort": "high"}},
+     "reasoning_effort", "disagree"),
+    (CHAT, {"messages": HI, "continue_final_message": True, "add_generation_prompt": False},
+     "continue_final_message", "assistant's"),
+    (CHAT, {"messages": [*HI, {"role": "assistant", "content": "x"}], "continue_final_message": True},
+     "add_generation_prompt", "set add_generation_prompt to false"),
     (CHAT, {"messages": HI, "stop_token_ids": [-3]}, "stop_token_ids", "outside the vocabulary"),
-    (CHAT, {"messages": HI, "frequency_penalty": 1.0}, "frequency_penalty", "not supported"),
+    (CHAT, {"messages": HI, "repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
 ]
 
 
@@ -138,7 +162,8 @@ def test_bad_request_is_400(client, engine, endpoint, body, param, phrase, strea
 
 def test_neutral_unsupported_values_are_accepted(client):
     body = {"prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-            "best_of": 1, "echo": False, "user": "u", "some_future_field": [1, 2]}
+            "best_of": 1, "echo": False, "user": "u", "some_future_field": [1, 2], "guided_json": None,
+            "use_beam_search": False, "skip_special_tokens": True, "prompt_logprobs": None}
     assert client.post(COMPLETIONS, json=body).status_code == 200
 
 
@@ -158,7 +183,7 @@ def test_invalid_requests_are_counted(client):
 
 def _invalid_count(client) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith('mstar_request_failure_total{reason="invalid_request"}'):
+        if line.startswith(f'mstar_request_failure_total{{model_name="{MODEL}",reason="invalid_request"}}'):
             return float(line.split()[-1])
     raise AssertionError("no invalid_request counter")
 

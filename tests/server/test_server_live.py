@@ -15,6 +15,7 @@ from live_server import LiveServer, wait_until
 from mstar.server import build_app
 
 MODEL = "kimi-k3-live"
+CANCELLED = f'mstar_request_failure_total{{model_name="{MODEL}",reason="cancelled"}}'
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
 
 
@@ -145,7 +146,7 @@ def test_streaming_disconnect_aborts(server, engine, endpoint, n):
         body["prompt"] = "[[slow]] tell me everything"
     else:
         body["messages"] = [{"role": "user", "content": "[[slow]] tell me everything"}]
-    cancelled = _metric(server, 'mstar_request_failure_total{reason="cancelled"}')
+    cancelled = _metric(server, CANCELLED)
     with httpx.Client(base_url=server.url, timeout=10) as http, http.stream("POST", endpoint, json=body) as response:
         assert response.status_code == 200
         events = 0
@@ -158,7 +159,7 @@ def test_streaming_disconnect_aborts(server, engine, endpoint, n):
     ids = {f"{request_id}-{i}" for i in range(n)}
     assert wait_until(lambda: not engine.active & ids), "the engine requests were not aborted"
     assert ids <= set(engine.aborted)
-    assert wait_until(lambda: _metric(server, 'mstar_request_failure_total{reason="cancelled"}') == cancelled + n)
+    assert wait_until(lambda: _metric(server, CANCELLED) == cancelled + n)
 
 
 def test_openai_stream_closed_early_aborts(client, engine):

@@ -6,6 +6,7 @@ import pytest
 from fake_engine import FakeEngine, shared_tokenizer
 from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from mstar.engine.client import EngineStats
 from mstar.server import ServerMetrics, build_app
@@ -27,6 +28,16 @@ METRIC_NAMES = [
     "mstar_time_to_first_token_seconds_bucket",
     "mstar_inter_token_latency_seconds_bucket",
     "mstar_e2e_request_latency_seconds_bucket",
+    "mstar_request_queue_time_seconds_bucket",
+    "mstar_request_prefill_time_seconds_bucket",
+    "mstar_request_decode_time_seconds_bucket",
+    "mstar_request_inference_time_seconds_bucket",
+    "mstar_request_prompt_tokens_bucket",
+    "mstar_request_generation_tokens_bucket",
+    "mstar_num_preemptions_total",
+    "mstar_spec_decode_num_drafts_total",
+    "mstar_spec_decode_num_draft_tokens_total",
+    "mstar_spec_decode_num_accepted_tokens_total",
 ]
 
 
@@ -42,13 +53,19 @@ def client(engine):
 
 
 def metrics(client) -> dict[str, float]:
+    """Every sample, parsed by prometheus_client, as `name{labels}` without the model_name label (which
+    every sample must carry, with the served name)."""
     response = client.get("/metrics")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     values = {}
-    for line in response.text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            values[name] = float(value)
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == MODEL, sample
+            shown = ",".join(f'{k}="{v}"' for k, v in labels.items() if k != "le")
+            if "le" in sample.labels:
+                shown = ",".join(filter(None, [shown, f'le="{sample.labels["le"]}"']))
+            values[sample.name + (f"{{{shown}}}" if shown else "")] = sample.value
     return values
 
 
@@ -99,22 +116,33 @@ def test_metrics_count_requests_and_latencies(client):
     assert generated > 10
     assert grew("mstar_inter_token_latency_seconds_count") == generated - 3  # every token after each first
     assert grew("mstar_prompt_tokens_total") > 2 * prompt_tokens
+    assert grew("mstar_request_prompt_tokens_count") == 3 and grew("mstar_request_generation_tokens_sum") == generated
 
 
 def test_many_apps_have_their_own_registries(engine):
     apps = [build_app(engine, served_model_name=f"m{i}") for i in range(3)]
-    shared = ServerMetrics(CollectorRegistry())
+    shared = ServerMetrics("m", CollectorRegistry())
     apps.append(build_app(engine, served_model_name="m", metrics=shared))
     with TestClient(apps[-1]) as client:
         client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
     assert shared.generation_tokens._value.get() == 2
 
 
-def test_engine_stats_become_gauges():
-    metrics = ServerMetrics()
-    metrics.update_engine_stats(EngineStats(running=3, waiting=2, kv_pages_used=10, kv_pages_total=40,
-                                            kda_slots_used=1, kda_slots_total=4))
+def test_engine_stats_become_gauges_and_counters():
+    metrics = ServerMetrics("m")
+    stats = dict(running=3, waiting=2, kv_pages_used=10, kv_pages_total=40, kda_slots_used=1, kda_slots_total=4,
+                 spec_verify_rows=5, spec_draft_tokens=12, spec_accepted_tokens=7, spec_drafted_by_position=(5, 4),
+                 spec_accepted_by_position=(4, 3), num_preemptions=2)
+    metrics.update_engine_stats(EngineStats(**stats))
+    metrics.update_engine_stats(EngineStats(**{**stats, "spec_verify_rows": 6, "num_preemptions": 3}))
     text = metrics.render().decode()
-    for line in ("mstar_requests_running 3.0", "mstar_requests_waiting 2.0", "mstar_kv_pages_usage_ratio 0.25",
-                 "mstar_kda_slots_usage_ratio 0.25"):
-        assert line in text
+    for line in ('mstar_requests_running{model_name="m"} 3.0', 'mstar_requests_waiting{model_name="m"} 2.0',
+                 'mstar_kv_pages_usage_ratio{model_name="m"} 0.25', 'mstar_kda_slots_usage_ratio{model_name="m"} 0.25',
+                 # cumulative engine counts are counters that grow by what the engine's totals grew by
+                 'mstar_spec_decode_num_drafts_total{model_name="m"} 6.0',
+                 'mstar_spec_decode_num_draft_tokens_total{model_name="m"} 12.0',
+                 'mstar_num_preemptions_total{model_name="m"} 3.0',
+                 'mstar_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 3.0'):
+        assert line in text, line
+    kinds = {family.name: family.type for family in text_string_to_metric_families(text)}
+    assert kinds["mstar_spec_decode_num_drafts"] == kinds["mstar_num_preemptions"] == "counter"

@@ -106,8 +106,9 @@ def verify_step(batch) -> tuple[StepDecl, dict]:
     return StepDecl(tuple(seqs)), requests
 
 
-def batched_and_alone(draft, target, batch):
+def batched_and_alone(draft, target, batch, paged=False):
     proposer = filled_proposer(draft, target, {r: n for r, (n, _, _, _) in batch.items()})
+    proposer.paged = paged  # the GPU path (paged MLA kernel over the draft KV), here under Triton's interpreter
     decl, requests = verify_step(batch)
     proposer.admit(decl)
     speculation = Speculation(proposer, DraftSchedule.from_config(7))
@@ -117,9 +118,10 @@ def batched_and_alone(draft, target, batch):
     return decl, drafts, want
 
 
+@pytest.mark.parametrize("paged", [False, True], ids=["gathered-context", "paged-kernel"])
 @pytest.mark.parametrize("mix", list(BATCHES))
-def test_batched_proposals_equal_proposals_alone(draft, tiny_model, mix):
-    decl, drafts, want = batched_and_alone(draft, tiny_model, BATCHES[mix])
+def test_batched_proposals_equal_proposals_alone(draft, tiny_model, mix, paged):
+    decl, drafts, want = batched_and_alone(draft, tiny_model, BATCHES[mix], paged)
     assert set(drafts) == set(want) == {0, 1, 3, 4, 5}  # row 2 is the prefill row
     for b, proposal in drafts.items():
         assert proposal.tokens.shape == (decl.seqs[b].num_drafts,)
@@ -154,14 +156,18 @@ def test_batched_proposals_check_their_arguments(draft, tiny_model):
         draft.markov_sample(torch.randn(2, 3, draft.config.vocab_size), torch.tensor([1, 2]), temperature=1.0)
 
 
-def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir):
+@pytest.mark.parametrize("paged", [False, True], ids=["gathered-context", "paged-kernel"])
+def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir, paged):
     """In a real speculative run (staggered prompts, the schedule changing k as the batch grows), each step's
-    batched drafts equal every request's drafts alone, its generator replayed from the same state."""
+    batched drafts equal every request's drafts alone, its generator replayed from the same state; with the
+    paged kernel too, whose block rows are written into the draft KV and later overwritten by the committed
+    rows."""
     cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": PAGE_SIZE, "max_num_pages": 200},
                                                    "kda_state": {"max_slots": 6}},
                        scheduler={"max_num_seqs": 5, "max_num_batched_tokens": 64},
                        model_kwargs={"speculative_tokens": 5, "speculative_schedule": {2: 5, 4: 3, 5: 0}})
     engine = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg, SpeculativeModels(draft))
+    engine.spec.proposer.paged = paged
     real_propose = engine.spec.propose
     checked = []
 

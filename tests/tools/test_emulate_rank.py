@@ -17,6 +17,7 @@ from mstar.models.kimi_k3.kda import GatedHeadNorm
 from mstar.models.kimi_k3.norm import RMSNorm
 from mstar.models.kimi_k3.weights import is_expert_weight, packed_names, packed_shapes
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
+from mstar.tools.emulate_draft import DEFAULT_ACCEPTANCE, implied_speedup, tokens_per_step
 from mstar.tools.emulate_rank import (
     Step,
     batch_plan,
@@ -165,13 +166,24 @@ def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, c
     main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
           "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "1,2",
           "--drafts", "2", "--verify-batch", "1", "--prefill", "16", "--reps", "1", "--warmup", "1", "--profile",
-          "--out", str(tmp_path)])
+          "--steps", "decode,verify,prefill", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "emulate_rank.json").read_text())
     assert (report["tp"], report["layers"], report["context"]) == (TP, LAYERS, 40)
     assert [(r["step"], r["batch"], r["rows"]) for r in report["rows"]] == [
         ("decode", 1, 1), ("decode", 2, 2), ("verify k=2", 1, 3), ("prefill", 1, 16)]
+    assert report["collective_cost"] == {"latency_s": 6e-6, "small_bytes": 64 * 1024, "bytes_per_s": 150e9}
+    fit = report["h100_fit"]  # the shipped config's pools at the tiny rank's shapes: far inside an H100
+    assert fit["fits"] and fit["total"] == fit["weights"] + fit["shipped_pools"] + fit["working"] + fit["reserve"]
+    assert report["latent_layout"] == "sharded"  # the default: faster at every batch measured
+    config = first_layers(parse_config(tiny_k3_raw_config()), LAYERS)
+    moe_layers = sum(config.is_moe_layer(i) for i in range(LAYERS))
+    # a mixer and an MLP/MoE all-reduce per layer, the embedding's all-reduce and the lm_head's gather, and the
+    # sharded latent layout's all-gather of z and second all-reduce per MoE layer
+    calls = 2 * LAYERS + 2 + 2 * moe_layers
     for r in report["rows"]:
         assert r["mode"] == "eager"
+        assert r["collectives"]["calls"] == calls and r["collectives"]["modeled_s"] >= 6e-6 * calls
+        assert r["kernels"] is None  # counted on CUDA only
         assert r["floor"]["floor_s"] > 0 and r["floor"]["bytes"] > 0 and r["floor"]["flops"] > 0
         assert r["measured_s"] > 0 and r["ratio"] == pytest.approx(r["measured_s"] / r["floor"]["floor_s"])
         assert (r["tokens_per_s"] is not None) == (r["step"] == "decode")
@@ -182,3 +194,34 @@ def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, c
         assert f"### {label} (eager): " in markdown, label
     printed = capsys.readouterr().out
     assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 1 | 16 |")
+
+
+def test_tokens_per_step_follows_the_acceptance_profile():
+    assert tokens_per_step(DEFAULT_ACCEPTANCE, 5) == pytest.approx(3.86)  # the mean accepted length reported
+    assert tokens_per_step(DEFAULT_ACCEPTANCE, 1) == pytest.approx(1.82)
+    with pytest.raises(ValueError, match="k=8"):
+        tokens_per_step(DEFAULT_ACCEPTANCE, 8)
+    with pytest.raises(ValueError, match="never increase"):
+        tokens_per_step((0.5, 0.7), 2)
+    assert implied_speedup((0.5, 0.25), 2, t_decode=1.0, t_draft=0.25, t_verify=1.0) == pytest.approx(1.75 / 1.25)
+
+
+def test_draft_steps_and_the_speculation_summary(tiny_config_path, tiny_dirs, tmp_path, capsys):
+    main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
+          "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "1,2",
+          "--steps", "decode,verify,draft", "--drafts", "2", "--verify-batch", "1,2", "--reps", "1", "--warmup", "1",
+          "--draft-config", str(tiny_dirs[1] / "config.json"), "--acceptance", "0.8,0.5", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "emulate_rank.json").read_text())
+    drafts = [r for r in report["rows"] if r["step"] == "draft k=2"]
+    assert [r["batch"] for r in drafts] == [1, 2]
+    for r in drafts:
+        assert r["collectives"] is None  # the draft runs on rank 0 alone
+        assert r["floor"]["bytes"] > 0 and r["floor"]["flops"] > 0 and r["measured_s"] > 0
+    times = {(r["step"], r["batch"]): r["measured_s"] for r in report["rows"]}
+    assert [(s["drafts"], s["batch"]) for s in report["speculative"]] == [(2, 1), (2, 2)]
+    for s in report["speculative"]:
+        b = s["batch"]
+        assert s["tokens_per_step"] == pytest.approx(2.3)
+        assert s["speedup"] == pytest.approx(2.3 * times[("decode", b)] / (times[("draft k=2", b)]
+                                                                          + times[("verify k=2", b)]))
+    assert "## Speculation at these step times" in capsys.readouterr().out

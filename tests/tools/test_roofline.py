@@ -108,6 +108,18 @@ def test_only_the_active_experts_count(tiny_dir, ep):
     assert extra == pytest.approx(tokens * per_token / 2)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_latent_layout_reads_a_slice_of_the_latent_projections(tiny_dir, tp):
+    """The latent_sharded layout's decode floor reads (tp - 1) / tp fewer bytes of routed_expert_down/up_proj
+    (2 x hidden x latent per MoE layer, bf16) and nothing else changes."""
+    config = load_config(tiny_dir)
+    whole, sharded = (decode_floor(rank_model(config, ShardingPlan(tp, 0, 1, latent)), 1, 10)
+                      for latent in (False, True))
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    projections = moe_layers * 2 * config.hidden_size * config.routed_expert_hidden_size * 2
+    assert whole.bytes - sharded.bytes == pytest.approx(projections * (tp - 1) / tp)
+
+
 def test_attention_grows_quadratically_in_prefill_and_linearly_in_context(tiny_dir):
     rank = rank_model(load_config(tiny_dir), ShardingPlan(1))
     t = 1000

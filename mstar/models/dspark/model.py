@@ -473,18 +473,23 @@ class K3DSparkModel(nn.Module):
     def blocks_hidden(self, blocks: BlockBatch, embed: Embed) -> Tensor:
         """Final-normed hidden states h [B, k_max, D] of B blocks in one forward. Slots at or past a block's
         num_drafts are padding: they run, but no real slot sees them, and the caller drops them."""
+        k_max = max(blocks.num_drafts)
+        positions = blocks.starts[:, None] + torch.arange(k_max, device=blocks.starts.device)
+        return self.block_forward(self.block_inputs(blocks.anchors, k_max, embed), positions, blocks.context,
+                                  blocks.visibility())
+
+    def block_inputs(self, anchors: Tensor, k_max: int, embed: Embed) -> Tensor:
+        """The embedded inputs [B, k_max, D] of B blocks [anchor, mask x (k_max - 1)]."""
         cfg = self.config
-        n, k_max = len(blocks.num_drafts), max(blocks.num_drafts)
-        slots = torch.arange(k_max, device=blocks.anchors.device)
-        ids = torch.where(slots == 0, blocks.anchors[:, None], cfg.mask_token_id)
-        x = embed(ids.flatten())
+        n = anchors.shape[0]
+        slots = torch.arange(k_max, device=anchors.device)
+        x = embed(torch.where(slots == 0, anchors[:, None], cfg.mask_token_id).flatten())
         if x.shape != (n * k_max, cfg.hidden_size) or x.dtype != self.dtype:
             raise ValueError(
                 f"embed returned {tuple(x.shape)} {x.dtype}; expected [{n * k_max}, {cfg.hidden_size}] {self.dtype} "
                 "(pass the target's embed_tokens in the draft's dtype)"
             )
-        positions = blocks.starts[:, None] + slots
-        return self.block_forward(x.view(n, k_max, -1), positions, blocks.context, blocks.visibility())
+        return x.view(n, k_max, -1)
 
     def block_forward(
         self, x: Tensor, positions: Tensor, context_rows: Sequence[Tensor], visible: Tensor | None = None
@@ -528,17 +533,27 @@ class K3DSparkModel(nn.Module):
     ) -> list[DraftProposal]:
         """Draft every block of `blocks` (block b drawn as sampling[b] says, see `propose`) with one forward and
         one lm_head GEMM for all of them; each proposal equals the one its block would get alone."""
-        n, k_max = len(blocks.num_drafts), max(blocks.num_drafts)
-        if len(sampling) != n:
-            raise ValueError(f"propose_blocks got {len(sampling)} sampling settings for {n} blocks")
-        hidden = self.blocks_hidden(blocks, embed)
+        if len(sampling) != len(blocks.num_drafts):
+            raise ValueError(f"propose_blocks got {len(sampling)} sampling settings for {len(blocks.num_drafts)} "
+                             "blocks")
+        return self.propose_from_hidden(self.blocks_hidden(blocks, embed), blocks.anchors, blocks.num_drafts,
+                                        lm_head, sampling)
+
+    @torch.no_grad()
+    def propose_from_hidden(
+        self, hidden: Tensor, anchors: Tensor, num_drafts: Sequence[int], lm_head: LMHead,
+        sampling: Sequence[DraftSampling],
+    ) -> list[DraftProposal]:
+        """The blocks' proposals from their final-normed hidden states [B, k_max, D] (`blocks_hidden`, or the
+        paged GPU path of models/dspark/paged.py): one lm_head GEMM, then the Markov stage."""
+        n, k_max = len(num_drafts), max(num_drafts)
         base_logits = lm_head(hidden.flatten(0, 1))  # padding slots ride along: the GEMM's cost is the weight
         vocab = self.config.draft_vocab_size
         if base_logits.shape != (n * k_max, vocab):
             raise ValueError(f"lm_head returned {tuple(base_logits.shape)}; expected [{n * k_max}, {vocab}]")
         base_logits = base_logits.view(n, k_max, vocab)
-        tokens, drawn = self.markov_blocks(base_logits, blocks, sampling)
-        prev_tokens = torch.cat([blocks.anchors[:, None], tokens[:, :-1]], dim=1)
+        tokens, drawn = self.markov_blocks(base_logits, anchors, num_drafts, sampling)
+        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
         confidence = self.confidence(hidden, prev_tokens)
         return [
             DraftProposal(
@@ -550,11 +565,11 @@ class K3DSparkModel(nn.Module):
                 confidence=None if confidence is None else confidence[b, :k],
                 greedy=s.temperature == 0,
             )
-            for b, (k, s, (logits, probs)) in enumerate(zip(blocks.num_drafts, sampling, drawn, strict=True))
+            for b, (k, s, (logits, probs)) in enumerate(zip(num_drafts, sampling, drawn, strict=True))
         ]
 
     def markov_blocks(
-        self, base_logits: Tensor, blocks: BlockBatch, sampling: Sequence[DraftSampling]
+        self, base_logits: Tensor, anchors: Tensor, num_drafts: Sequence[int], sampling: Sequence[DraftSampling]
     ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
         """The Markov stage of B blocks: (tokens [B, k_max], per block (logits [k, V], q [k, V])).
 
@@ -563,16 +578,16 @@ class K3DSparkModel(nn.Module):
         alone, so its generator makes exactly the calls it made when that block was drafted by itself."""
         greedy = [s.temperature == 0 for s in sampling]
         if any(greedy):
-            tokens, logits, probs = self.markov_sample(base_logits, blocks.anchors)
+            tokens, logits, probs = self.markov_sample(base_logits, anchors)
         else:
-            tokens = blocks.anchors.new_zeros(base_logits.shape[:2])
+            tokens = anchors.new_zeros(base_logits.shape[:2])
         drawn = []
-        for b, (k, s) in enumerate(zip(blocks.num_drafts, sampling, strict=True)):
+        for b, (k, s) in enumerate(zip(num_drafts, sampling, strict=True)):
             if greedy[b]:
                 drawn.append((logits[b, :k], probs[b, :k]))
                 continue
             block_tokens, block_logits, block_probs = self.markov_sample(
-                base_logits[b, :k], blocks.anchors[b], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                base_logits[b, :k], anchors[b], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                 generator=s.generator,
             )
             tokens[b, :k] = block_tokens

@@ -34,6 +34,9 @@ Prompt order:
  4. `tool_choice` "required"/"none" and `response_format` notes (system messages with a `type`).
  5. generation prompt: `<|open|>message role="assistant"<|sep|>` + `<|open|>think<|sep|>` (thinking on,
     the default) or `<|open|>response<|sep|>` (thinking off). No `[BOS]` anywhere.
+    With `continue_final_message` the last message (an assistant's) is rendered here instead, left
+    open: with thinking on and no content, inside its think channel (the reasoning continues);
+    otherwise inside its response channel after a closed think channel.
 
 Example (thinking off, one user message "Hi"):
 
@@ -289,11 +292,19 @@ def build_chat_segments(
     tool_choice: Any = None,
     response_format: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
 ) -> list[Segment]:
     """Render a conversation to segments (see the module docstring for the format).
 
     `thinking_effort` defaults to "max" as in HF's `apply_chat_template`; None omits the note.
     """
+    continued = None
+    if continue_final_message:
+        if not messages or messages[-1].get("role") != "assistant" or messages[-1].get("tool_calls"):
+            raise ValueError("continue_final_message needs the last message to be an assistant's, without tool_calls")
+        if add_generation_prompt:
+            raise ValueError("continue_final_message continues the last message: set add_generation_prompt to false")
+        messages, continued = messages[:-1], messages[-1]
     if thinking and thinking_effort is not None and thinking_effort not in THINKING_EFFORTS:
         raise ValueError(f"thinking_effort={thinking_effort!r} is not supported; use one of {THINKING_EFFORTS}")
     segments: list[Segment] = []
@@ -341,7 +352,25 @@ def build_chat_segments(
         segments += _system_note("response-format", note)
     if add_generation_prompt:
         segments += generation_prompt(thinking)
+    if continued is not None:
+        segments += _open_tag("message", [("role", "assistant")]) + _continued_body(continued, thinking)
     return segments
+
+
+def continues_in_think(message: dict[str, Any], thinking: bool) -> bool:
+    """Whether a continued assistant message is left open inside its think channel."""
+    return thinking and not message.get("content")
+
+
+def _continued_body(message: dict[str, Any], thinking: bool) -> list[Segment]:
+    segments: list[Segment] = []
+    if thinking:
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        segments += _open_tag("think") + (_text(reasoning) if reasoning else [])
+        if continues_in_think(message, thinking):
+            return segments
+        segments += _close_tag("think")
+    return segments + _open_tag("response") + _content_segments(message.get("content"), "assistant")
 
 
 def _response_schema(response_format: dict[str, Any]) -> Any:

@@ -91,6 +91,10 @@ class KimiK3Config:
     quantization: QuantizationConfig | None
     weight_prefix: str  # "language_model." under the multimodal wrapper, "" for a bare text model
     torch_dtype: str
+    # Not in config.json: set by ShardingPlan.rank_config when the layout shards the latent MoE's
+    # projections, the number of ranks that split routed_expert_down_proj's outputs and up_proj's inputs
+    # (1: each rank holds both whole).
+    latent_shards: int = 1
 
     # --- derived geometry -------------------------------------------------------------------
     @property
@@ -159,6 +163,10 @@ class KimiK3Config:
             raise ConfigError(f"moe_layer_freq={self.moe_layer_freq} must be >= 1")
         if self.attn_res_block_size is not None and self.attn_res_block_size < 1:
             raise ConfigError(f"attn_res_block_size={self.attn_res_block_size} must be >= 1")
+        if self.latent_shards < 1 or (self.latent_shards > 1 and (
+                self.routed_expert_hidden_size is None or self.routed_expert_hidden_size % self.latent_shards)):
+            raise ConfigError(f"latent_shards={self.latent_shards} must be 1, or divide routed_expert_hidden_size="
+                              f"{self.routed_expert_hidden_size} (a latent MoE)")
         if self.quantization is not None and self.quantization.format not in (
             "mxfp4-pack-quantized",
             "pack-quantized",

@@ -15,6 +15,13 @@ holds, and the shared experts' slice of the intermediate dim. Both give partial 
 all-reduce of [routed latent | shared] before `routed_expert_norm`, which needs the whole latent
 vector; the norm and the up-projection then run on complete values (mstar/distributed/sharding.py).
 
+With `latent_shards` > 1 (the sharded-latent layout, `ShardingPlan(latent_sharded=True)`) each rank holds
+a slice of both latent projections instead: down_proj's output columns (z's slice, gathered whole
+because every expert reads all of z) and up_proj's matching input columns (row parallel). Three
+collectives then replace the one: all-gather z, all-reduce the routed latent (the norm needs it
+whole), all-reduce [up_proj's partial + the shared experts' partial]. What it buys: a rank reads
+1/tp of 2 x hidden x latent weights per MoE layer (sharding.py says how much).
+
 Each expert projection is an nn.Linear, or an `MXFP4Linear` where the checkpoint holds it as MXFP4
 (weights.py). `expert_kernel`, when set (gpu_ops.install_expert_kernels), computes the routed sum
 instead of the per-expert torch loop, over the same held experts.
@@ -112,8 +119,9 @@ class LatentMoE(nn.Module):
         d, latent = config.hidden_size, config.moe_input_size
         self.gate = Router(config)
         if config.routed_expert_hidden_size is not None:
-            self.routed_expert_down_proj = nn.Linear(d, latent, bias=False)
-            self.routed_expert_up_proj = nn.Linear(latent, d, bias=False)
+            held = latent // config.latent_shards  # this rank's slice of the latent columns
+            self.routed_expert_down_proj = nn.Linear(d, held, bias=False)
+            self.routed_expert_up_proj = nn.Linear(held, d, bias=False)
             if config.latent_moe_use_norm:
                 self.routed_expert_norm = RMSNorm(latent, config.rms_norm_eps)
         if self.sharding is None:
@@ -162,6 +170,8 @@ class LatentMoE(nn.Module):
         return r, shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.latent_shards > 1:
+            return self.forward_sharded_latent(x)
         routing = self.gate(x)
         latent = self.config.routed_expert_hidden_size is not None
         z = self.routed_expert_down_proj(x) if latent else x
@@ -174,3 +184,20 @@ class LatentMoE(nn.Module):
         if shared is not None:
             r = r + shared
         return r
+
+    def forward_sharded_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The same function with the latent projections split over the ranks (module doc)."""
+        comm, cfg = self.comm, self.config
+        if comm.world_size != cfg.latent_shards:
+            raise ValueError(f"latent_shards={cfg.latent_shards} needs a communicator over as many ranks, "
+                             f"got world_size={comm.world_size}")
+        routing = self.gate(x)
+        z = comm.all_gather(self.routed_expert_down_proj(x))  # [T, latent], every rank's slice in rank order
+        r = comm.all_reduce(self.routed(z, routing))
+        if cfg.latent_moe_use_norm:
+            r = self.routed_expert_norm(r)
+        held = r.shape[-1] // cfg.latent_shards
+        y = self.routed_expert_up_proj(r[:, comm.rank * held : (comm.rank + 1) * held])
+        if cfg.num_shared_experts:
+            y = y + self.shared_experts(x)
+        return comm.all_reduce(y)

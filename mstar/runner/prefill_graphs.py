@@ -4,27 +4,26 @@ Eagerly, one TP8 rank of K3 takes 705 ms to prefill 1,024 tokens against a FLOP 
 host cannot launch its kernels fast enough, and fla's `chunk_kda` alone spends about 1.8 ms of host
 time per call (69 KDA layers). Captured, `chunk_kda(use_graph=True)` replays in 132 µs at 1,024 tokens.
 
-A prefill step here is up to MAX_PREFILL_SEQS sequences of any lengths (prompt chunks, a chunked
-prompt's continuation over its cached pages, single rows of running requests in a mixed step), none a
-verify block and none with a pending KDA prefix, T tokens in all. It replays the graph of the smallest
-bucket >= T (`prefill_buckets`). What it reads is staged into the fixed buffers of `StepGraphs`
-(cuda_graphs.py) and a `kda_fla.PrefillLayout`: its row offsets, padded to a fixed count, and each
-row's sequence, both made on the device from the offsets. The rows past T are one padding sequence on
-the sinks, which attends to no cached row (context 0: its rows come out zero, at no cost), and the
-sequences after it are empty. The logits are computed for MAX_PREFILL_SEQS rows: the step's sampled
-rows (the last row of each sequence that samples), then row 0 as padding.
+A prefill step here is up to `max_seqs` sequences (the scheduler's `max_prefill_seqs`) of any lengths
+(prompt chunks, a chunked prompt's continuation over its cached pages, single rows of running requests
+in a mixed step), none a verify block and none with a pending KDA prefix, T tokens in all. It replays
+the graph of the smallest bucket >= T (`prefill_buckets`). What it reads is staged into the fixed
+buffers of `StepGraphs` (cuda_graphs.py) and a `kda_fla.PrefillLayout`: its row offsets, padded to a
+fixed count, and each row's sequence, both made on the device from the offsets. The rows past T are
+one padding sequence on the sinks, which attends to no cached row (context 0: its rows come out zero,
+at no cost), and the sequences after it are empty. The logits are computed for `max_seqs` rows: the
+step's sampled rows (the last row of each sequence that samples), then row 0 as padding.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mstar.engine.cuda_graphs import StepGraphs
 from mstar.engine.transfer import to_device
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.runner.cuda_graphs import StepGraphs
 
-MAX_PREFILL_SEQS = 8  # sequences of a captured prefill step (the scheduler's max_prefill_seqs by default)
 MAX_PREFILL_TOKENS = 8192  # the largest bucket: larger steps run eagerly, their launches amortized over the rows
 SMALLEST_PREFILL_BUCKET = 256
 
@@ -51,28 +50,31 @@ class PrefillGraphs(StepGraphs):
     unit = "tokens"
     pad_context = 0  # the padding sequence and the empty ones attend to nothing
 
-    def __init__(self, serving: ServingModel, *, max_tokens: int, max_seq_len: int, tap_layers: tuple[int, ...] = (),
-                 buckets: tuple[int, ...] | None = None):
+    def __init__(self, serving: ServingModel, *, max_tokens: int, max_seqs: int, max_seq_len: int,
+                 tap_layers: tuple[int, ...] = (), buckets: tuple[int, ...] | None = None):
+        if max_seqs < 1:
+            raise ValueError(f"max_seqs={max_seqs}: a prefill step holds at least one sequence")
+        self.max_seqs = max_seqs  # before the buckets' shapes are asked for
         super().__init__(serving, buckets if buckets is not None else prefill_buckets(max_tokens),
                          max_seq_len=max_seq_len, tap_layers=tap_layers)
         # one layout for all buckets (each uses its first rows), its slots the staged kda_slots
         self.layout = kda_fla.PrefillLayout.allocate(self.buckets[-1], self.kda_slots)
 
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
-        # the step's sequences, the padding one, the empty ones: MAX_PREFILL_SEQS + 1 in the kernels
-        return MAX_PREFILL_SEQS + 1, bucket, MAX_PREFILL_SEQS
+        # the step's sequences, the padding one, the empty ones: max_seqs + 1 in the kernels
+        return self.max_seqs + 1, bucket, self.max_seqs
 
     def size_of(self, plan: BatchPlan) -> int:
         return plan.input_ids.shape[0]
 
     def can_run(self, plan: BatchPlan) -> bool:
-        """At most MAX_PREFILL_SEQS sequences sampling a row each at most, within the largest bucket, no
+        """At most `max_seqs` sequences sampling a row each at most, within the largest bucket, no
         verify block, no pending KDA prefix (its replay would need a layout of its own), and an ordinary
         plan (not one of the staged ones)."""
         batch = len(plan.seq_starts) - 1
-        if not 1 <= batch <= MAX_PREFILL_SEQS or self.bucket_for(self.size_of(plan)) is None:
+        if not 1 <= batch <= self.max_seqs or self.bucket_for(self.size_of(plan)) is None:
             return False
-        if plan.sample_rows.shape[0] > MAX_PREFILL_SEQS or plan.kv.page_table.shape[1] > self.page_table.shape[1]:
+        if plan.sample_rows.shape[0] > self.max_seqs or plan.kv.page_table.shape[1] > self.page_table.shape[1]:
             return False
         if any(plan.verify) or plan.kda_layout is not None or plan.max_query_len is not None:
             return False

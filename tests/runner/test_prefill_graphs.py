@@ -1,4 +1,4 @@
-"""Prefill CUDA graphs (mstar/engine/prefill_graphs.py), the parts that run anywhere: the buckets, which
+"""Prefill CUDA graphs (mstar/runner/prefill_graphs.py), the parts that run anywhere: the buckets, which
 plans a prefill graph takes, the staging into its fixed buffers (padding on the sinks), and the staged
 step itself run eagerly through the GPU mixers (their Triton kernels in the interpreter) against the
 torch path: one step, and the engine serving prompts through `run`. Capture and replay are
@@ -14,18 +14,19 @@ from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
-from mstar.engine.cuda_graphs import SINK, GraphedServing
 from mstar.engine.params import SamplingParams
-from mstar.engine.prefill_graphs import MAX_PREFILL_SEQS, MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import SINK
+from mstar.runner.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 
 PAGE, PAGES_PER_SEQ, SLOTS = 8, 8, 10  # max_seq_len 64
 BUCKETS = (16, 32, 64)
+MAX_SEQS = 8  # sequences of a captured prefill step (the scheduler's max_prefill_seqs)
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the GPU mixers' kernels through Triton's interpreter")
 
@@ -49,7 +50,7 @@ def test_buckets_are_powers_of_two_up_to_the_step_budget():
 
 def pools(cfg):
     la = cfg.linear_attn
-    kv = PagedLatentKV(cfg.layer_kinds.count("mla"), 1 + MAX_PREFILL_SEQS * PAGES_PER_SEQ, PAGE, cfg.kv_cache_width,
+    kv = PagedLatentKV(cfg.layer_kinds.count("mla"), 1 + MAX_SEQS * PAGES_PER_SEQ, PAGE, cfg.kv_cache_width,
                        torch.float32)
     pool = RecurrentStatePool(cfg.layer_kinds.count("kda"), SLOTS, la.num_heads, la.head_dim,
                               la.short_conv_kernel_size, torch.float32, torch.float32, hidden_size=cfg.hidden_size,
@@ -82,8 +83,8 @@ def prefill_plan(cfg, lengths, cached, slots, sample=None):
 def prefill_graphs(model, tap_layers=()):
     kv, pool = pools(model.config)
     serving = ServingModel(model, kv, pool, GpuMixerOps())
-    return PrefillGraphs(serving, max_tokens=BUCKETS[-1], max_seq_len=PAGE * PAGES_PER_SEQ, tap_layers=tap_layers,
-                         buckets=BUCKETS)
+    return PrefillGraphs(serving, max_tokens=BUCKETS[-1], max_seqs=MAX_SEQS, max_seq_len=PAGE * PAGES_PER_SEQ,
+                         tap_layers=tap_layers, buckets=BUCKETS)
 
 
 def test_a_model_the_graphs_cannot_capture_is_refused_naming_the_step_kind(tiny_model):
@@ -102,7 +103,7 @@ def test_which_plans_a_prefill_graph_takes(tiny_model):
     assert not graphs.can_run(prefill_plan(cfg, [1] * 9, [3] * 9, tuple(range(1, 10))))  # too many sequences
     assert not graphs.can_run(prefill_plan(cfg, [60, 5], [0, 0], (1, 2)))  # too many tokens
     assert not graphs.can_run(replace(ragged, verify=(False, True, False)))
-    assert not graphs.can_run(replace(ragged, sample_rows=torch.arange(MAX_PREFILL_SEQS + 1)))
+    assert not graphs.can_run(replace(ragged, sample_rows=torch.arange(MAX_SEQS + 1)))
     wide = LatentKVPlan(torch.ones(3, PAGES_PER_SEQ + 1, dtype=torch.long), ragged.kv.slot_mapping,
                         ragged.kv.context_lens)
     assert not graphs.can_run(replace(ragged, kv=wide))  # contexts past max_seq_len
@@ -123,8 +124,8 @@ def test_staging_pads_the_bucket_with_sinks(tiny_model):
     assert graphs.stage(plan) == 32
     staged = graphs.bucket_plan(32)
     assert staged.input_ids.shape == (32,) and staged.max_query_len == 32
-    assert staged.kv.page_table.shape == (MAX_PREFILL_SEQS + 1, PAGES_PER_SEQ)
-    assert staged.sample_rows.tolist() == [4, 18] + [0] * (MAX_PREFILL_SEQS - 2)
+    assert staged.kv.page_table.shape == (MAX_SEQS + 1, PAGES_PER_SEQ)
+    assert staged.sample_rows.tolist() == [4, 18] + [0] * (MAX_SEQS - 2)
     assert torch.equal(staged.input_ids, torch.cat([plan.input_ids, torch.zeros(13, dtype=torch.long)]))
     assert staged.kv.slot_mapping.tolist() == plan.kv.slot_mapping.tolist() + [SINK] * 13
     assert torch.equal(staged.kv.page_table[:3], plan.kv.page_table)
@@ -235,13 +236,14 @@ def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model,
                                                                     "kda_state": {"max_slots": 5}},
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
-    core.serving.ops = GpuMixerOps()
-    graphs = PrefillGraphs(core.serving, max_tokens=32, max_seq_len=cfg.max_seq_len, buckets=(16, 32))
+    core.runner.serving.ops = GpuMixerOps()
+    graphs = PrefillGraphs(core.runner.serving, max_tokens=32, max_seqs=cfg.scheduler.max_prefill_seqs,
+                           max_seq_len=cfg.max_seq_len, buckets=(16, 32))
     capture_eagerly(graphs)
     staged = []
     run = graphs.run
     graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
-    core.serving = GraphedServing(core.serving, [graphs])
+    core.runner.graphs = [graphs]
     for i, (prompt, max_tokens, _) in enumerate(jobs):
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     got = {}

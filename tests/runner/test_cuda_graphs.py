@@ -9,7 +9,6 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
-from mstar.engine.cuda_graphs import DecodeGraphs, capture_blockers, decode_buckets
 from mstar.engine.params import SamplingParams
 from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
@@ -17,6 +16,7 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import DecodeGraphs, capture_blockers, decode_buckets
 
 
 def test_buckets_cover_every_batch_size():
@@ -32,8 +32,8 @@ def test_a_cpu_model_is_refused_with_the_reason(tiny_model, tiny_dir):
     cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 64}},
                        model_kwargs={"cuda_graphs": True})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
-    assert core.graphs == []  # no effect on CPU
-    assert any("CUDA device" in p for p in capture_blockers(core.serving))
+    assert core.runner.graphs == []  # no effect on CPU
+    assert any("CUDA device" in p for p in capture_blockers(core.runner.serving))
 
 
 def test_pending_prefix_is_seen_per_step():
@@ -51,8 +51,8 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 40})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
     plans = []
-    forward = core.serving.forward
-    core.serving.forward = lambda plan, taps=(): (plans.append(plan), forward(plan, taps))[1]
+    forward = core.runner.forward
+    core.runner.forward = lambda plan, taps=(): (plans.append(plan), forward(plan, taps))[1]
     for i, n in enumerate((3, 70, 1, 12)):
         core.add_request(f"r{i}", list(range(5, 5 + n)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     while core.has_work():

@@ -1,6 +1,6 @@
 """CUDA graphs of serving steps, captured per bucket: decode and verify steps here (`DecodeGraphs`: B
 sequences x r rows, r = 1 decode, r = k + 1 a DSpark verify block), prefill steps by token count in
-prefill_graphs.py; both through the mechanism of `StepGraphs`.
+prefill_graphs.py; the runner (model_runner.py) replays them; both through the mechanism of `StepGraphs`.
 
 Eagerly, a K3 step is thousands of small launches (93 layers of norms, AttnRes, projections,
 kernels), so the host's launch pace, not the GPU, sets its time. A captured step replays them all with
@@ -303,22 +303,3 @@ def capture_all(graph_sets: list[StepGraphs]) -> None:
     pool = torch.cuda.graph_pool_handle()
     for graphs in sorted(graph_sets, key=lambda g: g.bucket_shape(g.buckets[-1])[1], reverse=True):
         graphs.capture(pool)
-
-
-class GraphedServing:
-    """A `ServingModel` whose steps replay captured graphs where one of `graphs` takes them (the first
-    that does); every other step runs eagerly.
-
-    Tensor-parallel ranks wrap their own ServingModel the same way, and each takes the same branch
-    for the same plan, so their collectives stay in step."""
-
-    def __init__(self, serving: ServingModel, graphs: list[StepGraphs]):
-        self.serving = serving
-        self.graphs = graphs
-        self.model, self.pool, self.kv = serving.model, serving.pool, serving.kv
-
-    def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-        for graphs in self.graphs:
-            if tuple(tap_layers) == graphs.tap_layers and graphs.can_run(plan):
-                return graphs.run(plan)
-        return self.serving.forward(plan, tap_layers)

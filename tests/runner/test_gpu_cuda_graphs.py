@@ -1,4 +1,4 @@
-"""CUDA graphs on the GPU (mstar/engine/cuda_graphs.py, prefill_graphs.py): a bf16 model at one TP8
+"""CUDA graphs on the GPU (mstar/runner/cuda_graphs.py, prefill_graphs.py): a bf16 model at one TP8
 rank's true K3 shapes (4 layers: KDA, KDA, KDA, MLA; MXFP4 experts through the Triton kernel). Every
 bucket is captured; decode, verify and prefill replays at several sizes, contexts and slot orders match
 the eager step (logits and the state each step writes), and the engine serves through the graphs."""
@@ -12,9 +12,7 @@ from packed_experts import hold_packed
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
-from mstar.engine.cuda_graphs import DecodeGraphs, decode_buckets
 from mstar.engine.params import SamplingParams
-from mstar.engine.prefill_graphs import PrefillGraphs
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels, install_fused_kernels
@@ -23,6 +21,8 @@ from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.runner.cuda_graphs import DecodeGraphs, decode_buckets
+from mstar.runner.prefill_graphs import PrefillGraphs
 from mstar.tools.make_tiny import real_dims_raw_config
 
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
@@ -163,12 +163,12 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
                                                        "kda_state": {"max_slots": MAX_BATCH + 1}},
                        scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512})
     core = EngineCore(model, tokenizer, cfg)
-    assert [type(g) for g in core.graphs] == [DecodeGraphs, PrefillGraphs]
-    assert len(core.graphs[0].graphs) == len(decode_buckets(MAX_BATCH))
+    assert [type(g) for g in core.runner.graphs] == [DecodeGraphs, PrefillGraphs]
+    assert len(core.runner.graphs[0].graphs) == len(decode_buckets(MAX_BATCH))
     eager = EngineCore(model, tokenizer, cfg.with_overrides("model_kwargs.cuda_graphs=false"))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 5, 64)]
     outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=12)
-    assert core.graphs[0].replays >= 10
+    assert core.runner.graphs[0].replays >= 10
     assert all(len(t) == 12 for t in outputs["graphs"].values())
     # bf16 steps with a different split count and atomic expert sums can flip near-tied greedy tokens,
     # so exact agreement is not required; the first tokens come from the same eager prefill.
@@ -258,7 +258,8 @@ def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
 
 def test_every_prefill_bucket_replays_like_the_eager_step(model):
     kv, pool = pools(model.config)
-    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=1024, max_seq_len=MAX_SEQ)
+    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=1024, max_seqs=8,
+                           max_seq_len=MAX_SEQ)
     graphs.capture()
     assert sorted(graphs.graphs) == [256, 512, 1024]
     replays_like_the_eager_step(graphs, PREFILL_STEPS)
@@ -275,8 +276,8 @@ def test_every_prefill_bucket_replays_like_the_eager_step(model):
 def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
     """8,192 tokens: the largest bucket, whose fla chunk list and expert workspaces are the largest."""
     kv, pool = pools(model.config)
-    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=8192, max_seq_len=MAX_SEQ,
-                           buckets=(8192,))
+    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=8192, max_seqs=8,
+                           max_seq_len=MAX_SEQ, buckets=(8192,))
     graphs.capture()
     replays_like_the_eager_step(graphs, [([1000, 900, 1, 1024, 700, 13, 600, 990], [0, 100, 9, 0, 0, 0, 300, 0])])
 
@@ -284,7 +285,7 @@ def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
 def test_a_failed_prefill_capture_names_its_bucket(model):
     kv, pool = pools(model.config)
     serving = ServingModel(model, kv, pool, GpuMixerOps())
-    graphs = PrefillGraphs(serving, max_tokens=512, max_seq_len=MAX_SEQ)
+    graphs = PrefillGraphs(serving, max_tokens=512, max_seqs=8, max_seq_len=MAX_SEQ)
     forward = serving.forward
 
     def broken(plan, taps=()):
@@ -305,7 +306,7 @@ def test_engine_serves_prompts_through_the_prefill_graphs(model, tokenizer):
                                                        "kda_state": {"max_slots": MAX_BATCH + 1}},
                        scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 512})
     core = EngineCore(model, tokenizer, cfg)
-    prefill = core.graphs[-1]
+    prefill = core.runner.graphs[-1]
     assert isinstance(prefill, PrefillGraphs) and sorted(prefill.graphs) == [256, 512]
     eager = EngineCore(model, tokenizer, cfg.with_overrides("model_kwargs.cuda_graphs=false"))
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 700, 5, 64, 2)]

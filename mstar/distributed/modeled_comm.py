@@ -1,0 +1,86 @@
+"""One rank emulated alone, with every collective charged at a modeled cost: `ModeledCommunicator`.
+
+The null communicator makes a rank's collectives free, which flatters a step: a TP8 decode step of
+K3 holds about 190 all-reduces. This one moves no data either (the numbers are not the model's, as
+with the null communicator: `all_reduce` returns the local partial sum, `all_gather` repeats the
+local piece), but each call queues a GPU-side wait (kernels/gpu_delay.py) as long as the modeled
+collective, so inside a captured step it serialises where the real one would, and it tallies the
+calls, their bytes and the modeled time on the device, so a replayed graph reports exactly what it
+holds.
+
+The model (`CollectiveCost`): a latency term for every message up to `small_bytes` per rank, plus the
+bytes beyond it over a link bandwidth. Default: 6 us up to 64 KiB, then 150 GB/s: the range published
+for one-shot (Lamport-style) all-reduce kernels on 8 H100s over NVLink for small messages, and a
+conservative NVLink ring rate beyond; `mstar-emulate-rank --comm-latency-us/--comm-small-kib/
+--comm-gb-per-s` change it, never below MIN_LATENCY_S (no collective across GPUs has been measured
+faster), and `--comm-latency-us 0` turns it off for a comparison with the null communicator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.kernels.gpu_delay import delay
+
+from .communicator import Communicator
+
+MIN_LATENCY_S = 4e-6
+
+
+@dataclass(frozen=True)
+class CollectiveCost:
+    latency_s: float = 6e-6  # every collective, up to small_bytes per rank
+    small_bytes: int = 64 * 1024
+    bytes_per_s: float = 150e9  # the bytes beyond small_bytes
+
+    def __post_init__(self):
+        if self.latency_s < MIN_LATENCY_S:
+            raise ValueError(f"a collective's latency of {self.latency_s * 1e6:g} us is below the "
+                             f"{MIN_LATENCY_S * 1e6:g} us that no GPU collective beats; use the null communicator "
+                             "for free collectives")
+        if self.small_bytes < 0 or self.bytes_per_s <= 0:
+            raise ValueError(f"small_bytes={self.small_bytes} must be >= 0 and bytes_per_s={self.bytes_per_s} > 0")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + max(0, nbytes - self.small_bytes) / self.bytes_per_s
+
+
+@dataclass(frozen=True)
+class CommTally:
+    calls: int
+    bytes: int
+    seconds: float
+
+
+class ModeledCommunicator(Communicator):
+    """Rank `rank` of `world_size` alone on its device; every collective waits its modeled cost there."""
+
+    name = "modeled"
+    graph_capturable = True
+
+    def __init__(self, world_size: int, rank: int, cost: CollectiveCost, device: torch.device | str):
+        super().__init__(rank, world_size)
+        self.cost = cost
+        self.counters = torch.zeros(3, dtype=torch.int64, device=device)  # calls, bytes, ns
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self._charge(x.numel() * x.element_size())
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([x] * self.world_size, dim=-1) if self.world_size > 1 else x
+        self._charge(out.numel() * out.element_size())  # what each rank receives and holds
+        return out
+
+    def _charge(self, nbytes: int) -> None:
+        delay(round(self.cost.seconds(nbytes) * 1e9), nbytes, self.counters)
+
+    def reset(self) -> None:
+        self.counters.zero_()
+
+    def tally(self) -> CommTally:
+        """What the collectives since the last `reset` amount to (reads the device counters: a sync)."""
+        calls, nbytes, ns = self.counters.tolist()
+        return CommTally(calls, nbytes, ns * 1e-9)

@@ -1,0 +1,95 @@
+"""The DSpark draft's blocks over the paged draft KV, attention through the paged MLA kernel (the GPU path).
+
+`K3DSparkModel.blocks_hidden` gathers every block's context rows from the pages into a padded [B, S, 576]
+copy per layer, appends the block's own rows and masks what a block may not see: dozens of small ops and a
+copy of the whole context per layer and step. Here each layer instead writes the block's own latent rows
+into the draft KV at the block's positions (p .. p + k - 1: the pages the step admitted for its anchor and
+drafts; later overwritten by `write_context` with the committed rows, so nothing stale is ever read) and
+attends with `paged_mla_prefill(causal=False)`: every query of block b sees rows 0 .. p_b + k_b - 1, which is
+its context and its own real slots, exactly the visibility of `BlockBatch.visibility`. Padding slots of a
+shorter block write their rows to the sink page and see the same rows (their outputs are dropped).
+
+The shapes depend only on (B, k_max) and the page table's width, never on the context lengths, so one
+CUDA graph per bucket replays any step (speculative/draft_graphs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from mstar.kernels import mla_attention
+
+from .model import DSparkMLA, Embed, K3DSparkModel
+
+SINK = 0  # page 0 of the draft KV: padding rows write there
+
+
+@dataclass(frozen=True)
+class PagedBlocks:
+    """B blocks of k_max slots over the draft's paged KV (all on the draft's device).
+
+    anchors, starts  [B] long: the anchor token and its position p_b (context rows 0 .. p_b - 1 are cached)
+    page_table       [B, P] the draft KV pages of each block's sequence, in position order
+    slots            [B * k_max] the KV slot of each block row (row j of block b: position p_b + j; the sink
+                     page for padding rows j >= k_b)
+    lens             [B] p_b + k_b: the rows every query of block b sees
+    cu               [B + 1] = 0, k_max, 2 k_max, ...: the block rows' offsets
+    """
+
+    anchors: Tensor
+    starts: Tensor
+    page_table: Tensor
+    slots: Tensor
+    lens: Tensor
+    cu: Tensor
+    k_max: int
+
+    @classmethod
+    def build(cls, anchors: Tensor, starts: Tensor, num_drafts: tuple[int, ...], page_table: Tensor,
+              row_slots: Tensor, page_size: int) -> PagedBlocks:
+        """From host draft counts and the device row slots [B, k_max] of positions p_b + j (padding rows are
+        sent to the sink here)."""
+        k_max = max(num_drafts)
+        device = anchors.device
+        real = torch.arange(k_max, device=device)[None, :] < torch.tensor(num_drafts, device=device)[:, None]
+        sink = torch.arange(k_max, device=device) % page_size + SINK * page_size
+        slots = torch.where(real, row_slots, sink[None, :]).flatten()
+        lens = starts + torch.tensor(num_drafts, dtype=starts.dtype, device=device)
+        cu = torch.arange(0, len(num_drafts) * k_max + 1, k_max, device=device)
+        return cls(anchors, starts, page_table, slots, lens, cu, k_max)
+
+
+def kernel_fits(draft: K3DSparkModel, device: torch.device) -> bool:
+    """Whether the paged kernel runs this draft here: a supported GPU, bf16/fp16, power-of-two row parts."""
+    cfg = draft.config
+    pow2 = all(w >= 16 and w & (w - 1) == 0 for w in (cfg.kv_lora_rank, cfg.qk_rope_head_dim))
+    return pow2 and draft.dtype in (torch.bfloat16, torch.float16) and mla_attention.supported(device)
+
+
+@torch.no_grad()
+def paged_blocks_hidden(draft: K3DSparkModel, cache: Tensor, blocks: PagedBlocks, embed: Embed) -> Tensor:
+    """Final-normed hidden states [B, k_max, D] of the blocks; `cache` is the draft KV [layers, pages, page, W].
+    The same function as `K3DSparkModel.blocks_hidden` over the same rows (to bf16 rounding)."""
+    n, k = blocks.anchors.shape[0], blocks.k_max
+    x = draft.block_inputs(blocks.anchors, k, embed).flatten(0, 1)  # [B * k, D]
+    positions = (blocks.starts[:, None] + torch.arange(k, device=x.device)).flatten()
+    for index, layer in enumerate(draft.layers):
+        h = layer.input_layernorm(x)
+        x = x + _paged_attention(layer.self_attn, h, positions, cache[index], blocks)
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return draft.final_norm(x).view(n, k, -1)
+
+
+def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, cache: Tensor, blocks: PagedBlocks) -> Tensor:
+    rows = attn.latent_rows(h, positions)
+    cache.view(-1, cache.shape[-1])[blocks.slots] = rows.to(cache.dtype)
+    q_nope, q_pe = attn.queries(h, positions)
+    w_uk, w_uv = attn.kv_b_weights()
+    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
+    out = torch.empty(h.shape[0], attn.num_heads, attn.kv_lora_rank, device=h.device, dtype=h.dtype)
+    mla_attention.paged_mla_prefill(q_abs, cache, blocks.page_table, blocks.cu, blocks.lens, attn.scale, out,
+                                    max_query_len=blocks.k_max, causal=False)
+    return attn.o_proj(torch.einsum("thr,hvr->thv", out, w_uv).flatten(-2))

@@ -1,0 +1,101 @@
+"""The modeled communicator of an emulated rank: its cost model, and a tally that counts exactly the
+collectives a forward makes (checked against an independent count in Python)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar.distributed.communicator import NullCommunicator
+from mstar.distributed.modeled_comm import MIN_LATENCY_S, CollectiveCost, ModeledCommunicator
+from mstar.distributed.sharding import ShardingPlan
+from mstar.kernels.gpu_delay import delay
+from mstar.models.kimi_k3.config import parse_config
+from mstar.tools.emulate_rank import Step, build, first_layers
+from mstar.tools.make_tiny import tiny_k3_raw_config
+
+
+def test_cost_is_latency_then_bandwidth():
+    cost = CollectiveCost(latency_s=6e-6, small_bytes=64 * 1024, bytes_per_s=150e9)
+    assert cost.seconds(0) == cost.seconds(64 * 1024) == 6e-6
+    assert cost.seconds(64 * 1024 + 150_000) == pytest.approx(6e-6 + 1e-6)
+    with pytest.raises(ValueError, match="below"):
+        CollectiveCost(latency_s=MIN_LATENCY_S / 2)
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        CollectiveCost(bytes_per_s=0)
+
+
+def test_delay_checks_its_arguments():
+    with pytest.raises(ValueError, match="int64"):
+        delay(10, 10, torch.zeros(3))
+    with pytest.raises(ValueError, match=">= 0"):
+        delay(-1, 10, torch.zeros(3, dtype=torch.int64))
+
+
+class CountingCommunicator(NullCommunicator):
+    """The null communicator, counting calls, bytes and their modeled cost in Python: the independent count."""
+
+    def __init__(self, world_size: int, cost: CollectiveCost):
+        super().__init__(world_size)
+        self.cost = cost
+        self.calls, self.bytes, self.seconds = 0, 0, 0.0
+
+    def _count(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.calls, self.bytes = self.calls + 1, self.bytes + nbytes
+        self.seconds += self.cost.seconds(nbytes)
+
+    def all_reduce(self, x):
+        self._count(x)
+        return x
+
+    def all_gather(self, x):
+        out = super().all_gather(x)
+        self._count(out)
+        return out
+
+
+def test_tally_counts_what_a_forward_calls():
+    config = first_layers(parse_config(tiny_k3_raw_config()), 4)
+    steps = [Step("decode", 2, 1, 8), Step("prefill", 1, 24, 0)]
+    cost = CollectiveCost(latency_s=5e-6, small_bytes=256, bytes_per_s=1e9)
+    emulation = build(config, ShardingPlan(2), steps, dtype=torch.float32, device=torch.device("cpu"), page_size=16,
+                      seed=0, comm_cost=cost)
+    comm = emulation.comm
+    model = emulation.serving.model
+    assert isinstance(comm, ModeledCommunicator) and model.comm is comm
+    for step in steps:
+        plan = emulation.plan_for(step)
+        comm.reset()
+        logits, _ = emulation.serving.forward(plan)
+        tally = comm.tally()
+        counting = CountingCommunicator(2, cost)
+        for module in model.modules():  # the same model, counted in Python instead
+            if getattr(module, "comm", None) is comm:
+                module.comm = counting
+        try:
+            emulation.serving.forward(plan)
+        finally:
+            for module in model.modules():
+                if getattr(module, "comm", None) is counting:
+                    module.comm = comm
+        assert (tally.calls, tally.bytes) == (counting.calls, counting.bytes), step
+        assert tally.calls >= 2 * config.num_hidden_layers  # a mixer and an MLP/MoE all-reduce per layer
+        assert tally.seconds == pytest.approx(counting.seconds, abs=tally.calls * 1e-9)  # ns rounding per call
+        assert tally.seconds > tally.calls * cost.latency_s  # some messages pass small_bytes: bandwidth is charged
+        assert torch.isfinite(logits).all()
+
+
+def test_sharded_latent_layout_adds_two_collectives_per_moe_layer():
+    config = first_layers(parse_config(tiny_k3_raw_config()), 4)
+    step = Step("decode", 2, 1, 8)
+    calls = {}
+    for latent in (False, True):
+        emulation = build(config, ShardingPlan(2, 0, 1, latent), [step], dtype=torch.float32,
+                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=CollectiveCost())
+        emulation.comm.reset()
+        logits, _ = emulation.serving.forward(emulation.plan_for(step))
+        assert torch.isfinite(logits).all()
+        calls[latent] = emulation.comm.tally().calls
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    assert moe_layers > 0 and calls[True] - calls[False] == 2 * moe_layers

@@ -1,0 +1,150 @@
+"""vLLM's request fields and routes against the real tiny engine behind the real server, through the
+`openai` client: each honoured field changes the output as its definition says (checked against the
+reference model with the same processing), each refused one is a 400 naming it."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from live_server import LiveServer
+from logits_reference import reference_processed_greedy
+from paths import ROOT
+
+from mstar.config import load_serve_config
+from mstar.engine.params import SamplingParams
+from mstar.models.kimi_k3.chat import encode_chat
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.serve import build_engine
+from mstar.server import build_app
+from mstar.server.protocol import REFUSED
+
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
+MODEL = "kimi_k3_tiny"
+GREEDY = {"ignore_eos": True, "return_token_ids": True}
+HI = [{"role": "user", "content": "Say hi."}]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=512",
+                                     "resources.mla_kv.max_num_pages=128", "scheduler.max_num_batched_tokens=256"])
+    engine = build_engine(cfg)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    live = LiveServer(build_app(engine, served_model_name=MODEL))
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def prompt(engine):
+    return engine.tokenizer.encode("def fibonacci(n):\n")
+
+
+def complete(client, prompt, max_tokens=8, **extra):
+    return client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                     extra_body={**GREEDY, **extra}).choices[0]
+
+
+@pytest.mark.parametrize("fields", [
+    {"repetition_penalty": 1.7},
+    {"presence_penalty": 1.5, "frequency_penalty": 0.8},
+    {"logit_bias": "first-token"},
+    {"min_tokens": 5, "stop_token_ids": "first-token"},
+], ids=["repetition", "presence+frequency", "logit_bias", "min_tokens"])
+def test_processing_fields_follow_their_definition(client, tiny_model, prompt, fields):
+    free = greedy_generate(tiny_model, prompt, 8)
+    if fields.get("logit_bias") == "first-token":
+        fields = {"logit_bias": {str(free[0]): -100}}
+    if fields.get("stop_token_ids") == "first-token":
+        fields = {**fields, "stop_token_ids": [free[0]]}  # without min_tokens: one token, then stop
+    choice = complete(client, prompt, **fields)
+    params = SamplingParams(max_tokens=8, temperature=0, min_tokens=fields.get("min_tokens", 0),
+                            presence_penalty=fields.get("presence_penalty", 0.0),
+                            frequency_penalty=fields.get("frequency_penalty", 0.0),
+                            repetition_penalty=fields.get("repetition_penalty", 1.0),
+                            logit_bias=tuple((int(k), v) for k, v in fields.get("logit_bias", {}).items()))
+    stop_ids = frozenset(fields.get("stop_token_ids", ()))
+    assert choice.token_ids == reference_processed_greedy(tiny_model, prompt, params, stop_ids)
+    if "logit_bias" in fields:
+        assert choice.token_ids[0] != free[0]
+    if "min_tokens" in fields:
+        assert len(choice.token_ids) >= 5
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(client, tiny_model, prompt):
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={**GREEDY, "truncate_prompt_tokens": 3})
+    assert r.usage.prompt_tokens == 3
+    assert r.choices[0].token_ids == greedy_generate(tiny_model, prompt[-3:], 6)
+
+
+def test_echo_and_continuous_usage(client):
+    r = client.completions.create(model=MODEL, prompt="import os\n", max_tokens=4, echo=True, temperature=0)
+    assert r.choices[0].text.startswith("import os\n")
+    chunks = list(client.completions.create(model=MODEL, prompt="import os\n", max_tokens=4, stream=True, echo=True,
+                                            temperature=0, extra_body={"ignore_eos": True},
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert chunks[0].choices[0].text.startswith("import os\n")
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks][-1] == 4 and chunks[-1].usage.total_tokens == 4 + \
+        chunks[-1].usage.prompt_tokens
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_chat_reasoning_effort_continue_and_reasoning_field(client, engine):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, reasoning_effort="low",
+                                       extra_body={"return_token_ids": True})
+    assert r.prompt_token_ids == encode_chat(engine.tokenizer, HI, thinking_effort="low")
+    message = r.choices[0].message
+    assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]
+    partial = [*HI, {"role": "assistant", "content": "Hi th"}]
+    r = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4,
+                                       extra_body={"return_token_ids": True, "continue_final_message": True,
+                                                   "add_generation_prompt": False})
+    want = encode_chat(engine.tokenizer, partial, continue_final_message=True, add_generation_prompt=False)
+    assert r.prompt_token_ids == want and want[-len(engine.tokenizer.encode("Hi th")):] == \
+        engine.tokenizer.encode("Hi th")
+
+
+REFUSED_CASES = [(name, {name: "x" if neutral is None else (not neutral if isinstance(neutral, bool) else 7)})
+                 for name, (neutral, _) in REFUSED.items()]
+REFUSED_CASES += [
+    ("response_format", {"response_format": {"type": "json_object"}}),
+    ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
+    ("chat_template", {"chat_template": "{{ x }}"}),
+]
+
+
+@pytest.mark.parametrize(("name", "body"), REFUSED_CASES, ids=[c[0] for c in REFUSED_CASES])
+def test_refused_fields_are_a_400_naming_them(client, name, body):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=HI, max_tokens=2, extra_body=body)
+    assert err.value.body["param"] == name, err.value.body
+
+
+def test_tokenize_detokenize_version_ping(server, engine):
+    tok = engine.tokenizer
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/tokenize", json={"prompt": "hello world", "return_token_strs": True}).json()
+        assert r["tokens"] == tok.encode("hello world") and r["count"] == len(r["tokens"])
+        assert r["max_model_len"] == 512 and "".join(r["token_strs"]) == "hello world"
+        r = http.post("/tokenize", json={"messages": HI, "model": MODEL}).json()
+        assert r["tokens"] == encode_chat(tok, HI) and r["token_strs"] is None
+        assert http.post("/detokenize", json={"tokens": tok.encode("a b c")}).json() == {"prompt": "a b c"}
+        bad = http.post("/detokenize", json={"tokens": [10**8]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+        assert isinstance(http.get("/version").json()["version"], str)
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
