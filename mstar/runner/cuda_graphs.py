@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from mstar.kernels import kda_fla
-from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.resources.latent_kv import LatentKVPlan
@@ -67,13 +67,14 @@ def capture_blockers(serving: ServingModel) -> list[str]:
         problems.append("the token mixers run the torch path (kernels=torch, or fla-core is not installed)")
     if not model.comm.graph_capturable:
         problems.append(f"the {model.comm.name} communicator's collectives cannot be captured")
+    experts = serving.layer_ops.experts if isinstance(serving.layer_ops, GpuLayerOps) else {}
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        if isinstance(attn, GatedMLA) and not GpuMixerOps.mla_kernel_fits(attn, param.dtype, param.device):
+        if isinstance(attn, GatedMLA) and attn not in getattr(serving.ops, "mla_layers", ()):
             problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and a 64-wide rope "
                             f"part; the model is {param.dtype} with rope {attn.rope})")
         moe = getattr(layer, "block_sparse_moe", None)
-        if moe is not None and moe.expert_kernel is None:
+        if moe is not None and moe not in experts:
             problems.append(f"the routed experts of layer {i} run the torch loop (the MXFP4 kernel needs a bf16 "
                             "model with MXFP4 experts whose widths are multiples of 128)")
     return problems
