@@ -9,10 +9,10 @@ context lengths, KDA slots, the rows to sample, row offsets and KDA layouts) tha
 each replay; the kernels take their shapes from the bucket and their lengths from those buffers, so
 one capture serves any step that fits its bucket:
 
-- KDA: decode reads and writes state and conv windows in place by slot (kda_fla.kda_decode); verify
+- KDA: decode reads and writes state and conv windows in place by slot (kda_fla.decode); verify
   blocks run [accepted prefix ; block] per sequence from a layout staged with each step's pending-prefix
-  lengths (kda_fla.BlockLayout with a fixed capacity per sequence, kda_fla.kda_block_step); prefill
-  steps from a layout of padded row offsets (kda_fla.PrefillLayout, kda_fla.kda_prefill_step);
+  lengths (kda_fla.BlockLayout with a fixed capacity per sequence, kda_fla.block_recurrence); prefill
+  steps from a layout of padded row offsets (kda_fla.PrefillLayout, kda_fla.prefill);
 - MLA: the paged decode kernel with a split count fixed for `max_seq_len` (a shorter context uses
   fewer of the splits); verify blocks and prefill steps the multi-row kernel with fixed row offsets;
 - MoE: the MXFP4 kernels, whose workspaces and branches depend only on the token count.
