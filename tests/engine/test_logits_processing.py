@@ -11,7 +11,7 @@ import pytest
 import torch
 from logits_reference import ref_process, reference_processed_greedy
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.engine.core import EngineConfig, EngineCore, SpeculativeConfig
 from mstar.engine.logits_processing import (
     LogitsProcessing,
     RowHistory,
@@ -20,6 +20,7 @@ from mstar.engine.logits_processing import (
 )
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.scheduler import SchedulerConfig
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
@@ -106,14 +107,20 @@ def test_out_of_range_values_name_the_field(kwargs, name):
 # ---- the engine --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dir, overlap):
-    tokenizer = KimiTokenizer.from_dir(tiny_dir)
+@pytest.mark.parametrize("mode", ["sync", "async", "dspark"])
+def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dirs, mode):
+    """With DSpark the processed requests get no drafts (their verify row is their one sampled row); the
+    plain request is drafted for and stays greedy-exact."""
+    tokenizer = KimiTokenizer.from_dir(tiny_dirs[0])
     rng = random.Random()
     vocab = tiny_model.config.vocab_size
+    spec = None
+    if mode == "dspark":
+        spec = SpeculativeConfig(draft=K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32),
+                                 speculative_tokens=3)
     cfg = EngineConfig(max_seq_len=256, page_size=16, max_num_pages=128, max_kda_slots=9,
                        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
-                       async_scheduling=overlap)
+                       async_scheduling=mode == "async", speculative=spec)
     engine = EngineCore(tiny_model, tokenizer, cfg)
     prompts = [[rng.randrange(vocab - 256) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     free_run = greedy_generate(tiny_model, prompts[0], 10)
@@ -138,3 +145,5 @@ def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dir
     assert got["r4"] == greedy_generate(tiny_model, prompts[1], 10)
     assert len(got["r3"]) >= 6  # without min_tokens its stop id ends it by the third token
     assert got["r2"][0] != free_run[0]  # a bias of -100 moved the argmax away
+    if mode == "dspark":
+        assert engine.spec.num_drafted > 0
