@@ -90,7 +90,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from mstar.models.kimi_k3.mlp import situ
 from mstar.quant.mxfp4 import GROUP_SIZE, dequantize_mxfp4
 
 SITU_BETA = 4.0  # K3's activation_situ_beta (the gate's soft clip)
@@ -196,6 +195,17 @@ def check_weights(w13_packed, w13_scale, w2_packed, w2_scale) -> tuple[int, int,
 # ----------------------------------------------------------------------------------------------
 
 
+def situ_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """K3's SiTU, [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in `gate`'s dtype.
+
+    The kernels' own copy of models/kimi_k3/mlp.situ (kernels import no model code; a test holds the two
+    equal): the arithmetic runs in fp32 at least (fp64 stays fp64), rounded once at the end.
+    """
+    a, b = (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x for x in (gate, up))
+    out = beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
+    return out.to(gate.dtype)
+
+
 def moe_mxfp4_reference(
     z: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -220,7 +230,7 @@ def moe_mxfp4_reference(
         w13 = dequantize_mxfp4(w13_packed[e], w13_scale[e], dtype)
         w2 = dequantize_mxfp4(w2_packed[e], w2_scale[e], dtype)
         x = x_all[rows]
-        h = situ(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
+        h = situ_reference(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
         out.index_add_(0, rows, (h @ w2.T) * expert_weights[rows, slot].to(dtype).unsqueeze(-1))
     return out
 
