@@ -272,9 +272,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
     With alignment, decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one
     token's 16 experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the
     dot's A operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized
-    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. These choices
-    come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6 instructions per
-    weight in the main loops), not yet from timings.
+    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. Up to 48 rows
+    per expert these choices come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6
+    instructions per weight in the main loops), not yet from timings; above, from --tune on the H200.
     """
     pairs = num_tokens * top_k
     if align is None:
@@ -293,8 +293,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
         return MoEConfig(32, GemmTile(64, 128), GemmTile(64, 128), combine)
     if rows <= 48:
         return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), combine, swap_ab=False)
-    big = {"num_warps": 8, "num_stages": 3}
-    return MoEConfig(128, GemmTile(64, 128, **big), GemmTile(128, 128, **big), combine, swap_ab=False)
+    # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
+    # 64-row blocks and 4-warp tiles beat the earlier guess of 128 rows at 8 warps, and the atomic combine beat
+    # "reduce" by 3-4%: 969 -> 871 us at 1024 tokens, 2875 -> 2391 at 4096 (and 5226 -> 4782 at 8192, untuned).
+    return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), "atomic", swap_ab=False)
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:
