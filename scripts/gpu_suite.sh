@@ -37,7 +37,8 @@ run() {  # run NAME CMD...: record pass/fail and wall time
 }
 
 want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py tests/models/kimi_k3/test_gpu_real_dims.py tests/models/kimi_k3/test_packed_experts.py \
-    tests/runner/test_gpu_cuda_graphs.py tests/engine/test_gpu_async_scheduling.py $(ls tests/kernels/test_kernel_*.py 2>/dev/null)
+    tests/runner/test_gpu_cuda_graphs.py tests/engine/test_gpu_async_scheduling.py tests/speculative/test_gpu_draft_graphs.py \
+    $(ls tests/kernels/test_kernel_*.py 2>/dev/null)
 want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/serve/test_gpu_serving.py
 # One TP8 rank of pruned75 (93 layers, random weights) on this GPU: decode (CUDA graphs), verify and
 # prefill step times against their floors. EMULATE_ARGS narrows it (e.g. "--steps decode").

@@ -1,5 +1,6 @@
-"""One KDA layer of a verify step through kernels/kda_blocks.py (`kda_fla.kda_block_step`: each sequence
-replays its accepted pending prefix from the slot's checkpoint, then its k + 1 verify rows) at one TP8
+"""One KDA layer of a verify step through kernels/kda_blocks.py (`GpuMixerOps.kda` on a staged
+`kda_fla.BlockLayout`: each sequence replays its accepted pending prefix from the slot's checkpoint, then
+its k + 1 verify rows) at one TP8
 rank of pruned75 (hidden 7168, 12 heads of 128), bf16, captured in a CUDA graph:
 
     python3 benchmarks/kernels/bench_kda_blocks.py [--batch 1 16 64] [--rows 5] [--pending 2]
@@ -24,7 +25,9 @@ from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
 from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
+from mstar.models.kimi_k3.serving import BatchPlan  # noqa: E402
 from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
 from mstar.tools.make_tiny import real_dims_raw_config  # noqa: E402
 
@@ -47,8 +50,7 @@ def main() -> None:
     for p in attn.parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
-    kda_fla.stack_input_projections(attn)
-    consts = kda_fla.DecodeConstants.of(attn)
+    mixers = GpuMixerOps(fused=True)  # as a bf16 model serves: stacked input projections, one-launch head norm
     weight_bytes = sum(p.numel() * p.element_size() for p in attn.parameters())
     print(f"{torch.cuda.get_device_name()}; layer weights {weight_bytes / 1e6:.1f} MB", flush=True)
     for batch in args.batch:
@@ -63,10 +65,12 @@ def main() -> None:
         starts = tuple(range(0, batch * args.rows + 1, args.rows))
         layout = kda_fla.BlockLayout.build(starts, slots, [args.pending] * batch, (True,) * batch,
                                            args.rows, torch.device("cuda"))
+        plan = BatchPlan(input_ids=None, seq_starts=starts, num_computed=(0,) * batch, kv=None,
+                         kda_slots=layout.slots, sample_rows=None, verify=(True,) * batch, slot_ids=slots,
+                         kda_layout=layout)
         x = torch.randn(batch * args.rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            graph = capture(lambda x=x, layout=layout, pool=pool: kda_fla.kda_block_step(attn, 0, x, layout, pool,
-                                                                                        consts))
+            graph = capture(lambda x=x, plan=plan, pool=pool: mixers.kda(attn, 0, x, plan, pool))
             us = time_graphs([graph], args.reps)
         state = la.num_heads * la.head_dim * la.head_dim * 4
         rows = batch * (args.rows + args.pending)

@@ -1,7 +1,8 @@
-"""The routed-expert step of one TP8 rank of pruned75 on the GPU: mstar's Triton MXFP4 MoE against
-the byte floor (and torch's bf16 grouped GEMM on pre-dequantized weights).
+"""The routed-expert step of one TP8 rank of pruned75 on the GPU: mstar's Triton MXFP4 MoE beside the peer,
+vLLM's MoE GEMMs (humming-kernels, whenever importable: the `bench` extra), against the byte and FLOP floors
+(and torch's bf16 grouped GEMM on pre-dequantized weights).
 
-    python benchmarks/kernels/bench_moe_mxfp4.py [--tokens 1 8 16 64 256 1024] [--tune] [--reps 200]
+    python benchmarks/kernels/bench_moe_mxfp4.py [--tokens 1 2 4 ... 8192] [--tune] [--reps 200] [--no-humming]
 
 Shapes: E = 224 experts, top-16, H_lat = 3584, I = 384 (K3 pruned75, one rank of TP8); bf16 z, random
 canonical MXFP4 weights (`random_mxfp4`), random top-16 routing with renormalised positive weights.
@@ -20,27 +21,34 @@ from HBM, as they do in a model whose 92 MoE layers are far larger than L2.
 Floor: the fewest HBM bytes of the step over the measured copy bandwidth (4.26 TB/s):
     bytes = distinct experts touched x (3 H I / 2 packed + 3 H I / 32 scale bytes)   [2,193,408 per expert]
           + T H x 2 (z, bf16) + T k x (8 + 4) (ids int64, weights fp32) + T H x 4 (output, fp32)
-e.g. one token touches 16 experts: 35.1 MB -> 8.2 us. 'TB/s' is floor bytes / measured time.
+e.g. one token touches 16 experts: 35.1 MB -> 8.2 us.
 
 --tune runs a coordinate search over tile configs per token count (each candidate checked against
 the reference) and prints the best as a config table to paste into `default_config`.
+humming ('HummingStep') runs as vLLM runs it, on the same weight copies (converted to its layout once),
+inputs and routing: an alignment per GEMM at the block_m its heuristics pick for T*k rows (mstar's alignment
+kernel, padding rows set to humming's sentinel T*k, plus one count of padded rows), the gate/up GEMM (indexed,
+top-k), SiTU fused into humming's process_input kernel (HUMMING_SITU), the down GEMM, and the weighted sum of
+the k rows (mstar's combine kernel); its output is checked against the same reference. FLOP floor: 6 H I
+FLOPs per pair at 750 TFLOP/s; 'x floor' divides by the larger floor.
 The table is printed last; full results go to $OUT/bench_moe_mxfp4.json when $OUT is set.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict
 
 import torch
 
 from mstar.kernels import moe_mxfp4 as moe
-from mstar.models.kimi_k3.mlp import situ
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
 
 E, K, H, I = 224, 16, 3584, 384
@@ -48,8 +56,11 @@ SETS = 4  # weight copies replays rotate over
 SLEEP_CYCLES = 20_000_000  # ~10 ms of GPU sleep ahead of each batch of replays
 BATCH = 50  # replays queued behind one sleep
 DEVICE = "cuda"
-# vLLM's MXFP4 MoE (humming-kernels 0.1.20) at these shapes, measured 2026-11-29 (peers_kernels.md §6).
-HUMMING_US = {1: 42.5, 8: 121.2, 16: 167.4, 64: 235.5, 256: 306.8, 1024: 572.7}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024, 4096, 8192)
+FLOP_PER_S = 750e12  # bf16 dense tensor-core rate of the H200 used for the FLOP floor
+# SiTU for humming's fused activation (a = gate, b = up; fp32 in, as its process_input kernel computes).
+HUMMING_SITU = (f"({moe.SITU_BETA}f * tanhf(a / {moe.SITU_BETA}f) / (1.0f + __expf(-a)))"
+                f" * ({moe.SITU_LINEAR_BETA}f * tanhf(b / {moe.SITU_LINEAR_BETA}f))")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,7 +211,7 @@ def torch_grouped_step(z, ids, weights, w13, w2):
     offs = torch.cumsum(counts, 0, dtype=torch.int32)
     token = order // K
     gate_up = torch._grouped_mm(z[token], w13.transpose(1, 2), offs=offs)
-    h = situ(gate_up[:, :I], gate_up[:, I:], moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+    h = moe.situ_reference(gate_up[:, :I], gate_up[:, I:], moe.SITU_BETA, moe.SITU_LINEAR_BETA)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)
     out = torch.zeros(z.shape[0], H, dtype=torch.float32, device=z.device)
     return out.index_add_(0, token, y.float() * weights.reshape(-1)[order, None])
@@ -214,6 +225,93 @@ def time_torch(bf16_sets, z, ids, weights, ref, reps) -> tuple[float | None, flo
     except Exception as exc:  # noqa: BLE001 - the baseline is optional; report why it is missing
         print(f"  torch baseline unavailable: {type(exc).__name__}: {exc}", file=sys.stderr)
         return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# The peer: vLLM's MoE GEMMs (humming-kernels), on the same weights, inputs and routing
+# ----------------------------------------------------------------------------------------------
+
+
+def humming_available() -> bool:
+    return importlib.util.find_spec("humming") is not None
+
+
+def humming_layers(stacked: moe.StackedExperts):
+    """(gate/up, down) humming layers holding one weight copy, converted to humming's layout once."""
+    from humming.layer import HummingLayer
+
+    layers = []
+    for (packed, scale), (n, k) in (((stacked.w13_packed, stacked.w13_scale), (2 * I, H)),
+                                    ((stacked.w2_packed, stacked.w2_scale), (H, I))):
+        layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"}, num_experts=E,
+                             torch_dtype=torch.bfloat16).to(DEVICE)
+        layer.load_from_tensors({"weight": packed, "weight_scale": scale})
+        layer.transform()
+        layers.append(layer)
+    return layers
+
+
+class HummingStep:
+    """The MoE as vLLM runs it on humming: alignment per GEMM (its tuned block_m; mstar's alignment kernel,
+    padding rows set to the sentinel T*k), gate/up GEMM (indexed, top-k), SiTU by humming's process_input,
+    down GEMM (indexed), then the weighted sum of the k rows (mstar's combine kernel)."""
+
+    def __init__(self, layer_sets, z, ids, weights):
+        from humming.tune import get_heuristics_config
+
+        self.layer_sets, self.z, self.ids, self.weights = layer_sets, z, ids, weights
+        self.pairs = ids.numel()
+        self.tuning = [get_heuristics_config(layer.humming_config, shape_m=self.pairs, gemm_type="indexed",
+                                             device=torch.cuda.current_device()) for layer in layer_sets[0]]
+        self.block_m = [t["block_shape"][0] for t in self.tuning]
+        self.align = {}
+        for bm in set(self.block_m):
+            blocks = moe.max_row_blocks(self.pairs, E, bm)
+            i32 = {"dtype": torch.int32, "device": DEVICE}
+            self.align[bm] = (torch.empty(blocks * bm, **i32), torch.empty(blocks, **i32),
+                              torch.empty(blocks, **i32), torch.empty((), **i32))
+        self.out = torch.empty(z.shape[0], H, device=DEVICE)
+
+    def _aligned(self, bm):
+        sorted_ids, block_expert, block_rows, padded = self.align[bm]
+        sorted_ids.fill_(self.pairs)  # humming skips rows holding T*k
+        moe._align(self.ids, E, sorted_ids, bm, blocks=(block_expert, block_rows))
+        torch.mul((block_rows > 0).sum(dtype=torch.int32), bm, out=padded)
+        return {"sorted_ids": sorted_ids, "expert_ids": block_expert, "num_tokens_padded": padded}
+
+    def run(self, layers):
+        from humming.forward import may_process_input
+
+        gate_up_layer, down_layer = layers
+        routes = {bm: self._aligned(bm) for bm in self.align}
+        gate_up = gate_up_layer(self.z, **routes[self.block_m[0]], top_k=K, compute_config={"gemm_type": "indexed"},
+                                tuning_config=self.tuning[0])
+        h, _, _ = may_process_input(down_layer.humming_config, gate_up, activation_type="binary_split",
+                                    activation_impl=HUMMING_SITU)
+        y = down_layer(h, **routes[self.block_m[1]], top_k=1, compute_config={"gemm_type": "indexed"},
+                       tuning_config=self.tuning[1])
+        moe.combine_expert_rows(y, self.ids, self.weights, self.out)
+        return self.out
+
+    def check(self, ref: torch.Tensor) -> float:
+        self.out.fill_(float("nan"))
+        self.run(self.layer_sets[0])
+        return relative_error(self.out, ref)
+
+    def time(self, reps: int) -> float:
+        graphs = [capture(lambda s=s: self.run(s)) for s in self.layer_sets]
+        return time_graphs(graphs, reps)
+
+
+def time_humming(layer_sets, z, ids, weights, ref, reps) -> dict:
+    """{'humming_us', 'humming_err', 'humming_block_m'}, or {'humming_error': why} if it failed."""
+    try:
+        step = HummingStep(layer_sets, z, ids, weights)
+        err = step.check(ref)
+        return {"humming_us": step.time(reps), "humming_err": err, "humming_block_m": step.block_m}
+    except Exception as exc:  # noqa: BLE001 - the peer is optional; report why it is missing
+        traceback.print_exc()
+        return {"humming_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,10 +373,11 @@ def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 16, 64, 256, 1024])
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--tune", action="store_true", help="search tile configs per token count")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
+    parser.add_argument("--no-humming", action="store_true", help="skip the peer even if humming is importable")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_moe_mxfp4: needs a CUDA GPU")
@@ -293,6 +392,13 @@ def main() -> None:
     sets = [make_weights(gen)]
     sets += [permuted(sets[0], gen) for _ in range(SETS - 1)]
     bf16_sets = [] if args.no_torch else [dequantized(s) for s in sets]
+    humming_sets = []
+    if humming_available() and not args.no_humming:
+        try:
+            humming_sets = [humming_layers(s) for s in sets]
+        except Exception:  # noqa: BLE001 - the peer is optional; report why it is missing
+            traceback.print_exc()
+    print(f"humming: {'on' if humming_sets else 'not importable or failed to load'}")
     print(f"weights ready ({time.time() - t0:.0f} s)")
 
     results = []
@@ -301,6 +407,7 @@ def main() -> None:
         distinct = int(ids.unique().numel())
         floor_bytes = moe.bytes_floor(num_tokens, K, distinct, H, I)
         floor_us = floor_bytes / moe.HBM_BYTES_PER_S * 1e6
+        flop_floor_us = num_tokens * K * 6 * H * I / FLOP_PER_S * 1e6  # 2 FLOPs x (H 2I + I H) per pair
         ref = moe.moe_mxfp4_reference(z, ids, weights, *sets[0])
 
         step = MstarStep(sets, z, ids, weights, moe.default_config(num_tokens, K, E))
@@ -308,7 +415,7 @@ def main() -> None:
         us = step.time(args.reps)
         row = {"tokens": num_tokens, "experts": distinct, "floor_bytes": floor_bytes, "floor_us": floor_us,
                "us": us, "rel_err": err, "stages_us": step.breakdown(args.reps, us), "config": asdict(step.config),
-               "humming_us": HUMMING_US.get(num_tokens)}
+               "flop_floor_us": flop_floor_us}
         if not step.config.align:
             aligned = MstarStep(sets, z, ids, weights, moe.default_config(num_tokens, K, E, align=True))
             row["aligned_err"] = aligned.check(ref)
@@ -316,15 +423,17 @@ def main() -> None:
             row["aligned_stages_us"] = aligned.breakdown(args.reps, row["aligned_us"])
         if bf16_sets:
             row["torch_us"], row["torch_err"] = time_torch(bf16_sets, z, ids, weights, ref, args.reps)
+        if humming_sets:
+            row.update(time_humming(humming_sets, z, ids, weights, ref, args.reps))
         if args.tune:
             tuned, tuned_us = tune(sets, z, ids, weights, ref, args.reps)
             row["tuned_us"], row["tuned_config"] = tuned_us, asdict(tuned)
         results.append(row)
-        print(f"T={num_tokens}: {us:.1f} us (floor {floor_us:.1f}), err {err:.1e} ({time.time() - t0:.0f} s)")
-
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "bench_moe_mxfp4.json"), "w") as f:
-            json.dump({"device": props.name, "torch": torch.__version__, "results": results}, f, indent=1)
+        print(f"T={num_tokens}: {us:.1f} us (floor {floor_us:.1f}), humming {row.get('humming_us')}, err {err:.1e} "
+              f"({time.time() - t0:.0f} s)")
+        if os.environ.get("OUT"):  # after every token count, so that a run cut short keeps what it measured
+            with open(os.path.join(os.environ["OUT"], "bench_moe_mxfp4.json"), "w") as f:
+                json.dump({"device": props.name, "torch": torch.__version__, "results": results}, f, indent=1)
     print_table(results, args.tune)
 
 
@@ -332,28 +441,31 @@ def print_table(results: list[dict], tuned: bool) -> None:
     def cell(value, fmt="{:.1f}"):
         return "n/a" if value is None else fmt.format(value)
 
-    print()
-    print(f"MXFP4 routed experts, one TP8 rank of pruned75 (E={E}, top-{K}, H_lat={H}, I={I}); "
-          "CUDA graph, median; floor at 4.26 TB/s")
-    head = ["T", "experts", "floor us", "mstar us", "x floor", "TB/s", "align/gate-up/down us", "rel err",
-            "aligned us", "aligned align/gate-up/down us", "torch bf16 us", "humming us (§6)"]
-    if tuned:
-        head += ["tuned us", "x floor"]
     def stages(times: dict[str, float]) -> str:
         return "/".join(f"{times[name]:.1f}" if name in times else "-" for name in ("align", "gate_up", "down"))
 
+    print()
+    print(f"MXFP4 routed experts, one TP8 rank of pruned75 (E={E}, top-{K}, H_lat={H}, I={I}); CUDA graph, median; "
+          f"floors at {moe.HBM_BYTES_PER_S / 1e12:.2f} TB/s and {FLOP_PER_S / 1e12:.0f} TFLOP/s")
+    head = ["T", "experts", "byte floor us", "FLOP floor us", "mstar us", "x floor", "humming us", "mstar/humming",
+            "humming x floor", "align/gate-up/down us", "rel err", "humming err", "aligned us", "torch bf16 us"]
+    if tuned:
+        head += ["tuned us", "tuned/humming"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for r in results:
-        # Without alignment, 'aligned' times the alignment pipeline forced; with it, the two are one step.
-        aligned_us, aligned_stages = r.get("aligned_us", r["us"]), r.get("aligned_stages_us", r["stages_us"])
-        cells = [str(r["tokens"]), str(r["experts"]), cell(r["floor_us"]), cell(r["us"]),
-                 cell(r["us"] / r["floor_us"], "{:.2f}x"), cell(r["floor_bytes"] / r["us"] / 1e6, "{:.2f}"),
-                 stages(r["stages_us"]), cell(r["rel_err"], "{:.1e}"), cell(aligned_us), stages(aligned_stages),
-                 cell(r.get("torch_us")), cell(r["humming_us"])]
+        floor = max(r["floor_us"], r["flop_floor_us"])
+        hum = r.get("humming_us")
+        cells = [str(r["tokens"]), str(r["experts"]), cell(r["floor_us"]), cell(r["flop_floor_us"]), cell(r["us"]),
+                 cell(r["us"] / floor, "{:.2f}x"), cell(hum), cell(hum and r["us"] / hum, "{:.2f}"),
+                 cell(hum and hum / floor, "{:.2f}x"), stages(r["stages_us"]), cell(r["rel_err"], "{:.1e}"),
+                 cell(r.get("humming_err"), "{:.1e}"), cell(r.get("aligned_us", r["us"])), cell(r.get("torch_us"))]
         if tuned:
-            cells += [cell(r["tuned_us"]), cell(r["tuned_us"] / r["floor_us"], "{:.2f}x")]
+            cells += [cell(r["tuned_us"]), cell(hum and r["tuned_us"] / hum, "{:.2f}")]
         print("| " + " | ".join(cells) + " |")
+    for r in results:
+        if "humming_error" in r:
+            print(f"humming failed at T={r['tokens']}: {r['humming_error']}")
     if tuned:
         print("\ntuned configs:")
         for r in results:

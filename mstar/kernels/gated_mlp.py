@@ -2,7 +2,8 @@
 GEMM over their stacked weights, then SiTU(gate) * up in one Triton launch.
 
 Torch runs two GEMMs and ~8 elementwise launches (casts, tanh, sigmoid, products) per MLP; at decode
-each costs a launch, not bandwidth. The gate and up weights are stacked (`StackedLinear`).
+each costs a launch, not bandwidth. The gate and up weights are stacked (`StackedLinear`; the glue that
+runs a module through this is models/kimi_k3/gpu_ops.py).
 
 `situ_and_mul` equals `models/kimi_k3/mlp.situ` (fp32 arithmetic, one rounding at the end).
 """
@@ -10,13 +11,10 @@ each costs a launch, not bandwidth. The gate and up weights are stacked (`Stacke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from mstar.kernels.moe_mxfp4 import _tanh  # the experts' SiTU uses the same tanh
-from mstar.kernels.stacked_linear import StackedLinear
-from mstar.models.kimi_k3.mlp import GatedMLP
 
 
 def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
@@ -39,15 +37,3 @@ def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.co
     b = tl.load(gu_ptr + t * stride + inter + cols, mask=ok, other=0).to(tl.float32)
     y = beta * _tanh(a / beta) * tl.sigmoid(a) * (linear_beta * _tanh(b / linear_beta))
     tl.store(out_ptr + t * inter + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
-
-
-def fused_forward(mlp: GatedMLP):
-    """The GPU forward of a SiTU `GatedMLP`: x -> down(SiTU(stacked gate/up GEMM))."""
-    gate_up = StackedLinear([mlp.gate_proj, mlp.up_proj])
-    cfg = mlp.config
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        act = situ_and_mul(F.linear(x, gate_up.weight), cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
-        return mlp.down_proj(act)
-
-    return forward

@@ -16,7 +16,7 @@ ordinary row), and
 
 The conv kernels take each row's sequence and each sequence's first row and fold count from device
 tensors, so they serve sequences of any length: a captured prefill step runs its conv through them too
-(kda_fla.kda_prefill_step), with its recurrence in fla's chunked kernel.
+(kda_fla.prefill), with its recurrence in fla's chunked kernel.
 
 The gate (K3's bounded form or Kimi-Linear's softplus form), the L2 norms of q and k and the sigmoid
 of beta are computed in the kernel, all in fp32, as in kda.py. Loops over a sequence's rows are

@@ -1,5 +1,10 @@
 """KDA layers of a ragged batch on the GPU through fla-core, with state in the `RecurrentStatePool`.
 
+These functions take one layer's input projections of the step's rows (q, k, v before the conv, the
+gate input f, beta before its sigmoid), its parameters as plain tensors (`KDAWeights`) and the layer's
+slices of the pool, and return the recurrence's output per row and head; the module-aware glue
+around them (the projections, the gated head norm, o_proj) is models/kimi_k3/gpu_ops.py.
+
 One call runs every sequence of a step at once:
   1. projections of all rows (one GEMM each), the short causal conv continued from each slot's
      window (batched over sequences by padding), SiLU;
@@ -9,24 +14,25 @@ One call runs every sequence of a step at once:
      the model is fp32 (see `use_recurrent_kernel`);
      fla fuses the L2 norm of q/k, the K3 gate (lower_bound·sigmoid(exp(A_log)·(f + dt_bias))) and
      the sigmoid of beta;
-  3. final states and conv windows scattered back to the slots (only where the rows are folded in),
-     the gated head norm and o_proj.
+  3. final states and conv windows scattered back to the slots (only where the rows are folded in).
 
 Speculative verify rows follow the pool's checkpoint + pending prefix rule (recurrent_pool.py):
 each slot's accepted pending prefix is first replayed from the checkpoint (folded), then the verify
-block runs from there without being folded; its layer inputs become the next pending prefix.
+block runs from there without being folded; its layer inputs become the next pending prefix (the glue
+runs `varlen` twice: the prefixes, then the step's rows).
 
-Steps of short blocks (`kda_block_step`: verify blocks, a decode row after a verify, short prompts;
-at most RECURRENT_MAX_ROWS rows per sequence with its pending prefix) run each sequence's [accepted
-prefix ; rows] in one pass of our own kernels (kernels/kda_blocks.py), folding only the prefix of a
-verify block: the checkpoint + pending prefix rule in one launch per layer, without a state copy.
+Steps of short blocks (`block_rows`, `block_recurrence`, `keep_block_inputs`: verify blocks, a decode
+row after a verify, short prompts; at most RECURRENT_MAX_ROWS rows per sequence with its pending
+prefix) run each sequence's [accepted prefix ; rows] in one pass of our own kernels
+(kernels/kda_blocks.py), folding only the prefix of a verify block: the checkpoint + pending prefix
+rule in one launch per layer, without a state copy.
 
-Decode steps (`kda_decode`: one row per sequence, no pending prefix) skip all host-side logic: the
+Decode steps (`decode`: one row per sequence, no pending prefix) skip all host-side logic: the
 conv windows are updated by slot index, and fla's recurrent kernel reads and writes each sequence's
 state in the pool in place (its continuous-batching mode, `ssm_state_indices`), so no state is
 gathered or scattered and the step is CUDA-graph capturable.
 
-Captured prefill steps (`kda_prefill_step`: up to a fixed number of sequences of any lengths, no
+Captured prefill steps (`prefill`: up to a fixed number of sequences of any lengths, no
 pending prefix) take their lengths from a `PrefillLayout` staged on the device: the conv of every row
 continues its slot's window (kernels/kda_blocks.py, as verify blocks do), the states are gathered and
 scattered by slot on the device, and fla's chunked kernel runs over row offsets padded to a fixed
@@ -44,9 +50,6 @@ import torch.nn.functional as F
 
 from mstar.kernels import kda_blocks
 from mstar.kernels import kda_decode as kda_decode_kernels
-from mstar.kernels.stacked_linear import StackedLinear
-from mstar.models.kimi_k3.kda import KimiDeltaAttention
-from mstar.resources.recurrent_pool import RecurrentStatePool
 
 RECURRENT_MAX_ROWS = 16  # at most this many rows per sequence: the recurrent kernel; else the chunked one
 
@@ -102,61 +105,39 @@ def _row_index(lengths: list[int], device: torch.device) -> tuple[torch.Tensor, 
     return seq.to(device), pos.to(device)
 
 
-def stack_input_projections(attn: KimiDeltaAttention) -> None:
-    """Make x's projections one GEMM (q, k, v, f_a, b and the gate's first stage; `StackedLinear`)."""
-    gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
-    attn.stacked_inputs = StackedLinear([attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj, gate])
-
-
-def input_projections(attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """(q, k, v pre-conv, the gate f before the kernel's activation, beta before its sigmoid, the output
-    gate) of rows x, through the stacked GEMM when the layer has one. Stacked, the blocks are strided
-    views of one output: fla's kernels assume contiguous rows, so what goes to them straight (beta) is
-    made contiguous there (`.float()` copies a bf16 beta but returns an fp32 one as it is; the H200 run
-    that found this measured 11% error for fp32 models, bf16 passed)."""
-    first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
-    stacked = attn.stacked_inputs
-    if stacked is not None:
-        q, k, v, f_a, beta, g = stacked(x)
-    else:
-        q, k, v, f_a, beta, g = (p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj,
-                                                first_gate))
-    return q, k, v, attn.f_b_proj(f_a), beta, g if attn.use_full_rank_gate else attn.g_b_proj(g)
-
-
 @dataclass(frozen=True)
-class DecodeConstants:
-    """A KDA layer's parameters as the decode kernels take them, converted once (not every step)."""
+class KDAWeights:
+    """A KDA layer's parameters as the kernels take them, converted once per serving model (not every step)."""
 
     conv_weight: torch.Tensor  # fp32 [3, W, width]: the q, k, v depthwise kernels, taps oldest first
+    conv1d: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the same as held, [width, 1, W] each (`varlen`)
     a_log: torch.Tensor  # fp32 [H]
     dt_bias: torch.Tensor  # fp32 [width]
+    num_heads: int
+    head_dim: int
+    scale: float  # of q (head_dim ** -0.5)
+    lower_bound: float | None  # K3's gate lower bound; None: Kimi-Linear's gate
 
-    @classmethod
-    def of(cls, attn: KimiDeltaAttention) -> DecodeConstants:
-        convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
-        return cls(torch.stack([c.weight[:, 0].T.float() for c in convs]).contiguous(), attn.A_log.float(),
-                   attn.dt_bias.float())
+    def fla_args(self) -> dict:
+        """What every fla KDA call takes from the layer."""
+        return dict(A_log=self.a_log, dt_bias=self.dt_bias, scale=self.scale, use_qk_l2norm_in_kernel=True,
+                    use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=self.lower_bound)
 
 
-def kda_decode(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, slots: torch.Tensor,
-               pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
-    """One KDA layer for a decode step: row b of `x` [B, D] continues slot `slots[b]`, whose state and
-    conv window are updated in place (the caller guarantees no slot has a pending prefix)."""
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+           conv: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, w: KDAWeights) -> torch.Tensor:
+    """A decode step: row b continues slot `slots[b]`, whose conv window (`conv` [slots, 3, W-1, width]) and
+    state (`state` [slots, H, K, V]) are updated in place (the caller guarantees no slot has a pending
+    prefix). Returns o [B, H, K]."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    B, (H, K) = x.shape[0], (attn.num_heads, attn.head_dim)
-    q, k, v, f, beta, gate = input_projections(attn, x)
-    q, k, v = kda_decode_kernels.decode_conv(q, k, v, pool.conv[layer], slots, consts.conv_weight).view(3, B, 1, H, K)
+    B, H, K = q.shape[0], w.num_heads, w.head_dim
+    q, k, v = kda_decode_kernels.decode_conv(q, k, v, conv, slots, w.conv_weight).view(3, B, 1, H, K)
     o, _ = fused_recurrent_kda_fwd(
         q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.view(B, 1, H).float().contiguous(),
-        A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
-        initial_state=pool.state[layer], inplace_final_state=True, ssm_state_indices=slots,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=attn.gate_lower_bound,
+        initial_state=state, inplace_final_state=True, ssm_state_indices=slots, **w.fla_args(),
     )
-    o = attn.o_norm(o.view(B, H, K).to(x.dtype), gate.view(B, H, K))
-    return attn.o_proj(o.reshape(B, -1))
+    return o.view(B, H, K)
 
 
 @dataclass(frozen=True)
@@ -217,27 +198,33 @@ class BlockLayout:
             getattr(self, name).copy_(getattr(other, name))
 
 
-def kda_block_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout: BlockLayout,
-                   pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
-    """One KDA layer for a step of short blocks (kernels/kda_blocks.py): each sequence runs [its accepted
-    pending prefix ; its rows] from the slot's checkpoint in one pass, folding the prefix always and its
-    rows unless they are a verify block, whose inputs then become the next pending prefix. No host logic:
-    everything is in `layout`."""
-    (H, K), D, M = (attn.num_heads, attn.head_dim), x.shape[1], layout.num_rows
-    prefix_x = pool.prefix_x[layer].reshape(-1, D)
-    rows = x.new_zeros(M, D)  # rows outside every sequence (a fixed-capacity layout's) stay harmless zeros
+def block_rows(x: torch.Tensor, layout: BlockLayout, prefix_x: torch.Tensor) -> torch.Tensor:
+    """The combined rows [M, D] of a step of short blocks: each sequence's accepted pending prefix (read from
+    `prefix_x` [slots, max_block, D]), then its rows of x. Rows outside every sequence (a fixed-capacity
+    layout's) are harmless zeros."""
+    rows = x.new_zeros(layout.num_rows, x.shape[1])
     rows[layout.x_dest] = x
-    rows[layout.prefix_dest] = prefix_x[layout.prefix_src].to(x.dtype)
-    q, k, v, f, beta, gate = input_projections(attn, rows)
-    conv = pool.conv[layer]
-    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, layout.starts, consts.conv_weight)
+    rows[layout.prefix_dest] = prefix_x.reshape(-1, x.shape[1])[layout.prefix_src].to(x.dtype)
+    return rows
+
+
+def block_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+                     layout: BlockLayout, conv: torch.Tensor, state: torch.Tensor, w: KDAWeights) -> torch.Tensor:
+    """A step of short blocks over its combined rows (kernels/kda_blocks.py): each sequence runs [its accepted
+    pending prefix ; its rows] from the slot's checkpoint in one pass, folding the prefix always and its
+    rows unless they are a verify block. No host logic: everything is in `layout`. Returns o [M, H, K]."""
+    M, H, K = layout.num_rows, w.num_heads, w.head_dim
+    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, layout.starts, w.conv_weight)
     kda_blocks.fold_windows(q, k, v, conv, layout.slots, layout.starts, layout.fold)
-    o = kda_blocks.fold_recurrent(qkv[0].view(M, H, K), qkv[1].view(M, H, K), qkv[2].view(M, H, K), f.view(M, H, K),
-                                  beta, consts.a_log, consts.dt_bias, attn.scale, attn.gate_lower_bound,
-                                  pool.state[layer], layout.slots, layout.starts, layout.ends, layout.fold)
-    prefix_x[layout.keep_dest] = x[layout.keep_src].to(prefix_x.dtype)  # after the prefix rows were read
-    o = attn.o_norm(o[layout.x_dest].to(x.dtype), gate[layout.x_dest].reshape(-1, H, K))
-    return attn.o_proj(o.reshape(x.shape[0], -1))
+    return kda_blocks.fold_recurrent(qkv[0].view(M, H, K), qkv[1].view(M, H, K), qkv[2].view(M, H, K),
+                                     f.view(M, H, K), beta, w.a_log, w.dt_bias, w.scale, w.lower_bound, state,
+                                     layout.slots, layout.starts, layout.ends, layout.fold)
+
+
+def keep_block_inputs(x: torch.Tensor, layout: BlockLayout, prefix_x: torch.Tensor) -> None:
+    """Each verify block's rows of x become its slot's next pending prefix (after `block_rows` read the old)."""
+    flat = prefix_x.view(-1, x.shape[1])
+    flat[layout.keep_dest] = x[layout.keep_src].to(prefix_x.dtype)
 
 
 @dataclass(frozen=True)
@@ -293,95 +280,66 @@ class PrefillLayout:
         torch.searchsorted(ends, rows, right=True, out=self.row_seq)  # the first sequence ending after the row
 
 
-def kda_prefill_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, layout: PrefillLayout,
-                     pool: RecurrentStatePool, consts: DecodeConstants) -> torch.Tensor:
-    """One KDA layer for a captured prefill step: row r of `x` [num_rows, D] belongs to sequence
-    layout.row_seq[r], which continues the state and conv window of its slot and folds all its rows. No
-    host logic: the conv reads every row's sequence from the layout (kda_blocks.block_conv), the states
-    are gathered and scattered by slot on the device, and fla's chunked kernel takes the padded offsets as
-    `chunk_kda(use_graph=True)` (fp32/fp64 models: the recurrent kernel, see `exact_recurrence`)."""
+def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+            layout: PrefillLayout, conv: torch.Tensor, state: torch.Tensor, w: KDAWeights) -> torch.Tensor:
+    """A captured prefill step: row r belongs to sequence layout.row_seq[r], which continues the state and
+    conv window of its slot and folds all its rows. No host logic: the conv reads every row's sequence from
+    the layout (kda_blocks.block_conv), the states are gathered and scattered by slot on the device, and
+    fla's chunked kernel takes the padded offsets as `chunk_kda(use_graph=True)` (fp32/fp64 models: the
+    recurrent kernel, see `exact_recurrence`). Returns o [M, H, K]."""
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    (H, K), M = (attn.num_heads, attn.head_dim), x.shape[0]
+    M, H, K = q.shape[0], w.num_heads, w.head_dim
     if layout.num_rows != M:
         raise ValueError(f"{M} rows run through a prefill layout of {layout.num_rows}")
-    q, k, v, f, beta, gate = input_projections(attn, x)
-    conv, starts = pool.conv[layer], layout.cu_seqlens[:-1]
-    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, starts, consts.conv_weight)
+    starts = layout.cu_seqlens[:-1]
+    qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, starts, w.conv_weight)
     kda_blocks.fold_windows(q, k, v, conv, layout.slots, starts, layout.lengths)  # after the conv read them
-    states = pool.state[layer]
     args = dict(
         q=qkv[0].view(1, M, H, K), k=qkv[1].view(1, M, H, K), v=qkv[2].view(1, M, H, K), g=f.view(1, M, H, K),
-        beta=beta.view(1, M, H).float().contiguous(), A_log=consts.a_log, dt_bias=consts.dt_bias, scale=attn.scale,
-        initial_state=states[layout.slots].float(), output_final_state=True, cu_seqlens=layout.cu_seqlens,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=attn.gate_lower_bound,
+        beta=beta.view(1, M, H).float().contiguous(), initial_state=state[layout.slots].float(),
+        output_final_state=True, cu_seqlens=layout.cu_seqlens, **w.fla_args(),
     )
-    if exact_recurrence(x.dtype):
+    if exact_recurrence(q.dtype):
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
-        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, use_graph=True,
-                             max_num_seqs=layout.num_seqs, **args)
-    states[layout.slots] = final.to(states.dtype)  # the padding and empty sequences all land on the sink
-    o = attn.o_norm(o.view(M, H, K).to(x.dtype), gate.reshape(M, H, K))
-    return attn.o_proj(o.reshape(M, -1))
+        o, final = chunk_kda(safe_gate=w.lower_bound is not None, use_graph=True, max_num_seqs=layout.num_seqs,
+                             **args)
+    state[layout.slots] = final.to(state.dtype)  # the padding and empty sequences all land on the sink
+    return o.view(M, H, K)
 
 
-def run_rows(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, lengths: list[int], slots: tuple[int, ...],
-             pool: RecurrentStatePool, fold: list[bool]) -> torch.Tensor:
-    """Run ragged rows `x` [N, D] of len(lengths) sequences from their slots' states; write back the
-    states of the sequences marked `fold`. Returns the layer output [N, D]. Slots and lengths come from
-    the host: nothing here reads the device back."""
+def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+           lengths: list[int], slots: tuple[int, ...], fold: list[bool], conv: torch.Tensor, state: torch.Tensor,
+           w: KDAWeights) -> torch.Tensor:
+    """Ragged rows of len(lengths) sequences from their slots' states and conv windows; the states and
+    windows of the sequences marked `fold` are written back. Returns o [N, H, K]. Slots and lengths come
+    from the host: nothing here reads the device back."""
     from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-    H, K = attn.num_heads, attn.head_dim
-    device = x.device
+    H, K, device = w.num_heads, w.head_dim, q.device
     slot_index = torch.tensor(slots, device=device)
-    windows = pool.conv[layer, slot_index]  # [B, 3, W-1, width]
-    q, k, v, f, beta, gate = input_projections(attn, x)
-    q, q_win = varlen_short_conv(q, attn.q_conv1d.weight, windows[:, 0], lengths)
-    k, k_win = varlen_short_conv(k, attn.k_conv1d.weight, windows[:, 1], lengths)
-    v, v_win = varlen_short_conv(v, attn.v_conv1d.weight, windows[:, 2], lengths)
+    windows = conv[slot_index]  # [B, 3, W-1, width]
+    q, q_win = varlen_short_conv(q, w.conv1d[0], windows[:, 0], lengths)
+    k, k_win = varlen_short_conv(k, w.conv1d[1], windows[:, 1], lengths)
+    v, v_win = varlen_short_conv(v, w.conv1d[2], windows[:, 2], lengths)
     cu_host = torch.tensor([0, *lengths]).cumsum(0)
-    cu = cu_host.to(device)
-    state = pool.state[layer, slot_index].float().contiguous()  # [B, H, K, V]
     args = dict(
         q=q.view(1, -1, H, K), k=k.view(1, -1, H, K), v=v.view(1, -1, H, K), g=f.view(1, -1, H, K),
-        beta=beta.view(1, -1, H).float().contiguous(), A_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
-        scale=attn.scale, initial_state=state, output_final_state=True, cu_seqlens=cu,
-        use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-        lower_bound=attn.gate_lower_bound,
+        beta=beta.view(1, -1, H).float().contiguous(), initial_state=state[slot_index].float().contiguous(),
+        output_final_state=True, cu_seqlens=cu_host.to(device), **w.fla_args(),
     )
-    if use_recurrent_kernel(lengths, x.dtype):
+    if use_recurrent_kernel(lengths, q.dtype):
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
         # the host copy of the offsets spares fla's chunk indexing a device-to-host read per layer
-        o, final = chunk_kda(safe_gate=attn.gate_lower_bound is not None, cu_seqlens_cpu=cu_host, **args)
+        o, final = chunk_kda(safe_gate=w.lower_bound is not None, cu_seqlens_cpu=cu_host, **args)
     folded = [b for b, keep in enumerate(fold) if keep]
     if folded:
         rows = torch.tensor(folded, device=device)
         kept = torch.tensor([slots[b] for b in folded], device=device)
-        pool.state[layer, kept] = final[rows].to(pool.state.dtype)
-        pool.conv[layer, kept] = torch.stack([q_win, k_win, v_win], dim=1)[rows].to(pool.conv.dtype)
-    o = attn.o_norm(o.view(-1, H, K).to(x.dtype), gate.reshape(-1, H, K))
-    return attn.o_proj(o.reshape(x.shape[0], -1))
-
-
-def kda_step(attn: KimiDeltaAttention, layer: int, x: torch.Tensor, seq_starts: tuple[int, ...],
-             slots: tuple[int, ...], verify: tuple[bool, ...], pool: RecurrentStatePool) -> torch.Tensor:
-    """One KDA layer for a step's batch (see the module docstring); `slots` are the host's slot ids."""
-    pending = [pool.prefix_len[s] for s in slots]
-    with_prefix = [b for b, n in enumerate(pending) if n]
-    if with_prefix:  # fold each accepted pending prefix into its checkpoint
-        rows = torch.cat([pool.prefix_x[layer, slots[b], : pending[b]] for b in with_prefix])
-        run_rows(attn, layer, rows, [pending[b] for b in with_prefix], tuple(slots[b] for b in with_prefix), pool,
-                 [True] * len(with_prefix))
-    lengths = [seq_starts[b + 1] - seq_starts[b] for b in range(len(slots))]
-    fold = [not (verify and verify[b]) for b in range(len(slots))]
-    y = run_rows(attn, layer, x, lengths, slots, pool, fold)
-    for b, folded in enumerate(fold):
-        if not folded:  # a verify block: its inputs wait as the next pending prefix
-            pool.prefix_x[layer, slots[b], : lengths[b]] = x[seq_starts[b] : seq_starts[b + 1]]
-    return y
+        state[kept] = final[rows].to(state.dtype)
+        conv[kept] = torch.stack([q_win, k_win, v_win], dim=1)[rows].to(conv.dtype)
+    return o.view(-1, H, K)

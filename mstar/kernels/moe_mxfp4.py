@@ -90,7 +90,6 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from mstar.models.kimi_k3.mlp import situ
 from mstar.quant.mxfp4 import GROUP_SIZE, dequantize_mxfp4
 
 SITU_BETA = 4.0  # K3's activation_situ_beta (the gate's soft clip)
@@ -196,6 +195,17 @@ def check_weights(w13_packed, w13_scale, w2_packed, w2_scale) -> tuple[int, int,
 # ----------------------------------------------------------------------------------------------
 
 
+def situ_reference(gate: torch.Tensor, up: torch.Tensor, beta: float, linear_beta: float) -> torch.Tensor:
+    """K3's SiTU, [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in `gate`'s dtype.
+
+    The kernels' own copy of models/kimi_k3/mlp.situ (kernels import no model code; a test holds the two
+    equal): the arithmetic runs in fp32 at least (fp64 stays fp64), rounded once at the end.
+    """
+    a, b = (x.float() if x.dtype in (torch.bfloat16, torch.float16) else x for x in (gate, up))
+    out = beta * torch.tanh(a / beta) * torch.sigmoid(a) * (linear_beta * torch.tanh(b / linear_beta))
+    return out.to(gate.dtype)
+
+
 def moe_mxfp4_reference(
     z: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -220,7 +230,7 @@ def moe_mxfp4_reference(
         w13 = dequantize_mxfp4(w13_packed[e], w13_scale[e], dtype)
         w2 = dequantize_mxfp4(w2_packed[e], w2_scale[e], dtype)
         x = x_all[rows]
-        h = situ(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
+        h = situ_reference(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
         out.index_add_(0, rows, (h @ w2.T) * expert_weights[rows, slot].to(dtype).unsqueeze(-1))
     return out
 
@@ -262,9 +272,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
     With alignment, decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one
     token's 16 experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the
     dot's A operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized
-    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. These choices
-    come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6 instructions per
-    weight in the main loops), not yet from timings.
+    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. Up to 48 rows
+    per expert these choices come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6
+    instructions per weight in the main loops), not yet from timings; above, from --tune on the H200.
     """
     pairs = num_tokens * top_k
     if align is None:
@@ -283,8 +293,10 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
         return MoEConfig(32, GemmTile(64, 128), GemmTile(64, 128), combine)
     if rows <= 48:
         return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), combine, swap_ab=False)
-    big = {"num_warps": 8, "num_stages": 3}
-    return MoEConfig(128, GemmTile(64, 128, **big), GemmTile(128, 128, **big), combine, swap_ab=False)
+    # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
+    # 64-row blocks and 4-warp tiles beat the earlier guess of 128 rows at 8 warps, and the atomic combine beat
+    # "reduce" by 3-4%: 969 -> 871 us at 1024 tokens, 2875 -> 2391 at 4096 (and 5226 -> 4782 at 8192, untuned).
+    return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), "atomic", swap_ab=False)
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:

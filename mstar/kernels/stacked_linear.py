@@ -1,30 +1,61 @@
-"""Several bias-free projections of the same input as one GEMM over their stacked weights.
+"""Several weights that multiply the same input, held as one tensor of their rows: one GEMM instead of many.
 
 At decode a K3 layer's small projections of one input (KDA's q, k, v, f_a, b and g_a; a gated MLP's
 gate and up) cost a launch each and read too few bytes to reach full bandwidth alone. Stacked, one
-GEMM reads them all. The stack is one tensor whose row blocks become the modules' weights (views),
-so nothing is held twice and the torch path still reads the same numbers.
+GEMM reads them all.
+
+The stack never holds the bytes twice. Where the weights already are consecutive row blocks of one
+storage (an earlier stack of the same weights), the stack is a view of it. Otherwise their rows are
+copied into a new tensor and each weight's storage moves to its rows there (`Tensor.data`: the
+weight keeps its values and its identity; the old storage is freed). So whatever reads the weights
+themselves (a reference forward) reads the same numbers, and stacking them again is free.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
-from torch import nn
+
+
+def rows_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(tensors)` as a view, when the tensors are consecutive, contiguous row blocks of one storage
+    (same trailing shape and dtype); else None."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The rows of `tensors`, in order, as one tensor whose row blocks the tensors then are (module doc)."""
+    view = rows_view(tensors)
+    if view is not None:
+        return view
+    stacked = torch.cat([t.detach() for t in tensors])
+    start = 0
+    for t in tensors:
+        t.data = stacked[start : start + t.shape[0]]
+        start += t.shape[0]
+    return stacked
 
 
 class StackedLinear:
-    """The stacked weight of `linears` (same input width) and the width of each output block."""
+    """Bias-free projections of one input (their weights [out_i, in]) as one GEMM over the stacked weight."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        if any(lin.bias is not None for lin in linears) or len({lin.in_features for lin in linears}) != 1:
-            raise ValueError("StackedLinear stacks bias-free nn.Linear layers of one input width")
-        self.widths = [lin.out_features for lin in linears]
-        self.weight = torch.cat([lin.weight.detach() for lin in linears])
-        start = 0
-        for lin, width in zip(linears, self.widths, strict=True):
-            lin.weight = nn.Parameter(self.weight[start : start + width], requires_grad=False)
-            start += width
+    def __init__(self, weights: Sequence[torch.Tensor]):
+        if len({w.shape[1] for w in weights}) != 1:
+            shapes = [tuple(w.shape) for w in weights]
+            raise ValueError(f"StackedLinear stacks weights of one input width, got {shapes}")
+        self.widths = [w.shape[0] for w in weights]
+        self.weight = stack_rows(weights)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Each projection of x, as column blocks (views) of one GEMM's output."""

@@ -9,10 +9,10 @@ context lengths, KDA slots, the rows to sample, row offsets and KDA layouts) tha
 each replay; the kernels take their shapes from the bucket and their lengths from those buffers, so
 one capture serves any step that fits its bucket:
 
-- KDA: decode reads and writes state and conv windows in place by slot (kda_fla.kda_decode); verify
+- KDA: decode reads and writes state and conv windows in place by slot (kda_fla.decode); verify
   blocks run [accepted prefix ; block] per sequence from a layout staged with each step's pending-prefix
-  lengths (kda_fla.BlockLayout with a fixed capacity per sequence, kda_fla.kda_block_step); prefill
-  steps from a layout of padded row offsets (kda_fla.PrefillLayout, kda_fla.kda_prefill_step);
+  lengths (kda_fla.BlockLayout with a fixed capacity per sequence, kda_fla.block_recurrence); prefill
+  steps from a layout of padded row offsets (kda_fla.PrefillLayout, kda_fla.prefill);
 - MLA: the paged decode kernel with a split count fixed for `max_seq_len` (a shorter context uses
   fewer of the splits); verify blocks and prefill steps the multi-row kernel with fixed row offsets;
 - MoE: the MXFP4 kernels, whose workspaces and branches depend only on the token count.
@@ -37,7 +37,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from mstar.kernels import kda_fla
-from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.resources.latent_kv import LatentKVPlan
@@ -67,13 +67,14 @@ def capture_blockers(serving: ServingModel) -> list[str]:
         problems.append("the token mixers run the torch path (kernels=torch, or fla-core is not installed)")
     if not model.comm.graph_capturable:
         problems.append(f"the {model.comm.name} communicator's collectives cannot be captured")
+    experts = serving.layer_ops.experts if isinstance(serving.layer_ops, GpuLayerOps) else {}
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        if isinstance(attn, GatedMLA) and not GpuMixerOps.mla_kernel_fits(attn, param.dtype, param.device):
+        if isinstance(attn, GatedMLA) and attn not in getattr(serving.ops, "mla_layers", ()):
             problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and a 64-wide rope "
                             f"part; the model is {param.dtype} with rope {attn.rope})")
         moe = getattr(layer, "block_sparse_moe", None)
-        if moe is not None and moe.expert_kernel is None:
+        if moe is not None and moe not in experts:
             problems.append(f"the routed experts of layer {i} run the torch loop (the MXFP4 kernel needs a bf16 "
                             "model with MXFP4 experts whose widths are multiples of 128)")
     return problems

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.runner.executor import ModelStep, StepOutput
@@ -69,16 +70,9 @@ class ModelRunner:
         self.pool = RecurrentStatePool(kinds.count("kda"), pools.max_kda_slots, la.num_heads, la.head_dim,
                                        la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
                                        dtype, device, hidden_size=cfg.hidden_size, max_block=pools.max_block)
-        ops = TorchMixerOps()
-        if kernels == "auto" and device.type == "cuda":
-            # The GPU kernels (Triton, fla-core) are imported only here: a CPU install has neither.
-            from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
-
-            ops = default_mixer_ops(device)
-            install_expert_kernels(model, limits.max_num_batched_tokens,  # bf16 MoE above the threshold
-                                   bf16_above_tokens=limits.moe_bf16_above)
-            install_fused_kernels(model)
-        self.serving = ServingModel(model, self.kv, self.pool, ops)
+        self.backend = select_backend(model, kernels, limits.max_num_batched_tokens,
+                                      bf16_above_tokens=limits.moe_bf16_above)
+        self.serving = ServingModel(model, self.kv, self.pool, self.backend.mixers, self.backend.layers)
         self.graphs: list = []  # StepGraphs, in the order `forward` tries them
         if cuda_graphs and device.type == "cuda":
             self.graphs = self._capture_graphs()

@@ -20,6 +20,7 @@ from mstar.server.errors import APIError, error_response, guarded, install_error
 from mstar.server.metrics import CONTENT_TYPE, ServerMetrics
 from mstar.server.openapi import build_openapi
 from mstar.server.options import ServerOptions
+from mstar.server.responses_api import create_response
 from mstar.server.streaming import json_response
 from mstar.server.vllm_routes import add_vllm_routes
 
@@ -66,6 +67,12 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
         return await guarded(
             lambda: create_chat_completion(request, ctx), "/v1/chat/completions", ctx.metrics.invalid_request
         )
+
+    @app.post("/v1/responses")
+    async def responses_route(request: Request) -> Response:
+        if (err := unavailable()) is not None:
+            return error_response(err)
+        return await guarded(lambda: create_response(request, ctx), "/v1/responses", ctx.metrics.invalid_request)
 
     def model_card() -> responses.ModelCard:
         return responses.ModelCard(id=served_model_name, created=ctx.created, max_model_len=engine.max_seq_len)

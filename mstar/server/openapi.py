@@ -35,6 +35,7 @@ from mstar.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from mstar.server.responses_api import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -75,6 +76,8 @@ _TOKENIZE_RESPONSE = {"type": "object", "required": ["count", "max_model_len", "
                                      "token_strs": {"anyOf": [{"type": "array", "items": {"type": "string"}},
                                                               {"type": "null"}]}}}
 _DETOKENIZE_RESPONSE = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+_RESPONSE = {"type": "object", "required": ["id", "object", "status", "output"],
+             "properties": {"object": {"const": "response"}, "output": {"type": "array"}}}
 _VERSION = {"type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}}
 _HEALTH_SCHEMA = {"type": "object", "required": ["status"], "properties": {"status": {"enum": ["ok", "unhealthy"]}}}
 
@@ -132,7 +135,7 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
               (responses.Completion, "serialization"), (responses.ChatCompletion, "serialization"),
               (responses.ModelList, "serialization"), (responses.ModelCard, "serialization"),
               (TokenizeCompletionRequest, "validation"), (TokenizeChatRequest, "validation"),
-              (DetokenizeRequest, "validation")]
+              (DetokenizeRequest, "validation"), (ResponsesRequest, "validation")]
     _, top = models_json_schema(models, ref_template=REF)
     schemas = copy.deepcopy(top["$defs"])
     completion = schemas["CompletionRequest"]["properties"]
@@ -159,6 +162,13 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     detokenize["tokens"] = {"type": "array", "items": _token_ids(vocab_size, 1)["items"]}
     schemas["TokenizeRequest"] = {"anyOf": [{"$ref": REF.format(model="TokenizeCompletionRequest")},
                                             {"$ref": REF.format(model="TokenizeChatRequest")}]}
+    responses_request = schemas["ResponsesRequest"]["properties"]
+    responses_request["model"] = _nullable({"type": "string", "enum": [model_name]})
+    responses_request["max_output_tokens"] = _max_tokens(options, max_seq_len)
+    responses_request["temperature"] = _nullable({"type": "number", "minimum": 0})
+    responses_request["top_p"] = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1})
+    schemas["ReasoningOptions"]["properties"]["effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
+    schemas["Response"] = _RESPONSE
     schemas["TokenizeResponse"] = _TOKENIZE_RESPONSE
     schemas["DetokenizeResponse"] = _DETOKENIZE_RESPONSE
     schemas["Version"] = _VERSION
@@ -225,6 +235,7 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
     paths = {
         "/v1/completions": generation("Text completion", "CompletionRequest", "Completion"),
         "/v1/chat/completions": generation("Chat completion", "ChatCompletionRequest", "ChatCompletion"),
+        "/v1/responses": generation("OpenAI Responses API (text, function tools)", "ResponsesRequest", "Response"),
         "/v1/models": {"get": _operation("The served model", {"description": "Models", "content": _json("ModelList")},
                                          protected=auth, errors={})},
         "/v1/models/{model}": {"get": _operation(

@@ -5,7 +5,8 @@ each with a random prompt of `--input-len` token ids (or, with `--prompts FILE`,
 prompts in turn) and `--output-len` generated tokens (`ignore_eos`), and reports output tok/s, TTFT
 (mean, p50) and inter-token latency (mean, p99). When the server speculates, each level also reports
 the mean accepted length and the acceptance rate of each draft position, from the difference of the
-server's cumulative /metrics counters before and after the level.
+server's cumulative /metrics counters before and after the level. A progress bar (stderr) counts
+each level's finished requests.
 Writes a markdown table (and a PNG plot when matplotlib is installed) under `--out`.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 
 @dataclass
@@ -140,15 +142,18 @@ async def run_level(url: str, model: str, concurrency: int, prompts: list[list[i
     results: list[RequestTiming] = []
     queue = list(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4)
+    progress = tqdm(total=len(prompts), desc=f"C={concurrency}", unit="req", file=sys.stderr, leave=False)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def worker():
             while queue:
                 prompt = queue.pop()
                 results.append(await one_request(client, url, model, prompt, output_len, extra))
+                progress.update(1)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         duration = time.perf_counter() - start
+    progress.close()
     ttfts = [r.ttft for r in results]
     itls = [x for r in results for x in r.itls]
     return LevelResult(concurrency, len(results), duration, sum(r.output_tokens for r in results),

@@ -61,8 +61,8 @@ from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 from mstar.models.dspark.config import DSparkConfig, load_dspark_config
 from mstar.models.dspark.model import K3DSparkModel
+from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.config import KimiK3Config
-from mstar.models.kimi_k3.gpu_ops import default_mixer_ops, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortConv
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.moe import Router
@@ -401,16 +401,16 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
     comm = ModeledCommunicator(plan.tp_size, plan.rank, comm_cost, device) if comm_cost is not None else None
     model = build_model(config, plan, dtype, device, generator, comm)
     prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
-    # as EngineCore: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
-    kernels = install_expert_kernels(model, max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
-    fused = install_fused_kernels(model)  # as EngineCore does: norms, AttnRes, router, KDA gated norm
+    # the engine's backend: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
+    backend = select_backend(model, "auto", max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
         torch.cuda.empty_cache()
-    progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {fused}")
+    kernels = backend.expert_layers
+    progress(f"weights built; MXFP4 expert kernels on {kernels} MoE layers; fused small kernels: {backend.fused}")
     target_steps = [s for s in steps if s.kind in TARGET_KINDS]
     kv, pool = build_pools(model.config, target_steps, page_size, dtype, device, generator)  # the rank's heads
-    emulation = Emulation(config, plan, ServingModel(model, kv, pool, default_mixer_ops(device)), device, generator,
-                          page_size, kernels, pending_prefix, comm)
+    serving = ServingModel(model, kv, pool, backend.mixers, backend.layers)
+    emulation = Emulation(config, plan, serving, device, generator, page_size, kernels, pending_prefix, comm)
     synchronize(device)
     progress(f"weights {emulation.weight_bytes() / GIB:.2f} GiB, pools {emulation.pool_bytes() / GIB:.2f} GiB "
              f"({kv.cache.shape[1]} pages of {page_size}, {pool.max_slots} KDA slots)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import regex
 
+from mstar.models.kimi_k3.hf_tokenizer import write_hf_tokenizer
 from mstar.models.kimi_k3.tokenizer import (
     BOS,
     EOS,
@@ -181,7 +182,9 @@ def write_tokenizer_dir(
     name_reserved_slots: bool = False,
     model_max_length: int = 1_048_576,
 ) -> Path:
-    """Write `tiktoken.model`, `tokenizer_config.json` and `special_tokens_map.json` in K3's layout.
+    """Write `tiktoken.model`, `tokenizer_config.json` and `special_tokens_map.json` in K3's layout,
+    and the same tokenizer as `tokenizer.json` (models/kimi_k3/hf_tokenizer.py), which the config names
+    (`PreTrainedTokenizerFast`) so that `transformers.AutoTokenizer` loads the folder offline.
 
     The 256 special slots start right after the ranks, with K3's names at K3's offsets. K3's real
     `added_tokens_decoder` lists only the 16 named slots; `name_reserved_slots=True` also lists the
@@ -196,19 +199,21 @@ def write_tokenizer_dir(
     lines = [f"{base64.b64encode(token).decode('ascii')} {rank}" for token, rank in sorted(ranks.items(), key=_by_rank)]
     (out_dir / "tiktoken.model").write_text("\n".join(lines) + "\n", encoding="ascii")
 
-    names = k3_special_names(num_ranks)
+    all_names = k3_special_names(num_ranks)
+    write_hf_tokenizer(out_dir, ranks, [(i, name, name not in K3_NOT_SKIPPED_SPECIALS)
+                                        for i, name in all_names.items()])
+    names = all_names
     if not name_reserved_slots:
         names = {i: name for i, name in names.items() if name != reserved_token_name(i)}
     assert len(k3_special_names(num_ranks)) == NUM_SPECIAL_SLOTS
     config = {
         "added_tokens_decoder": {str(i): _added_token_entry(name) for i, name in names.items()},
-        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": BOS,
         "clean_up_tokenization_spaces": False,
         "eos_token": EOS,
         "model_max_length": model_max_length,
         "pad_token": PAD,
-        "tokenizer_class": "TikTokenTokenizer",
+        "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": UNK,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

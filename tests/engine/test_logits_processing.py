@@ -12,7 +12,7 @@ import torch
 from logits_reference import ref_process, reference_processed_greedy
 
 from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.logits_processing import (
     LogitsProcessing,
     RowHistory,
@@ -20,6 +20,7 @@ from mstar.engine.logits_processing import (
     apply_repetition_penalty,
 )
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
@@ -106,16 +107,22 @@ def test_out_of_range_values_name_the_field(kwargs, name):
 # ---- the engine --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dir, overlap):
-    tokenizer = KimiTokenizer.from_dir(tiny_dir)
+@pytest.mark.parametrize("mode", ["sync", "async", "dspark"])
+def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dirs, mode):
+    """With DSpark the processed requests get no drafts (their verify row is their one sampled row); the
+    plain request is drafted for and stays greedy-exact."""
+    tokenizer = KimiTokenizer.from_dir(tiny_dirs[0])
     rng = random.Random()
     vocab = tiny_model.config.vocab_size
+    spec = None
+    if mode == "dspark":
+        spec = SpeculativeModels(K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32))
     cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 128},
                                                    "kda_state": {"max_slots": 9}},
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 128},
-                       model_kwargs={"async_scheduling": overlap})
-    engine = EngineCore(tiny_model, tokenizer, cfg)
+                       model_kwargs={"async_scheduling": mode == "async",
+                                     "speculative_tokens": 3 if spec is not None else 0})
+    engine = EngineCore(tiny_model, tokenizer, cfg, spec)
     prompts = [[rng.randrange(vocab - 256) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     free_run = greedy_generate(tiny_model, prompts[0], 10)
     stop = free_run[2]  # the plain run would stop at its third token; min_tokens holds it off
@@ -139,3 +146,5 @@ def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dir
     assert got["r4"] == greedy_generate(tiny_model, prompts[1], 10)
     assert len(got["r3"]) >= 6  # without min_tokens its stop id ends it by the third token
     assert got["r2"][0] != free_run[0]  # a bias of -100 moved the argmax away
+    if mode == "dspark":
+        assert engine.spec.num_drafted > 0

@@ -1,10 +1,14 @@
-"""fla-core KDA over the state pool (mstar/kernels/kda_fla.py) against the torch mixer. Needs CUDA + fla."""
+"""fla-core KDA over the state pool (mstar/kernels/kda_fla.py, through models/kimi_k3/gpu_ops.py) against the
+torch mixer. Needs CUDA + fla."""
+
+from dataclasses import replace
 
 import pytest
 import torch
 
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
 from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -69,7 +73,7 @@ def test_kda_step_matches_torch(dtype, tol, shape):
     ref_pool = clone_pool(pool)
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = kda_fla.kda_step(attn, 0, x, plan.seq_starts, plan.host_slots(), verify, pool)
+        y = GpuMixerOps().kda(attn, 0, x, plan, pool)  # a 100-row prompt: the ragged fla path
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err
@@ -89,8 +93,6 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stac
     projections run as one GEMM (the torch reference reads the same weights, now views)."""
     heads, head_dim, hidden = shape
     attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
-    if stacked:
-        kda_fla.stack_input_projections(attn)
     slots = torch.tensor([7, 2, 5, 1], device="cuda")
     x = torch.randn(4, hidden, device="cuda", dtype=dtype)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None, kda_slots=slots,
@@ -100,7 +102,7 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stac
     before = pool.state[0, untouched].clone(), pool.conv[0, untouched].clone()
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = kda_fla.kda_decode(attn, 0, x, slots, pool, kda_fla.DecodeConstants.of(attn))
+        y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err
@@ -113,13 +115,12 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stac
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("capacity", [None, 16])
 def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
-    """kda_block_step compiled for this GPU (kernels/kda_blocks.py: block conv, window fold, the recurrent
+    """The short-block path compiled for this GPU (kernels/kda_blocks.py: block conv, window fold, the recurrent
     fold): verify blocks after accepted pending prefixes, a verify block without one, a decode row after a
     prefix and a short prompt, at one TP8 rank's head shape; compact and fixed-capacity (captured verify
     step) layouts. Output, states, windows and the next pending prefixes end as the torch mixer leaves them."""
     heads, head_dim, hidden = 12, 128, 1024
     attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
-    kda_fla.stack_input_projections(attn)
     pool.prefix_x.normal_()
     lengths, verify, slots = [4, 4, 1, 7, 4], (True, True, False, False, True), (5, 2, 6, 8, 4)
     for slot, n in ((5, 2), (6, 3), (4, 3)):
@@ -135,7 +136,7 @@ def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
                                        pool.prefix_x.shape[2], x.device, capacity=capacity)
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = kda_fla.kda_block_step(attn, 0, x, layout, pool, kda_fla.DecodeConstants.of(attn))
+        y = GpuMixerOps(fused=True).kda(attn, 0, x, replace(plan, kda_layout=layout), pool)
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err

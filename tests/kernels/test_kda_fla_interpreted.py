@@ -1,10 +1,12 @@
-"""The GPU KDA path (mstar/kernels/kda_fla.py: fla's recurrent kernel, the decode conv, stacked
-projections, host-indexed state pool) run on the CPU through Triton's interpreter in fp32, against the
-torch mixer. It catches layout and indexing bugs before the GPU does (a strided beta that fla read as
-contiguous gave 5% error here). On a GPU machine the same paths run in tests/kernels/test_gpu_kda.py."""
+"""The GPU KDA path (models/kimi_k3/gpu_ops.py over mstar/kernels/kda_fla.py: fla's recurrent kernel, the
+decode conv, stacked projections and the one-launch head norm (`fused`), host-indexed state pool) run on
+the CPU through Triton's interpreter in fp32, against the torch mixer. It catches layout and indexing
+bugs before the GPU does (a strided beta that fla read as contiguous gave 5% error here). On a GPU
+machine the same paths run in tests/kernels/test_gpu_kda.py."""
 
 import copy
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -68,9 +70,7 @@ def test_decode_writes_the_pool_in_place_like_torch(stacked):
     ref = copy.deepcopy(pool)
     x = torch.randn(4, HIDDEN)
     expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
-    if stacked:
-        kda_fla.stack_input_projections(attn)
-    y = kda_fla.kda_decode(attn, 0, x, plan.kda_slots, pool, kda_fla.DecodeConstants.of(attn))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5
     assert rel(pool.state, ref.state) < 1e-5 and rel(pool.conv, ref.conv) < 1e-5  # untouched slots included
 
@@ -82,15 +82,13 @@ def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked
     40-row prompt: the ragged fla path; else the short-block kernels); slots 5 and 6 first replay an
     accepted pending prefix of 3 rows; verify blocks stay pending (inputs kept, the state not folded)."""
     attn, pool = layer_and_pool()
-    if stacked:
-        kda_fla.stack_input_projections(attn)
     lengths = [1, 5, longest, 1, 8]
     verify = (False, False, False, True, True)
     slots = (3, 1, 8, 5, 6)
     for slot in (5, 6):
         pool.prefix_len[slot] = 3
     plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
-    y = GpuMixerOps().kda(attn, 0, x, plan, pool)
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
@@ -98,12 +96,10 @@ def test_ragged_step_with_verify_rows_and_pending_prefixes_matches_torch(stacked
 
 @pytest.mark.parametrize("stacked", [False, True])
 def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
-    """kda_block_step (kernels/kda_blocks.py): verify blocks after an accepted pending prefix, a verify
+    """A staged short-block layout (kernels/kda_blocks.py): verify blocks after an accepted pending prefix, a verify
     block without one, a decode row after a prefix, an ordinary short prompt; states, windows and pending
     prefixes of every slot end as the torch mixer leaves them (slot 4 gets a prefix of all 3 rows)."""
     attn, pool = layer_and_pool()
-    if stacked:
-        kda_fla.stack_input_projections(attn)
     lengths = [4, 4, 1, 7, 4]
     verify = (True, True, False, False, True)
     slots = (5, 2, 6, 8, 4)
@@ -112,7 +108,7 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
     layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
                                        pool.prefix_x.shape[2], x.device)
-    y = kda_fla.kda_block_step(attn, 0, x, layout, pool, kda_fla.DecodeConstants.of(attn))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, replace(plan, kda_layout=layout), pool)
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
@@ -121,14 +117,12 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
 @pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize(("lengths", "num_rows"), [([5, 1, 13], 24), ([2, 7, 1, 3, 9, 1, 4, 6], 33), ([6, 2], 8)])
 def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
-    """kda_prefill_step on a PrefillLayout of at most 8 sequences over num_rows rows: ragged sequences
+    """A staged PrefillLayout of at most 8 sequences over num_rows rows: ragged sequences
     (shorter than the conv window too) continue their slots' states and windows; the rows past them form a
     padding sequence on the sink slot, the sequences after it are empty (their offsets what fla's graph
     mode takes). Outputs, states and windows of every slot but the sink end as the torch mixer leaves them,
     though the layout came from device tensors alone."""
     attn, pool = layer_and_pool()
-    if stacked:
-        kda_fla.stack_input_projections(attn)
     slots = (7, 2, 5, 1, 8, 3, 4, 6)[: len(lengths)]
     plan, x, ref, expect = step_against_torch(attn, pool, lengths, (), slots)
     n = x.shape[0]
@@ -140,7 +134,7 @@ def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
     padding = [len(lengths)] * (num_rows - n)  # the padding sequence follows the step's
     assert layout.row_seq.tolist() == [b for b, m in enumerate(lengths) for _ in range(m)] + padding
     padded = torch.cat([x, torch.randn(num_rows - n, HIDDEN)])
-    y = kda_fla.kda_prefill_step(attn, 0, padded, layout, pool, kda_fla.DecodeConstants.of(attn))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, padded, replace(plan, kda_layout=layout), pool)
     assert y.shape == padded.shape and torch.isfinite(y).all()
     assert rel(y[:n], expect) < 1e-5, rel(y[:n], expect)
     for name in ("state", "conv"):  # slot 0 is the sink, which the padding sequence wrote

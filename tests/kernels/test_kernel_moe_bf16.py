@@ -38,7 +38,7 @@ from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 from mstar.kernels import moe_bf16
 from mstar.kernels import moe_mxfp4 as moe
-from mstar.models.kimi_k3.gpu_ops import install_expert_kernels, install_layer_kernel
+from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, MXFP4Experts, expert_kernel_fits, expert_kernels
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
 
@@ -195,8 +195,8 @@ def test_layer_takes_bf16_path_above_threshold(tiny_model, layout):
     sharding = ExpertSharding(4, TINY_I, 2, 2, 1) if layout == "ep2_rank1" else None
     layer = packed_latent_moe(tiny_model, gen, sharding)
     reference = copy.deepcopy(layer).float()  # fp32 activations; the MXFP4 weights are exact in any float
-    assert install_layer_kernel(layer)
-    kernel = layer.expert_kernel
+    assert expert_kernel_fits(layer)
+    kernel = MXFP4Experts(layer)
     scratch = poisoned_scratch(kernel.weights)
     kernel.bf16 = moe_bf16.Bf16Path(8, scratch)
     for num_tokens, bf16_path in ((8, False), (9, True)):
@@ -204,7 +204,7 @@ def test_layer_takes_bf16_path_above_threshold(tiny_model, layout):
         with torch.no_grad():
             route = layer.gate(x)
             z = layer.routed_expert_down_proj(x)
-            got = layer.routed(z, route)
+            got = GpuLayerOps({layer: kernel}).routed(layer, z, route)
             expect = reference.routed(z.float(), route)
         assert relative_error(got, expect) < BF16_BOUND
         assert bool(scratch.w13.isnan().all()) != bf16_path
@@ -276,7 +276,7 @@ def test_gpu_cuda_graph_replay(gpu_experts):
 
 @hopper
 def test_gpu_install_allocates_only_for_large_steps():
-    """install_expert_kernels gives the bf16 path (one scratch for all layers) only when steps may exceed the
+    """expert_kernels gives the bf16 path (one scratch for all layers) only when steps may exceed the
     threshold; the layers then take it above the threshold."""
     from mstar.models.kimi_k3.config import parse_config
     from mstar.models.kimi_k3.model import KimiK3ForCausalLM
@@ -289,22 +289,22 @@ def test_gpu_install_allocates_only_for_large_steps():
             model = KimiK3ForCausalLM(cfg).to(torch.bfloat16).eval()
         layers = [layer.block_sparse_moe for layer in model.model.layers if hasattr(layer, "block_sparse_moe")]
         hold_packed((e for layer in layers for e in layer.experts), gen)
-        assert install_expert_kernels(model, max_step_tokens=max_step_tokens, bf16_above_tokens=64) == len(layers)
-        paths = [layer.expert_kernel.bf16 for layer in layers]
+        kernels = expert_kernels(layers, max_step_tokens, bf16_above_tokens=64)
+        assert len(kernels) == len(layers)
+        paths = [kernels[layer].bf16 for layer in layers]
         if not expect_path:
             assert paths == [None] * len(layers)
             continue
         assert all(p is not None and p.above_tokens == 64 and p.scratch is paths[0].scratch for p in paths)
         layer = layers[-1]
-        reference = copy.deepcopy(layer).float()
-        reference.expert_kernel = None  # the torch experts (their buffers: copies of the stack's rows)
+        reference = copy.deepcopy(layer).float()  # the torch experts (their buffers: copies of the stack's rows)
         for num_tokens, bf16_path in ((64, False), (65, True)):
             paths[0].scratch.w13.fill_(float("nan"))
             x = torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
             with torch.no_grad():
                 route = layer.gate(x)
                 z = layer.routed_expert_down_proj(x)
-                got = layer.routed(z, route)
+                got = GpuLayerOps(kernels).routed(layer, z, route)
                 expect = reference.routed(z.float(), route)
             assert bool(paths[0].scratch.w13.isnan().all()) != bf16_path  # which path the step took
             assert relative_error(got, expect) < BF16_BOUND

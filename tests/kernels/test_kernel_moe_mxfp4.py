@@ -425,6 +425,20 @@ def test_stack_from_checkpoint_names():
         moe.stack_experts_from_state(tensors, prefix, TINY_E)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_situ_reference_is_the_models(dtype):
+    """The kernels' SiTU reference equals the model's, bit for bit, in each dtype (fp32 arithmetic for
+    bf16, fp64 kept), over soft-clip and saturated ranges of both branches."""
+    from mstar.models.kimi_k3.mlp import situ
+
+    gen = new_generator("cpu")
+    gate, up = ((torch.randn(64, 96, generator=gen, dtype=torch.float64) * 30).to(dtype) for _ in range(2))
+    got = moe.situ_reference(gate, up, moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+    want = situ(gate, up, moe.SITU_BETA, moe.SITU_LINEAR_BETA)
+    assert got.dtype == want.dtype == dtype
+    assert torch.equal(got, want)
+
+
 def test_config_table_and_block_bound():
     for tokens in (1, 8, 16, 64, 256, 1024, 8192):
         for align in (None, True):

@@ -1,19 +1,21 @@
-"""StackedLinear: one GEMM for several projections of one input, weights held once."""
+"""StackedLinear: one GEMM for several projections of one input, weights held once, a second stack free."""
 
 import pytest
 import torch
 from torch import nn
 
-from mstar.kernels.stacked_linear import StackedLinear
+from mstar.kernels.stacked_linear import StackedLinear, rows_view, stack_rows
 
 
 def test_stacked_outputs_equal_the_separate_projections_and_share_storage():
     linears = [nn.Linear(24, n, bias=False).double() for n in (7, 16, 1)]
+    params = [lin.weight for lin in linears]
     x = torch.randn(5, 24, dtype=torch.float64)
     expect = [lin(x) for lin in linears]
-    stacked = StackedLinear(linears)
+    stacked = StackedLinear(params)
     for got, want in zip(stacked(x), expect, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert [lin.weight for lin in linears] == params  # the same parameters, now rows of the stack
     assert all(lin.weight.untyped_storage().data_ptr() == stacked.weight.untyped_storage().data_ptr()
                for lin in linears)
     with torch.no_grad():
@@ -21,18 +23,32 @@ def test_stacked_outputs_equal_the_separate_projections_and_share_storage():
     assert torch.equal(linears[1](x), torch.zeros(5, 16, dtype=torch.float64))
 
 
+def test_stacking_the_same_weights_again_is_a_view_of_the_first_stack():
+    weights = [torch.randn(n, 8) for n in (3, 5)]
+    values = [w.clone() for w in weights]
+    first = stack_rows(weights)
+    again = stack_rows(weights)
+    assert again.data_ptr() == first.data_ptr() and again.shape == (8, 8)
+    assert all(torch.equal(w, v) for w, v in zip(weights, values, strict=True))
+    assert rows_view([weights[1], weights[0]]) is None  # out of order: not one view
+    assert rows_view([torch.randn(3, 8), torch.randn(5, 8)]) is None  # two storages
+
+
 def test_mismatched_inputs_or_biases_are_refused():
+    from mstar.models.kimi_k3.gpu_ops import stacked
+
     with pytest.raises(ValueError, match="one input width"):
-        StackedLinear([nn.Linear(4, 2, bias=False), nn.Linear(5, 2, bias=False)])
+        StackedLinear([torch.zeros(2, 4), torch.zeros(2, 5)])
     with pytest.raises(ValueError, match="bias-free"):
-        StackedLinear([nn.Linear(4, 2, bias=True)])
+        stacked([nn.Linear(4, 2, bias=True)])
 
 
 def test_an_mla_layer_with_stacked_inputs_computes_what_it_did():
-    """GatedMLA's q_a, kv_a and output-gate projections as one GEMM (gpu_ops.stack_mla_inputs): the same
-    outputs and cache rows, prefill then a decode row, in fp64."""
+    """GatedMLA's q_a, kv_a and output-gate projections as one GEMM (GpuMixerOps with `fused`): the same
+    projections, in fp64; the module's own forward afterwards too."""
+    pytest.importorskip("triton")  # gpu_ops imports the kernels
     from mstar.models.kimi_k3.config import parse_config
-    from mstar.models.kimi_k3.gpu_ops import stack_mla_inputs
+    from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
     from mstar.models.kimi_k3.mla import GatedMLA
     from mstar.tools.make_tiny import k3_fixture
 
@@ -43,8 +59,10 @@ def test_an_mla_layer_with_stacked_inputs_computes_what_it_did():
     x, step = torch.randn(6, cfg.hidden_size, dtype=torch.float64), torch.randn(1, cfg.hidden_size, dtype=torch.float64)
     y, cache = attn(x)
     y_next, _ = attn(step, cache, absorbed=True)
-    stack_mla_inputs(attn)
-    assert attn.stacked_inputs is not None
+    expect = attn.input_projections(x)
+    got = GpuMixerOps(fused=True)._mla_inputs(attn, x)
+    for a, b in zip(got, expect, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     got, got_cache = attn(x)
     got_next, _ = attn(step, got_cache, absorbed=True)
     torch.testing.assert_close(got, y, rtol=1e-10, atol=1e-12)

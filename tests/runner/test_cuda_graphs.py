@@ -68,7 +68,7 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
 def test_a_staged_verify_step_runs_the_kda_blocks_of_the_real_one(tiny_model):
     """DecodeGraphs(rows=k+1) stages a verify step into its fixed buffers and layout (padded to its bucket
     with a sink sequence); the KDA layer on that staged plan gives the real rows' outputs, states, windows
-    and pending prefixes of the step itself. (The capture is tests/engine/test_gpu_cuda_graphs.py's.)"""
+    and pending prefixes of the step itself. (The capture is tests/runner/test_gpu_cuda_graphs.py's.)"""
     pytest.importorskip("fla.ops.kda")
     cfg = tiny_model.config
     la, r = cfg.linear_attn, 3

@@ -14,8 +14,8 @@ from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
 from mstar.kernels import kda_fla
+from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.config import parse_config
-from mstar.models.kimi_k3.gpu_ops import GpuMixerOps, install_expert_kernels, install_fused_kernels
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -45,9 +45,15 @@ def model(tokenizer):
         m = KimiK3ForCausalLM(cfg).to(BF16).eval()
     for layer in m.model.layers:  # experts held packed, as loaded from an MXFP4 checkpoint
         hold_packed(getattr(getattr(layer, "block_sparse_moe", None), "experts", ()), gen)
-    assert install_expert_kernels(m) == 3
-    assert install_fused_kernels(m)  # as EngineCore installs them
+    backend = select_backend(m)  # as the engine's runner chooses it
+    assert backend.expert_layers == 3 and backend.fused
     return m
+
+
+def served(model, kv, pool):
+    """The model's serving forward over these pools, with the backend the engine's runner would choose."""
+    backend = select_backend(model)
+    return ServingModel(model, kv, pool, backend.mixers, backend.layers)
 
 
 def pools(cfg, slots=MAX_BATCH + 2):
@@ -86,7 +92,7 @@ def rel(a, b):
 def test_every_bucket_replays_like_the_eager_step(model):
     cfg = model.config
     kv, pool = pools(cfg)
-    serving = ServingModel(model, kv, pool, GpuMixerOps())
+    serving = served(model, kv, pool)
     graphs = DecodeGraphs(serving, max_batch=MAX_BATCH, max_seq_len=MAX_SEQ)
     graphs.capture()
     assert sorted(graphs.graphs) == list(decode_buckets(MAX_BATCH))
@@ -100,7 +106,7 @@ def test_every_bucket_replays_like_the_eager_step(model):
         # near-tied router choices now and then (measured: 2.1% on one batch of 11).
         ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
         graphs.stage(plan)
-        expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(
+        expect, _ = served(model, ref_kv, ref_pool).forward(
             graphs.bucket_plan(graphs.bucket_for(batch)))
         expect = expect[:batch]
         for _, (_, (logits, _)) in graphs.graphs.items():
@@ -122,7 +128,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
     layout), against the eager run of the same staged step; states, windows and pending prefixes too."""
     cfg = model.config
     kv, pool = pools(cfg)
-    graphs = DecodeGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=8, max_seq_len=MAX_SEQ,
+    graphs = DecodeGraphs(served(model, kv, pool), max_batch=8, max_seq_len=MAX_SEQ,
                         rows=DRAFTS + 1, buckets=(1, 4, 8))
     graphs.capture()
     for batch in (1, 3, 8):
@@ -132,7 +138,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
         plan = decode_plan(cfg, torch.randint(0, MAX_SEQ - 8, (batch,)).tolist(), slots, rows=DRAFTS + 1)
         ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
         bucket = graphs.stage(plan)
-        expect, _ = ServingModel(model, ref_kv, ref_pool, GpuMixerOps()).forward(graphs.bucket_plan(bucket))
+        expect, _ = served(model, ref_kv, ref_pool).forward(graphs.bucket_plan(bucket))
         for _, (_, (logits, _)) in graphs.graphs.items():
             logits.fill_(float("nan"))
         got, _ = graphs.run(plan)
@@ -150,7 +156,7 @@ def test_verify_blocks_replay_like_the_eager_step(model):
 
 def test_a_pending_prefix_or_a_long_batch_runs_eagerly(model):
     kv, pool = pools(model.config)
-    graphs = DecodeGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_batch=4, max_seq_len=MAX_SEQ)
+    graphs = DecodeGraphs(served(model, kv, pool), max_batch=4, max_seq_len=MAX_SEQ)
     plan = decode_plan(model.config, [5] * 6, list(range(1, 7)))
     assert not graphs.can_run(plan)
     assert not graphs.can_run(replace(decode_plan(model.config, [5], [1]), decode=False))
@@ -239,9 +245,9 @@ def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
         assert graphs.can_run(plan)
         bucket = graphs.stage(plan)
         staged_kv, staged_pool = copy.deepcopy(kv), copy.deepcopy(pool)
-        staged, _ = ServingModel(model, staged_kv, staged_pool, GpuMixerOps()).forward(graphs.bucket_plan(bucket))
+        staged, _ = served(model, staged_kv, staged_pool).forward(graphs.bucket_plan(bucket))
         eager_kv, eager_pool = copy.deepcopy(kv), copy.deepcopy(pool)
-        eager, _ = ServingModel(model, eager_kv, eager_pool, GpuMixerOps()).forward(plan)
+        eager, _ = served(model, eager_kv, eager_pool).forward(plan)
         for _, (_, (logits, _)) in graphs.graphs.items():
             logits.fill_(float("nan"))  # poisoned: the replay must write every row read
         got, _ = graphs.run(plan)
@@ -258,7 +264,7 @@ def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
 
 def test_every_prefill_bucket_replays_like_the_eager_step(model):
     kv, pool = pools(model.config)
-    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=1024, max_seqs=8,
+    graphs = PrefillGraphs(served(model, kv, pool), max_tokens=1024, max_seqs=8,
                            max_seq_len=MAX_SEQ)
     graphs.capture()
     assert sorted(graphs.graphs) == [256, 512, 1024]
@@ -276,7 +282,7 @@ def test_every_prefill_bucket_replays_like_the_eager_step(model):
 def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
     """8,192 tokens: the largest bucket, whose fla chunk list and expert workspaces are the largest."""
     kv, pool = pools(model.config)
-    graphs = PrefillGraphs(ServingModel(model, kv, pool, GpuMixerOps()), max_tokens=8192, max_seqs=8,
+    graphs = PrefillGraphs(served(model, kv, pool), max_tokens=8192, max_seqs=8,
                            max_seq_len=MAX_SEQ, buckets=(8192,))
     graphs.capture()
     replays_like_the_eager_step(graphs, [([1000, 900, 1, 1024, 700, 13, 600, 990], [0, 100, 9, 0, 0, 0, 300, 0])])
@@ -284,7 +290,7 @@ def test_the_largest_prefill_bucket_replays_like_the_eager_step(model):
 
 def test_a_failed_prefill_capture_names_its_bucket(model):
     kv, pool = pools(model.config)
-    serving = ServingModel(model, kv, pool, GpuMixerOps())
+    serving = served(model, kv, pool)
     graphs = PrefillGraphs(serving, max_tokens=512, max_seqs=8, max_seq_len=MAX_SEQ)
     forward = serving.forward
 

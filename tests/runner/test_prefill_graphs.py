@@ -17,6 +17,7 @@ from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
 from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
@@ -80,9 +81,15 @@ def prefill_plan(cfg, lengths, cached, slots, sample=None):
                      slot_ids=tuple(slots))
 
 
+def gpu_mixers(model):
+    """The GPU mixers with every MLA layer on the Triton kernels (which a backend picks for bf16 only): the
+    interpreter runs them in fp32 too."""
+    return GpuMixerOps(frozenset(m for m in model.modules() if isinstance(m, GatedMLA)))
+
+
 def prefill_graphs(model, tap_layers=()):
     kv, pool = pools(model.config)
-    serving = ServingModel(model, kv, pool, GpuMixerOps())
+    serving = ServingModel(model, kv, pool, gpu_mixers(model))
     return PrefillGraphs(serving, max_tokens=BUCKETS[-1], max_seqs=MAX_SEQS, max_seq_len=PAGE * PAGES_PER_SEQ,
                          tap_layers=tap_layers, buckets=BUCKETS)
 
@@ -176,13 +183,12 @@ def rel(a, b):
 
 
 @interpreted
-def test_a_staged_prefill_step_computes_the_eager_step(tiny_model, monkeypatch):
+def test_a_staged_prefill_step_computes_the_eager_step(tiny_model):
     """Three sequences, one a chunked prompt's continuation over its cached pages, one not sampled, through
     stage + the bucket's plan on the GPU mixers (MLA's Triton kernel, the staged KDA layout) against the
     torch mixers on the plan itself: sampled logits, DSpark taps, the KV rows written, every KDA slot's state
     and window but the sink's."""
     pytest.importorskip("fla.ops.kda")
-    monkeypatch.setattr(GpuMixerOps, "mla_kernel_fits", staticmethod(lambda attn, dtype, device: True))  # fp32 too
     cfg = tiny_model.config
     graphs = prefill_graphs(tiny_model, tap_layers=(1, 4))
     serving = graphs.serving
@@ -225,18 +231,17 @@ def test_the_padding_sequence_attends_to_nothing_and_empty_ones_are_harmless():
 
 
 @interpreted
-def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model, tiny_dir, monkeypatch):
+def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model, tiny_dir):
     """The engine (fp32 tiny model, chunked prefill with a 32-token budget) with its prefill steps run
     through PrefillGraphs.run over eager stand-ins of the graphs: greedy tokens equal the reference's, and
     chunked continuations went through the staged steps."""
     pytest.importorskip("fla.ops.kda")
-    monkeypatch.setattr(GpuMixerOps, "mla_kernel_fits", staticmethod(lambda attn, dtype, device: True))
     jobs = random_jobs(tiny_model, (3, 45, 20), (4, 6))
     cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 40},
                                                                     "kda_state": {"max_slots": 5}},
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
-    core.runner.serving.ops = GpuMixerOps()
+    core.runner.serving.ops = gpu_mixers(tiny_model)
     graphs = PrefillGraphs(core.runner.serving, max_tokens=32, max_seqs=cfg.scheduler.max_prefill_seqs,
                            max_seq_len=cfg.max_seq_len, buckets=(16, 32))
     capture_eagerly(graphs)

@@ -148,3 +148,39 @@ def test_tokenize_detokenize_version_ping(server, engine):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
         assert isinstance(http.get("/version").json()["version"], str)
         assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+
+
+# ---- /v1/responses ------------------------------------------------------------------------------
+
+
+def test_responses_text_equals_chat_and_streams_the_same(client):
+    kw = dict(model=MODEL, instructions="Be brief.", input="Say hi.", max_output_tokens=12, temperature=0)
+    r = client.responses.create(**kw)
+    assert r.object == "response" and r.status in ("completed", "incomplete") and r.usage.output_tokens <= 12
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                                 {"role": "user", "content": "Say hi."}],
+                                          max_tokens=12, temperature=0).choices[0]
+    reasoning = [i for i in r.output if i.type == "reasoning"]
+    assert (reasoning[0].content[0].text if reasoning else None) == (chat.message.model_extra["reasoning_content"]
+                                                                     or None)
+    assert r.output_text == (chat.message.content or "")
+    assert (r.status == "incomplete") == (chat.finish_reason == "length")
+    events = list(client.responses.create(stream=True, **kw))
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == ("response.incomplete" if r.status == "incomplete" else "response.completed")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
+    ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
+    ({"max_output_tokens": 0}, "max_output_tokens"),
+])
+def test_responses_refuses_what_it_does_not_honour(client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.create(model=MODEL, input="hi", extra_body=body)
+    assert err.value.body["param"] == param, err.value.body

@@ -27,7 +27,7 @@ def test_spec_counters_of_a_level_are_the_difference():
     assert level.position_rates() == [0.5, 0.5, 0.4]
 
 
-def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path):
+def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path, capsys):
     target_dir, draft_dir = tiny_dirs
     cfg = load_serve_config(CONFIG, [f"checkpoint={target_dir}", f"model_kwargs.speculative_draft={draft_dir}",
                                      "max_seq_len=512", "resources.mla_kv.max_num_pages=256",
@@ -41,6 +41,8 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path):
     finally:
         live.stop()
         engine.shutdown()
+    progress = capsys.readouterr().err
+    assert "C=1" in progress and "C=2" in progress and "req" in progress  # a progress bar per level
     table = (tmp_path / "sweep.md").read_text()
     levels = json.loads((tmp_path / "sweep.json").read_text())["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["mean_accepted_length"] >= 1 for lv in levels)

@@ -21,7 +21,7 @@ import torch
 from .norm import RMSNorm, at_least_fp32, rms_norm
 
 # (sources [n, T, D], proj weight [1, D], res norm weight, res eps, out norm weight, out eps) -> [T, D]:
-# the input of the next sublayer, out_norm(AttnRes(sources)). GPU models plug a fused kernel in here.
+# the input of the next sublayer, out_norm(AttnRes(sources)). A serving backend passes a fused kernel (layer_ops.py).
 MixNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, float], torch.Tensor]
 
 

@@ -1,21 +1,27 @@
-"""Token mixers and experts on the GPU: the kernels that replace the torch path of the serving model.
+"""The GPU backend's glue: the K3 modules' weights through the kernels of mstar/kernels.
 
-- KDA runs through fla-core (`mstar/kernels/kda_fla.py`), any dtype.
-- MLA runs the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for bf16 models: new
-  latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
+Imported only where backend.py chooses a GPU backend (it imports Triton and fla-core). Which module runs
+which kernel is decided there, in `select_backend`; the classes here carry that choice out:
+
+- `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`), any dtype; MLA
+  through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
+  new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
-- Routed experts run the MXFP4 W4A16 Triton kernels (`mstar/kernels/moe_mxfp4.py`) for bf16 models
-  whose experts are held packed (`MXFP4Linear`, loaded from an MXFP4 checkpoint): their bytes are
-  stacked as they are, never re-quantized. Steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16
-  grouped GEMMs instead, on each layer's experts dequantized into one shared scratch
-  (`mstar/kernels/moe_bf16.py`). Dense experts keep the torch path.
-The torch path is the reference every kernel is tested against, and the fallback where a kernel
-does not support the device or dtype.
+- `GpuLayerOps`: one-launch kernels for the norms, the AttnRes mix + norm, the routers' selection and the
+  dense SiTU MLPs; the routed experts of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
+  Triton kernels (`mstar/kernels/moe_mxfp4.py`) over the experts' packed bytes, stacked as they are, never
+  re-quantized; steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16 grouped GEMMs instead, on each
+  layer's experts dequantized into one shared scratch (`mstar/kernels/moe_bf16.py`).
+
+Stacked weights (projections of one input as one GEMM, a layer's experts as one tensor) are built once per
+serving model from the reference's weights, holding the bytes once (kernels/stacked_linear.py): the
+reference modules are only read.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels import (
@@ -28,42 +34,121 @@ from mstar.kernels import (
     moe_mxfp4,
     router_topk,
 )
-from mstar.kernels.stacked_linear import StackedLinear
+from mstar.kernels.stacked_linear import StackedLinear, rows_view
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
-from .kda import GatedHeadNorm, KimiDeltaAttention
+from .kda import KimiDeltaAttention
+from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA
 from .mlp import GatedMLP
-from .model import KimiK3ForCausalLM
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
 from .serving import BatchPlan, TorchMixerOps
 
 
+def stacked(linears: list[nn.Linear]) -> StackedLinear:
+    if any(lin.bias is not None for lin in linears):
+        raise ValueError("only bias-free projections are stacked into one GEMM")
+    return StackedLinear([lin.weight for lin in linears])
+
+
 class GpuMixerOps(TorchMixerOps):
-    def __init__(self):
-        # per KDA layer (pool index): its parameters converted for the decode kernels on first use,
-        # which is an eager step (CUDA-graph capture warms up eagerly first)
-        self.kda_constants: dict[int, kda_fla.DecodeConstants] = {}
+    """The token mixers on the GPU. `mla_layers`: the MLA modules the Triton kernels run (the others take
+    the torch path); `fused`: the input projections of a layer as one GEMM and the one-launch norms (bf16
+    and fp16 models; fp32 ones keep the exact torch arithmetic there)."""
+
+    def __init__(self, mla_layers: frozenset[GatedMLA] = frozenset(), *, fused: bool = False):
+        self.mla_layers = mla_layers
+        self.fused = fused
+        self.layer_ops = GpuLayerOps() if fused else REFERENCE_OPS  # the norms inside the mixers
+        # per layer module, built on first use, which is an eager step (CUDA-graph capture warms up eagerly
+        # first): its parameters as the KDA kernels take them, its stacked input projections
+        self._kda_weights: dict[KimiDeltaAttention, kda_fla.KDAWeights] = {}
+        self._stacks: dict[nn.Module, StackedLinear] = {}
         self._layout: tuple[BatchPlan, kda_fla.BlockLayout | None] | None = None  # the current step's, if short
 
+    # --- KDA ---
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
-        if layer not in self.kda_constants:
-            self.kda_constants[layer] = kda_fla.DecodeConstants.of(attn)
-        consts = self.kda_constants[layer]
+        w = self._weights(attn)
+        conv, state = pool.conv[layer], pool.state[layer]
         if plan.decode:
-            return kda_fla.kda_decode(attn, layer, x, plan.kda_slots, pool, consts)
+            q, k, v, f, beta, gate = self._kda_inputs(attn, x)
+            return self._kda_output(attn, kda_fla.decode(q, k, v, f, beta, conv, state, plan.kda_slots, w), gate)
         if isinstance(plan.kda_layout, kda_fla.PrefillLayout):  # a captured prefill step: its layout is staged
-            return kda_fla.kda_prefill_step(attn, layer, x, plan.kda_layout, pool, consts)
-        if plan.kda_layout is not None:  # a captured verify step: its layout is staged
-            return kda_fla.kda_block_step(attn, layer, x, plan.kda_layout, pool, consts)
-        layout = self._short_block_layout(plan, pool, x.device)
-        if layout is not None:  # verify blocks and their pending prefixes: one pass
-            return kda_fla.kda_block_step(attn, layer, x, layout, pool, consts)
-        return kda_fla.kda_step(attn, layer, x, plan.seq_starts, plan.host_slots(), plan.verify, pool)
+            q, k, v, f, beta, gate = self._kda_inputs(attn, x)
+            return self._kda_output(attn, kda_fla.prefill(q, k, v, f, beta, plan.kda_layout, conv, state, w), gate)
+        # a captured verify step stages its layout; otherwise short blocks and their pending prefixes: one pass
+        layout = plan.kda_layout if plan.kda_layout is not None else self._short_block_layout(plan, pool, x.device)
+        if layout is not None:
+            rows = kda_fla.block_rows(x, layout, pool.prefix_x[layer])
+            q, k, v, f, beta, gate = self._kda_inputs(attn, rows)
+            o = kda_fla.block_recurrence(q, k, v, f, beta, layout, conv, state, w)
+            kda_fla.keep_block_inputs(x, layout, pool.prefix_x[layer])
+            return self._kda_output(attn, o[layout.x_dest], gate[layout.x_dest])
+        return self._kda_varlen(attn, layer, x, plan, pool, w)
+
+    def _kda_varlen(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
+                    pool: RecurrentStatePool, w: kda_fla.KDAWeights) -> torch.Tensor:
+        """Any step (long prompts among verify blocks): each accepted pending prefix is folded into its
+        checkpoint first, then the step's rows run; a verify block's inputs wait as the next pending prefix."""
+        slots = plan.host_slots()
+        conv, state, prefix_x = pool.conv[layer], pool.state[layer], pool.prefix_x[layer]
+        pending = [pool.prefix_len[s] for s in slots]
+        with_prefix = [b for b, n in enumerate(pending) if n]
+        if with_prefix:
+            rows = torch.cat([prefix_x[slots[b], : pending[b]] for b in with_prefix])
+            q, k, v, f, beta, _ = self._kda_inputs(attn, rows)
+            kda_fla.varlen(q, k, v, f, beta, [pending[b] for b in with_prefix], tuple(slots[b] for b in with_prefix),
+                           [True] * len(with_prefix), conv, state, w)
+        starts = plan.seq_starts
+        lengths = [starts[b + 1] - starts[b] for b in range(len(slots))]
+        fold = [not (plan.verify and plan.verify[b]) for b in range(len(slots))]
+        q, k, v, f, beta, gate = self._kda_inputs(attn, x)
+        y = self._kda_output(attn, kda_fla.varlen(q, k, v, f, beta, lengths, slots, fold, conv, state, w), gate)
+        for b, folded in enumerate(fold):
+            if not folded:
+                prefix_x[slots[b], : lengths[b]] = x[starts[b] : starts[b + 1]]
+        return y
+
+    def _weights(self, attn: KimiDeltaAttention) -> kda_fla.KDAWeights:
+        if attn not in self._kda_weights:
+            convs = (attn.q_conv1d, attn.k_conv1d, attn.v_conv1d)
+            self._kda_weights[attn] = kda_fla.KDAWeights(
+                conv_weight=torch.stack([c.weight[:, 0].T.float() for c in convs]).contiguous(),
+                conv1d=tuple(c.weight for c in convs), a_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
+                num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
+                lower_bound=attn.gate_lower_bound)
+        return self._kda_weights[attn]
+
+    def _kda_inputs(self, attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(q, k, v pre-conv, the gate f before the kernel's activation, beta before its sigmoid, the output
+        gate) of rows x. Stacked, the blocks are strided views of one output: fla's kernels assume contiguous
+        rows, so what goes to them straight (beta) is made contiguous there (`.float()` copies a bf16 beta but
+        returns an fp32 one as it is; the H200 run that found this measured 11% error for fp32 models)."""
+        first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
+        projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj, first_gate]
+        if self.fused:
+            q, k, v, f_a, beta, g = self._stacked(attn, projections)(x)
+        else:
+            q, k, v, f_a, beta, g = (p(x) for p in projections)
+        return q, k, v, attn.f_b_proj(f_a), beta, g if attn.use_full_rank_gate else attn.g_b_proj(g)
+
+    def _kda_output(self, attn: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """o_proj(o_norm(o, gate)) of the recurrence's output o [N, H, K]."""
+        o, gate = o.to(gate.dtype), gate.reshape(o.shape)
+        if self.fused:
+            normed = kda_decode.gated_head_norm(o, gate, attn.o_norm.weight, attn.o_norm.eps)
+        else:
+            normed = attn.o_norm(o, gate)
+        return attn.o_proj(normed.reshape(o.shape[0], -1))
+
+    def _stacked(self, module: nn.Module, linears: list[nn.Linear]) -> StackedLinear:
+        if module not in self._stacks:
+            self._stacks[module] = stacked(linears)
+        return self._stacks[module]
 
     def _short_block_layout(self, plan: BatchPlan, pool: RecurrentStatePool,
                             device: torch.device) -> kda_fla.BlockLayout | None:
@@ -80,19 +165,14 @@ class GpuMixerOps(TorchMixerOps):
             self._layout = plan, layout
         return self._layout[1]
 
-    @staticmethod
-    def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether the Triton MLA kernels run this layer; else the torch path (not graph-capturable).
-        They are built for bf16 and K3's latent row: 64 k_pe columns after the latent (512 in K3)."""
-        return dtype == torch.bfloat16 and attn.rope == 64 and mla_attention.supported(device)
-
+    # --- MLA ---
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
-        if not self.mla_kernel_fits(attn, x.dtype, x.device):
+        if attn not in self.mla_layers:
             return super().mla(attn, layer, x, plan, kv)
-        q_first, kv_a, gate = attn.input_projections(x)
-        c_kv, k_pe = attn.latent_rows(kv_a)
+        q_first, kv_a, gate = self._mla_inputs(attn, x)
+        c_kv, k_pe = attn.latent_rows(kv_a, self.layer_ops)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
-        q_nope, q_pe = attn.queries(q_first)
+        q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         q_abs = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
         out = torch.empty(x.shape[0], attn.num_heads, attn.kv_lora_rank, device=x.device, dtype=x.dtype)
@@ -111,27 +191,91 @@ class GpuMixerOps(TorchMixerOps):
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, gate)
 
+    def _mla_inputs(self, attn: GatedMLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """attn.input_projections(x); with `fused`, as one GEMM (q_a or q, kv_a, the output gate)."""
+        if not self.fused:
+            return attn.input_projections(x)
+        first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
+        projections = [first, attn.kv_a_proj_with_mqa] + ([attn.g_proj] if attn.g_proj is not None else [])
+        q, kv_a, *gate = self._stacked(attn, projections)(x)
+        return q, kv_a, gate[0] if gate else None
+
+
+def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the Triton MLA kernels run this layer; else the torch path (not graph-capturable).
+    They are built for bf16 and K3's latent row: 64 k_pe columns after the latent (512 in K3)."""
+    return dtype == torch.bfloat16 and attn.rope == 64 and mla_attention.supported(device)
+
+
+class GpuLayerOps(LayerOps):
+    """One-launch Triton kernels for the token-wise operations: every RMSNorm, every AttnRes mix + norm
+    (kernels/attn_res_norm.py), ungrouped routers' selection (kernels/router_topk.py), the SiTU MLPs
+    (kernels/gated_mlp.py, gate and up as one GEMM); the routed experts of the layers in `experts`."""
+
+    def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
+        self.experts = experts or {}
+        self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
+
+    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return attn_res_norm.rms_norm_rows(x, norm.weight, norm.eps)
+
+    def mix_norm(self, sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor,
+                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
+        return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps)
+
+    def route(self, router: Router, x: torch.Tensor) -> Routing:
+        cfg = router.config
+        if cfg.num_expert_group != 1:  # the kernel selects ungrouped (K3 has one group)
+            return router(x)
+        ids, weights = router_topk.route(x, router.weight, router.e_score_correction_bias, cfg.num_experts_per_token,
+                                         cfg.moe_renormalize, cfg.routed_scaling_factor)
+        return Routing(ids, weights)
+
+    def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        kernel = self.experts.get(moe)
+        if kernel is None:
+            return moe.routed(z, routing)
+        return kernel(z, routing.experts, routing.weights).to(z.dtype)
+
+    def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        cfg = mlp.config
+        if cfg.hidden_act != "situ":
+            return mlp(x)
+        if mlp not in self._gate_up:
+            self._gate_up[mlp] = stacked([mlp.gate_proj, mlp.up_proj])
+        gate_up = F.linear(x, self._gate_up[mlp].weight)
+        return mlp.down_proj(gated_mlp.situ_and_mul(gate_up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta))
+
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")
+
+
+def expert_kernel_fits(moe: LatentMoE) -> bool:
+    """Whether `MXFP4Experts` runs this layer's experts: held as MXFP4 (an unquantized checkpoint's dense experts
+    keep the torch loop), the latent and this rank's expert width in whole 128-column scale words."""
+    projections = [getattr(e, name) for e in moe.experts for name in EXPERT_PROJECTIONS]
+    if not projections or not all(isinstance(p, MXFP4Linear) for p in projections):
+        return False
+    w1 = next(iter(moe.experts)).w1
+    return not (w1.out_features % moe_mxfp4.SCALE_WORD or w1.in_features % moe_mxfp4.SCALE_WORD)
 
 
 class MXFP4Experts:
     """A `LatentMoE`'s held routed experts as stacked MXFP4 tensors for the Triton kernels.
 
     The experts' packed buffers are stacked as they are; each expert's buffers then become views of
-    the stack, so the layer's expert bytes are held once. Under expert parallelism the stack holds
+    the stack, so the layer's expert bytes are held once (and a second serving model over the same
+    experts finds them stacked and takes the same stack). Under expert parallelism the stack holds
     only this rank's experts: router ids are mapped to stack indices, and pairs routed to another
     group's expert are dropped by the kernel (they add nothing here, as in `LatentMoE.routed`).
 
-    With `bf16` set (install_expert_kernels does it where large steps can occur), steps of more than
+    With `bf16` set (`expert_kernels` does it where large steps can occur), steps of more than
     `bf16.above_tokens` tokens run `moe_bf16` on this layer's experts dequantized into `bf16.scratch`.
     """
 
     def __init__(self, moe: LatentMoE):
         experts = list(moe.experts)  # the held experts, in global id order
-        pairs = {name: [_packed_pair(moe, e, name) for e in experts] for name in EXPERT_PROJECTIONS}
-        self.weights = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
-        _share_stacked_storage(experts, self.weights)
+        self.weights = _stacked_experts(experts)
         held_all = len(experts) == moe.config.num_experts
         # [num_experts] global id -> stack index, DROPPED where another rank holds the expert
         self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
@@ -158,53 +302,46 @@ class MXFP4Experts:
         moe_bf16.moe_bf16(z, ids, weights, *self.weights, scratch=self.bf16.scratch)
 
 
-def _packed_pair(moe: LatentMoE, expert: nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    proj = getattr(expert, name)
-    if not isinstance(proj, MXFP4Linear):
-        raise TypeError(f"MXFP4Experts needs experts held as MXFP4 (MXFP4Linear), but {name} of an expert of "
-                        f"{type(moe).__name__} is {type(proj).__name__}: load the model from an MXFP4 checkpoint")
-    return proj.weight_packed, proj.weight_scale
+def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
+    """The experts' packed buffers as `StackedExperts` (w1 then w3 rows per expert in w13): views of the
+    stack they already are (an earlier serving model's), else a new stack their buffers then point into."""
+    def buffers(names: tuple[str, ...], attr: str) -> list[torch.Tensor]:
+        return [getattr(getattr(e, name), attr) for e in experts for name in names]
 
-
-def _share_stacked_storage(experts: list[nn.Module], stacked: moe_mxfp4.StackedExperts) -> None:
-    """Point each expert's buffers at its rows of the stack (w1 then w3 in w13), freeing the originals."""
-    inter = stacked.w13_packed.shape[1] // 2
+    views = [rows_view(buffers(names, attr)) for names in (("w1", "w3"), ("w2",))
+             for attr in ("weight_packed", "weight_scale")]
+    if all(v is not None for v in views):
+        return moe_mxfp4.StackedExperts(*(v.view(len(experts), -1, v.shape[-1]) for v in views))
+    pairs = {name: [(getattr(e, name).weight_packed, getattr(e, name).weight_scale) for e in experts]
+             for name in EXPERT_PROJECTIONS}
+    stack = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
+    inter = stack.w13_packed.shape[1] // 2
     for i, expert in enumerate(experts):
-        expert.w1.weight_packed, expert.w1.weight_scale = stacked.w13_packed[i, :inter], stacked.w13_scale[i, :inter]
-        expert.w3.weight_packed, expert.w3.weight_scale = stacked.w13_packed[i, inter:], stacked.w13_scale[i, inter:]
-        expert.w2.weight_packed, expert.w2.weight_scale = stacked.w2_packed[i], stacked.w2_scale[i]
+        for proj, rows in ((expert.w1, slice(None, inter)), (expert.w3, slice(inter, None))):
+            proj.weight_packed.data, proj.weight_scale.data = stack.w13_packed[i, rows], stack.w13_scale[i, rows]
+        expert.w2.weight_packed.data, expert.w2.weight_scale.data = stack.w2_packed[i], stack.w2_scale[i]
+    return stack
 
 
-def install_expert_kernels(model: KimiK3ForCausalLM, max_step_tokens: int | None = None, *,
-                           bf16_above_tokens: int | None = None) -> int:
-    """Route every latent MoE's packed experts through the MXFP4 kernels (bf16 models on a supported
-    GPU). Returns how many layers were switched.
+def expert_kernels(moes: list[LatentMoE], max_step_tokens: int | None,
+                   bf16_above_tokens: int | None = None) -> dict[LatentMoE, MXFP4Experts]:
+    """`MXFP4Experts` for each of `moes` (layers `expert_kernel_fits` accepts, on a GPU the kernel supports).
 
-    Where a step may hold more tokens (max_step_tokens: the scheduler's token budget) than
-    `bf16_above_tokens` (MSTAR_MOE_BF16_TOKENS, `Environment.moe_bf16_tokens`) and the GPU runs `moe_bf16`,
-    such steps run it: one bf16 scratch for one
-    layer's experts (1.72 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate) is allocated
-    for all layers, and a step of max_step_tokens runs through it once here, so that the first large step
-    served compiles and allocates nothing. Otherwise nothing is allocated.
+    Where a step may hold more tokens (max_step_tokens: the scheduler's token budget) than `bf16_above_tokens`
+    (MSTAR_MOE_BF16_TOKENS, `Environment.moe_bf16_tokens`; None: never) and the GPU runs `moe_bf16`, such
+    steps run it: one bf16 scratch per expert
+    shape (K3: one for all layers; 1.72 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate),
+    and a step of max_step_tokens runs through it once here, so that the first large step served compiles
+    and allocates nothing. Otherwise nothing is allocated.
     """
-    param = next(model.parameters())
-    if param.dtype != torch.bfloat16 or not moe_mxfp4.supported(param.device):
-        return 0
-    switched = [layer.block_sparse_moe for layer in model.model.layers
-                if hasattr(layer, "block_sparse_moe") and install_layer_kernel(layer.block_sparse_moe)]
-    large = max_step_tokens is not None and bf16_above_tokens is not None and max_step_tokens > bf16_above_tokens
-    if large and moe_bf16.supported(param.device):
-        _install_bf16_path([moe.expert_kernel for moe in switched], bf16_above_tokens, max_step_tokens)
-    return len(switched)
-
-
-def _install_bf16_path(kernels: list[MXFP4Experts], above: int, max_step_tokens: int) -> None:
-    """Give every layer's kernel the bf16 path, one scratch per expert shape (K3: one for all layers), and
-    warm each scratch once. A kernel that has a path keeps it (another engine over the same model gave it)."""
+    kernels = {moe: MXFP4Experts(moe) for moe in moes}
+    above = bf16_above_tokens
+    if not kernels or max_step_tokens is None or above is None or max_step_tokens <= above:
+        return kernels
+    if not moe_bf16.supported(next(iter(kernels.values())).weights.w13_packed.device):
+        return kernels
     scratches: dict[tuple[int, int, int], moe_bf16.DequantizedExperts] = {}
-    for kernel in kernels:
-        if kernel.bf16 is not None:
-            continue
+    for kernel in kernels.values():
         shape = moe_mxfp4.check_weights(*kernel.weights)
         fresh = shape not in scratches
         if fresh:
@@ -212,71 +349,4 @@ def _install_bf16_path(kernels: list[MXFP4Experts], above: int, max_step_tokens:
         kernel.bf16 = moe_bf16.Bf16Path(above, scratches[shape])
         if fresh:
             kernel.warm_bf16(max_step_tokens)
-
-
-def install_layer_kernel(moe: LatentMoE) -> bool:
-    """Set `moe.expert_kernel` where the kernel fits this layer's experts; whether it did.
-    Idempotent: a layer that has its kernel keeps it, because re-stacking would free the stack that
-    captured CUDA graphs of another engine over the same model still read."""
-    if moe.expert_kernel is not None:
-        return True
-    projections = [getattr(e, name) for e in moe.experts for name in EXPERT_PROJECTIONS]
-    if not all(isinstance(p, MXFP4Linear) for p in projections):
-        return False  # dense experts (an unquantized checkpoint): the kernel is MXFP4 only
-    # The kernels tile both the latent and this rank's expert width by whole 128-column scale words.
-    w1 = next(iter(moe.experts)).w1
-    if w1.out_features % moe_mxfp4.SCALE_WORD or w1.in_features % moe_mxfp4.SCALE_WORD:
-        return False
-    moe.expert_kernel = MXFP4Experts(moe)
-    return True
-
-
-def install_fused_kernels(model: KimiK3ForCausalLM) -> bool:
-    """One-launch Triton kernels for the small operations of a bf16/fp16 model on CUDA: every RMSNorm,
-    every AttnRes mix + norm (kernels/attn_res_norm.py), KDA's gated head norms (kernels/kda_decode.py),
-    the routers' selection (kernels/router_topk.py) and the dense SiTU MLPs (kernels/gated_mlp.py);
-    KDA's and MLA's input projections become one GEMM each (kernels/stacked_linear.py). Whether they were
-    installed. fp32/fp64 models keep the torch path, whose exact summation order the CPU reference shares."""
-    param = next(model.parameters())
-    if param.dtype not in (torch.bfloat16, torch.float16) or param.device.type != "cuda":
-        return False
-    for module in model.modules():
-        if isinstance(module, RMSNorm):
-            module.kernel = attn_res_norm.rms_norm_rows
-        elif isinstance(module, GatedHeadNorm):
-            module.kernel = kda_decode.gated_head_norm
-        elif isinstance(module, Router) and module.config.num_expert_group == 1:
-            module.kernel = _router_kernel(module)
-        elif isinstance(module, GatedMLP) and module.config.hidden_act == "situ" and module.kernel is None:
-            module.kernel = gated_mlp.fused_forward(module)  # once: it restacks the weights
-        elif isinstance(module, KimiDeltaAttention) and module.stacked_inputs is None:
-            kda_fla.stack_input_projections(module)
-        elif isinstance(module, GatedMLA) and module.stacked_inputs is None:
-            stack_mla_inputs(module)
-    if model.config.attn_res_block_size is not None:
-        model.model.mix_norm = attn_res_norm.attn_res_norm
-    return True
-
-
-def stack_mla_inputs(attn: GatedMLA) -> None:
-    """Make x's projections in an MLA layer one GEMM (q_a or q, kv_a, the output gate; `StackedLinear`)."""
-    first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
-    attn.stacked_inputs = StackedLinear([first, attn.kv_a_proj_with_mqa] + ([attn.g_proj] if attn.g_proj else []))
-
-
-def _router_kernel(router: Router):
-    cfg = router.config
-
-    def run(x: torch.Tensor) -> Routing:
-        ids, weights = router_topk.route(x, router.weight, router.e_score_correction_bias, cfg.num_experts_per_token,
-                                         cfg.moe_renormalize, cfg.routed_scaling_factor)
-        return Routing(ids, weights)
-
-    return run
-
-
-def default_mixer_ops(device: torch.device) -> TorchMixerOps:
-    """The fastest mixers this device supports (GPU kernels on CUDA when fla-core imports)."""
-    if device.type == "cuda" and kda_fla.available():
-        return GpuMixerOps()
-    return TorchMixerOps()
+    return kernels

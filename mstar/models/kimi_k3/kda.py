@@ -19,7 +19,6 @@ a UT/WY transform inside each chunk, state hand-over between chunks). They agree
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -275,12 +274,8 @@ class GatedHeadNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(head_dim))
         self.eps = eps
-        # (o, gate, weight, eps) -> the same in one launch on the GPU (gpu_ops); None: the torch lines below
-        self.kernel: Callable[[Tensor, Tensor, Tensor, float], Tensor] | None = None
 
     def forward(self, o: Tensor, gate: Tensor) -> Tensor:
-        if self.kernel is not None:
-            return self.kernel(o, gate, self.weight, self.eps)
         of = at_least_fp32(o)
         normed = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.to(of.dtype) * normed * torch.sigmoid(at_least_fp32(gate).to(of.dtype))).to(o.dtype)
@@ -339,9 +334,6 @@ class KimiDeltaAttention(nn.Module):
             self.g_b_proj = nn.Linear(hd, width, bias=False)
         self.o_norm = GatedHeadNorm(hd, config.rms_norm_eps)
         self.o_proj = nn.Linear(width, D, bias=False)
-        # The projections of x stacked into one GEMM on the GPU (kda_fla.stack_input_projections); the
-        # modules above then hold views of it. None: one GEMM per projection.
-        self.stacked_inputs = None
 
     @property
     def scale(self) -> float:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import KimiK3Config
+from .layer_ops import REFERENCE_OPS, LayerOps
 from .norm import RMSNorm, at_least_fp32
 
 # Moonshot's HF code builds q_a_layernorm and kv_a_layernorm without an eps argument, so they take
@@ -167,30 +168,23 @@ class GatedMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
         self.g_proj = nn.Linear(d, h * self.v_dim, bias=False) if config.mla_use_output_gate else None
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
-        # x's three projections (q_a or q, kv_a, the output gate) as one GEMM on the GPU
-        # (gpu_ops.install_fused_kernels, kernels/stacked_linear.py); the modules above then hold views of
-        # it. None: one GEMM each.
-        self.stacked_inputs = None
 
     # --- projections ---
     def input_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """x [T, D] -> (q_a(x), or q(x) without a query LoRA; kv_a(x) = [latent | k_pe]; g(x) or None)."""
-        if self.stacked_inputs is not None:
-            q, kv, *gate = self.stacked_inputs(x)
-            return q, kv, gate[0] if gate else None
         first = self.q_proj if self.q_lora_rank is None else self.q_a_proj
         return first(x), self.kv_a_proj_with_mqa(x), self.g_proj(x) if self.g_proj is not None else None
 
-    def queries(self, q_first: Tensor) -> tuple[Tensor, Tensor]:
+    def queries(self, q_first: Tensor, ops: LayerOps = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
         """q's first projection [T, *] -> (q_nope [T, H, nope], q_pe [T, H, rope])."""
-        q = q_first if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(q_first))
+        q = q_first if self.q_lora_rank is None else self.q_b_proj(ops.norm(self.q_a_layernorm, q_first))
         q = q.view(q_first.shape[0], self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :]
 
-    def latent_rows(self, kv: Tensor) -> tuple[Tensor, Tensor]:
+    def latent_rows(self, kv: Tensor, ops: LayerOps = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
         """kv_a(x) [T, kv_lora_rank + rope] -> the new cache rows (c_kv normed, k_pe as projected)."""
         c, k_pe = kv.split([self.kv_lora_rank, self.rope], dim=-1)
-        return self.kv_a_layernorm(c), k_pe
+        return ops.norm(self.kv_a_layernorm, c), k_pe
 
     def kv_b_weights(self) -> tuple[Tensor, Tensor]:
         """kv_b_proj per head: (W_UK [H, nope, kv_lora_rank], W_UV [H, v, kv_lora_rank])."""

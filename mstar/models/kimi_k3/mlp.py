@@ -7,8 +7,6 @@ gate branch (gate_proj / w1), `b` the up branch (up_proj / w3). Computed in at l
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,12 +40,8 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        # x -> the same output with fewer launches on the GPU (gpu_ops); None: the torch line below
-        self.kernel: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None:
-            return self.kernel(x)
         return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
 
 

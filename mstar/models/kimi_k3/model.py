@@ -33,9 +33,10 @@ from mstar.distributed.communicator import Communicator, NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 from mstar.distributed.vocab_parallel import VocabParallelEmbedding, VocabParallelLMHead
 
-from .attn_res import MixNorm, ResidualStream, attn_res_norm
+from .attn_res import ResidualStream
 from .config import KimiK3Config
 from .kda import KDAState, KimiDeltaAttention
+from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA, MLACache
 from .mlp import GatedMLP
 from .moe import LatentMoE
@@ -84,28 +85,29 @@ class DecoderLayer(nn.Module):
             self.mlp_res_proj = nn.Linear(d, 1, bias=False)
             self.mlp_res_norm = RMSNorm(d, eps)
 
-    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+    def ffn(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         """The FFN output, complete on every rank (the MoE reduces its partial sums itself)."""
         if hasattr(self, "block_sparse_moe"):
-            return self.block_sparse_moe(x)
-        return self.comm.all_reduce(self.mlp(x))
+            return self.block_sparse_moe(x, ops)
+        return self.comm.all_reduce(ops.mlp(self.mlp, x))
 
     def mixer(self, mix: Mixer, x: torch.Tensor) -> torch.Tensor:
         """The token mixer's output (row-parallel o_proj partial sums, reduced over ranks)."""
         return self.comm.all_reduce(mix(self.layer_idx, x))
 
-    def forward_attn_res(self, stream: ResidualStream, mix: Mixer) -> None:
+    def forward_attn_res(self, stream: ResidualStream, mix: Mixer, ops: LayerOps = REFERENCE_OPS) -> None:
         if stream.num_blocks:
             x = stream.normed_input(self.self_attention_res_proj, self.self_attention_res_norm, self.input_layernorm)
         else:  # before the first block closes, the input is the embedding itself
-            x = self.input_layernorm(stream.partial)
+            x = ops.norm(self.input_layernorm, stream.partial)
         stream.maybe_close_block(self.layer_idx)
         stream.add(self.mixer(mix, x))
-        stream.add(self.ffn(stream.normed_input(self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)))
+        normed = stream.normed_input(self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)
+        stream.add(self.ffn(normed, ops))
 
-    def forward_plain(self, h: torch.Tensor, mix: Mixer) -> torch.Tensor:
-        h = h + self.mixer(mix, self.input_layernorm(h))
-        return h + self.ffn(self.post_attention_layernorm(h))
+    def forward_plain(self, h: torch.Tensor, mix: Mixer, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+        h = h + self.mixer(mix, ops.norm(self.input_layernorm, h))
+        return h + self.ffn(ops.norm(self.post_attention_layernorm, h), ops)
 
 
 class KimiK3Model(nn.Module):
@@ -125,24 +127,23 @@ class KimiK3Model(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        # every sublayer's input: out_norm(AttnRes(sources)); gpu_ops installs a fused kernel
-        self.mix_norm: MixNorm = attn_res_norm
 
-    def forward(self, input_ids: torch.Tensor, mix: Mixer,
-                tap_layers: Sequence[int] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Final-normed hidden states [T, D] and the requested taps; `mix` runs each token mixer."""
+    def forward(self, input_ids: torch.Tensor, mix: Mixer, tap_layers: Sequence[int] = (),
+                ops: LayerOps = REFERENCE_OPS) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Final-normed hidden states [T, D] and the requested taps; `mix` runs each token mixer, `ops` the
+        token-wise operations (the reference's own unless a serving backend passes its kernels)."""
         cfg = self.config
         h = self.embed_tokens(input_ids)
         taps: list[torch.Tensor] = []
         if cfg.attn_res_block_size is None:
             for i, layer in enumerate(self.layers):
-                h = layer.forward_plain(h, mix)
+                h = layer.forward_plain(h, mix, ops)
                 if i in tap_layers:
                     taps.append(h)
-            return self.norm(h), taps
-        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.num_hidden_layers, self.mix_norm)
+            return ops.norm(self.norm, h), taps
+        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.num_hidden_layers, ops.mix_norm)
         for i, layer in enumerate(self.layers):
-            layer.forward_attn_res(stream, mix)
+            layer.forward_attn_res(stream, mix, ops)
             if i in tap_layers:
                 taps.append(stream.raw_sum())
         return stream.normed_input(self.output_attn_res_proj, self.output_attn_res_norm, self.norm), taps

@@ -23,13 +23,12 @@ whole), all-reduce [up_proj's partial + the shared experts' partial]. What it bu
 1/tp of 2 x hidden x latent weights per MoE layer (sharding.py says how much).
 
 Each expert projection is an nn.Linear, or an `MXFP4Linear` where the checkpoint holds it as MXFP4
-(weights.py). `expert_kernel`, when set (gpu_ops.install_expert_kernels), computes the routed sum
-instead of the per-expert torch loop, over the same held experts.
+(weights.py). A serving backend computes the routed sum with its kernels instead of the per-expert torch
+loop (`LayerOps.routed`, models/kimi_k3/backend.py), over the same held experts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ from mstar.distributed.communicator import Communicator, NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 
 from .config import KimiK3Config
+from .layer_ops import REFERENCE_OPS, LayerOps
 from .mlp import Expert, GatedMLP
 from .norm import RMSNorm, at_least_fp32
 
@@ -74,12 +74,8 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts))
         nn.init.normal_(self.weight, std=config.hidden_size**-0.5)
-        # x -> Routing in two launches on the GPU (gpu_ops); None: the torch lines below
-        self.kernel: Callable[[torch.Tensor], Routing] | None = None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        if self.kernel is not None:
-            return self.kernel(x)
         cfg = self.config
         logits = at_least_fp32(x) @ at_least_fp32(self.weight).T
         scores = torch.sigmoid(logits)
@@ -133,8 +129,6 @@ class LatentMoE(nn.Module):
             self.experts = HeldExperts({str(e): Expert(config, latent, width) for e in self.sharding.local_experts})
         if config.num_shared_experts:
             self.shared_experts = GatedMLP(config, d, config.moe_intermediate_size * config.num_shared_experts)
-        # (z, expert ids [T, k], combine weights [T, k]) -> the routed sum [T, latent]; None: torch loop
-        self.expert_kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def local_expert(self, e: int) -> Expert | None:
         """Expert `e` (global id) as this rank holds it; None when another rank holds it."""
@@ -143,8 +137,6 @@ class LatentMoE(nn.Module):
     def routed(self, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """sum_k w_k * expert_k(z), accumulated in at least fp32, one pass per expert hit (over the
         experts held here: a partial sum on a tensor-parallel rank)."""
-        if self.expert_kernel is not None:
-            return self.expert_kernel(z, routing.experts, routing.weights).to(z.dtype)
         out = torch.zeros(z.shape, dtype=routing.weights.dtype, device=z.device)
         for e in routing.experts.unique().tolist():
             expert = self.local_expert(e)
@@ -169,35 +161,35 @@ class LatentMoE(nn.Module):
         r, shared = both.split([r.shape[-1], shared.shape[-1]], dim=-1)
         return r, shared
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         if self.config.latent_shards > 1:
-            return self.forward_sharded_latent(x)
-        routing = self.gate(x)
+            return self.forward_sharded_latent(x, ops)
+        routing = ops.route(self.gate, x)
         latent = self.config.routed_expert_hidden_size is not None
         z = self.routed_expert_down_proj(x) if latent else x
-        shared = self.shared_experts(x) if self.config.num_shared_experts else None
-        r, shared = self.reduce_partials(self.routed(z, routing), shared)
+        shared = ops.mlp(self.shared_experts, x) if self.config.num_shared_experts else None
+        r, shared = self.reduce_partials(ops.routed(self, z, routing), shared)
         if latent:
             if self.config.latent_moe_use_norm:
-                r = self.routed_expert_norm(r)
+                r = ops.norm(self.routed_expert_norm, r)
             r = self.routed_expert_up_proj(r)
         if shared is not None:
             r = r + shared
         return r
 
-    def forward_sharded_latent(self, x: torch.Tensor) -> torch.Tensor:
+    def forward_sharded_latent(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         """The same function with the latent projections split over the ranks (module doc)."""
         comm, cfg = self.comm, self.config
         if comm.world_size != cfg.latent_shards:
             raise ValueError(f"latent_shards={cfg.latent_shards} needs a communicator over as many ranks, "
                              f"got world_size={comm.world_size}")
-        routing = self.gate(x)
+        routing = ops.route(self.gate, x)
         z = comm.all_gather(self.routed_expert_down_proj(x))  # [T, latent], every rank's slice in rank order
-        r = comm.all_reduce(self.routed(z, routing))
+        r = comm.all_reduce(ops.routed(self, z, routing))
         if cfg.latent_moe_use_norm:
-            r = self.routed_expert_norm(r)
+            r = ops.norm(self.routed_expert_norm, r)
         held = r.shape[-1] // cfg.latent_shards
         y = self.routed_expert_up_proj(r[:, comm.rank * held : (comm.rank + 1) * held])
         if cfg.num_shared_experts:
-            y = y + self.shared_experts(x)
+            y = y + ops.mlp(self.shared_experts, x)
         return comm.all_reduce(y)

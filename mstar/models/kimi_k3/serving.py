@@ -6,7 +6,9 @@ conv window from the `RecurrentStatePool` and write them back. Everything else i
 AttnRes, MoE, MLP) is token-wise and runs on all rows of the step at once.
 
 The mixers here are the torch (CPU) implementations, one sequence at a time through the reference
-layers; `MixerOps` is the seam where GPU kernels plug in.
+layers; `TorchMixerOps` is the seam where GPU kernels plug in (gpu_ops.GpuMixerOps), and the model's
+token-wise parts take a `LayerOps` table (layer_ops.py): which of them a serving model runs is its
+backend, chosen in backend.py.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 from .kda import KDAState, KimiDeltaAttention
+from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA, MLACache
 from .model import KimiK3ForCausalLM
 
@@ -88,13 +91,18 @@ class TorchMixerOps:
 
 
 class ServingModel:
+    """The served forward of `model` over the engine's pools: its token mixers through `ops`, its token-wise
+    parts through `layer_ops` (the reference's own unless a backend gives kernels; backend.py). The model
+    is only read."""
+
     def __init__(self, model: KimiK3ForCausalLM, kv: PagedLatentKV, pool: RecurrentStatePool,
-                 ops: TorchMixerOps | None = None):
+                 ops: TorchMixerOps | None = None, layer_ops: LayerOps = REFERENCE_OPS):
         self.model = model
         self.config = model.config
         self.kv = kv
         self.pool = pool
         self.ops = ops or TorchMixerOps()
+        self.layer_ops = layer_ops
         kinds = self.config.layer_kinds
         # Each layer's index into its pool: KDA layers into the state pool, MLA layers into the cache.
         self.pool_index = [kinds[:i].count(kind) for i, kind in enumerate(kinds)]
@@ -111,5 +119,5 @@ class ServingModel:
                 return self.ops.kda(attn, index, x, plan, self.pool)
             return self.ops.mla(attn, index, x, plan, self.kv)
 
-        hidden, taps = self.model.model(plan.input_ids, mix, tap_layers)
+        hidden, taps = self.model.model(plan.input_ids, mix, tap_layers, self.layer_ops)
         return self.model.lm_head(hidden[plan.sample_rows]), torch.cat(taps, dim=-1) if taps else None

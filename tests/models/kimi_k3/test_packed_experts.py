@@ -18,7 +18,7 @@ from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.weight_bytes import rank_weight_bytes
 from mstar.kernels import moe_mxfp4
 from mstar.models.kimi_k3.config import load_config
-from mstar.models.kimi_k3.gpu_ops import install_layer_kernel
+from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, MXFP4Experts, expert_kernel_fits
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.weights import checkpoint_tensors
 from mstar.quant.mxfp4 import random_mxfp4
@@ -172,15 +172,18 @@ def test_stacked_packed_experts_match_the_torch_experts(tiny_model, layout):
     z = moe.routed_expert_down_proj(x)
     with torch.no_grad():
         expect = moe.routed(z, routing)  # the torch loop over the held experts: a partial sum under EP
-        assert install_layer_kernel(moe)
-        got = moe.routed(z, routing)
+        assert expert_kernel_fits(moe)
+        kernel = MXFP4Experts(moe)
+        got = GpuLayerOps({moe: kernel}).routed(moe, z, routing)
     assert relative_error(got, expect) < 1e-2
     if sharding is not None:
         elsewhere = ~torch.isin(routing.experts, torch.tensor(held, device=KERNEL_DEVICE))
         assert bool(elsewhere.any())  # some pairs were dropped
     # The stack holds the held experts' own bytes, and the experts now read them from it.
-    stack = moe.expert_kernel.weights
+    stack = kernel.weights
     assert stack.w13_packed.shape[0] == len(held)
+    # A second serving model over the same experts takes the same stack (nothing copied, nothing freed).
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(MXFP4Experts(moe).weights, stack, strict=True))
     for i, expert in enumerate(moe.experts):
         assert torch.equal(stack.w2_packed[i], packed_before[i])
         assert expert.w2.weight_packed.data_ptr() == stack.w2_packed[i].data_ptr()
@@ -191,7 +194,7 @@ def test_dense_experts_keep_the_torch_path(tiny_model):
     config = tiny_model.config.with_overrides(routed_expert_hidden_size=KERNEL_WIDTH,
                                               moe_intermediate_size=KERNEL_WIDTH)
     moe = LatentMoE(config).to(torch.bfloat16)
-    assert not install_layer_kernel(moe) and moe.expert_kernel is None
+    assert not expert_kernel_fits(moe)
 
 
 @needs_kernel

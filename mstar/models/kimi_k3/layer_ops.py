@@ -1,0 +1,44 @@
+"""The token-wise operations of the decoder stack, as its forward passes call them: `LayerOps`.
+
+The reference model (model.py, moe.py, mla.py) computes each norm, AttnRes mix, routing, routed-expert
+sum and dense MLP through a `LayerOps` it is given. These are the reference's own: each calls the
+module it is handed. A serving backend (backend.py) passes a subclass whose methods run kernels over
+the same modules' weights instead; the modules are only read, so the reference is never changed by
+a backend, and any number of serving models can share one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .attn_res import attn_res_norm
+
+if TYPE_CHECKING:
+    from .mlp import GatedMLP
+    from .moe import LatentMoE, Router, Routing
+    from .norm import RMSNorm
+
+
+class LayerOps:
+    def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def mix_norm(self, sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor,
+                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
+        """out_norm(AttnRes(sources)) (attn_res.MixNorm)."""
+        return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps)
+
+    def route(self, router: Router, x: torch.Tensor) -> Routing:
+        return router(x)
+
+    def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The routed experts' weighted sum [T, latent] (a partial sum on a tensor-parallel rank)."""
+        return moe.routed(z, routing)
+
+    def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        return mlp(x)
+
+
+REFERENCE_OPS = LayerOps()

@@ -1,0 +1,58 @@
+"""The kernel backend (models/kimi_k3/backend.py): the one selection function, and that serving with kernels
+leaves the reference model as it was."""
+
+import copy
+import os
+
+import pytest
+import torch
+
+from mstar.engine.core import EngineConfig, EngineCore
+from mstar.models.kimi_k3.backend import REFERENCE, select_backend
+from mstar.models.kimi_k3.mla import GatedMLA
+from mstar.models.kimi_k3.moe import LatentMoE
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+
+def test_a_cpu_model_gets_the_reference_path(tiny_model):
+    assert select_backend(tiny_model) is REFERENCE
+    assert select_backend(tiny_model, "torch") is REFERENCE
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        select_backend(tiny_model, "triton")
+
+
+def test_gpu_kernels_are_refused_where_the_device_dtype_or_weights_do_not_fit(tiny_model):
+    pytest.importorskip("triton")  # gpu_ops imports the kernel modules
+    from mstar.models.kimi_k3 import gpu_ops
+
+    attn = next(m for m in tiny_model.modules() if isinstance(m, GatedMLA))
+    assert not gpu_ops.mla_kernel_fits(attn, torch.bfloat16, torch.device("cpu"))  # no CUDA device
+    assert not gpu_ops.mla_kernel_fits(attn, torch.float32, torch.device("cpu"))
+    assert not gpu_ops.moe_mxfp4.supported("cpu")
+    moe = next(m for m in tiny_model.modules() if isinstance(m, LatentMoE))
+    assert not gpu_ops.expert_kernel_fits(moe)  # dense experts: the MXFP4 kernel does not take them
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU kernels through Triton's interpreter")
+def test_serving_with_every_gpu_op_leaves_the_reference_as_it_was(tiny_model, tiny_dir):
+    """An engine whose serving model runs the GPU backend's ops (fused norms, AttnRes, router, SiTU MLP, stacked
+    projections; here under the interpreter in fp32) serves a prompt; the reference model then computes the
+    same logits as before, from the same parameter objects, with the same state_dict."""
+    pytest.importorskip("fla.ops.kda")
+    from mstar.engine.params import SamplingParams
+    from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
+
+    model = copy.deepcopy(tiny_model)
+    prompt = torch.arange(5, 17)
+    before = model(prompt).logits
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    core = EngineCore(model, KimiTokenizer.from_dir(tiny_dir), EngineConfig(max_seq_len=64, max_num_pages=16))
+    mla = frozenset(m for m in model.modules() if isinstance(m, GatedMLA))
+    core.runner.serving.ops, core.runner.serving.layer_ops = GpuMixerOps(mla, fused=True), GpuLayerOps()
+    core.add_request("r", prompt.tolist(), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    while core.has_work():
+        assert all(out.error is None for out in core.step())
+    assert all(p is params[name] for name, p in model.named_parameters())  # stacking moved storage only
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert torch.equal(model(prompt).logits, before)
