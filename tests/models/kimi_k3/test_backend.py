@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from mstar.engine.core import EngineConfig, EngineCore
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
 from mstar.models.kimi_k3.backend import REFERENCE, select_backend
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.moe import LatentMoE
@@ -47,7 +48,8 @@ def test_serving_with_every_gpu_op_leaves_the_reference_as_it_was(tiny_model, ti
     before = model(prompt).logits
     params = dict(model.named_parameters())
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    core = EngineCore(model, KimiTokenizer.from_dir(tiny_dir), EngineConfig(max_seq_len=64, max_num_pages=16))
+    config = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 16, "max_num_pages": 16}})
+    core = EngineCore(model, KimiTokenizer.from_dir(tiny_dir), config)
     mla = frozenset(m for m in model.modules() if isinstance(m, GatedMLA))
     core.runner.serving.ops, core.runner.serving.layer_ops = GpuMixerOps(mla, fused=True), GpuLayerOps()
     core.add_request("r", prompt.tolist(), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
