@@ -236,6 +236,11 @@ class ModelKwargs(_Section):
     # = tp_size: pure EP (whole experts). Per-rank expert memory is the same either way; see
     # mstar/distributed/expert_sharding.py and docs/multi_node.md.
     moe_ep_size: int = Field(1, ge=1)
+    # With tp_size > 1, how the latent MoE's routed_expert_down_proj / up_proj are held: "sharded" splits them
+    # over the ranks (1/tp of their bytes per rank, two more collectives per MoE layer), "replicated" keeps
+    # both whole on every rank. Sharded measured faster at every decode batch on the H200 (8.8 GiB less
+    # weight per TP8 rank too): benchmarks/emulate_rank/, mstar/distributed/sharding.py.
+    latent_moe_layout: Literal["sharded", "replicated"] = "sharded"
 
 
 class EngineConfig(_Section):

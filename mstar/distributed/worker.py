@@ -506,9 +506,11 @@ def build_tp_engine(cfg: ServeConfig, speculative: SpeculativeModels | None, *, 
     `engine.shutdown()` (after the server drained) stops every rank. With `cfg.speculative`,
     `speculative` carries the loaded draft (serve.py's `speculative_models`)."""
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
+    latent_moe = load_config(cfg.checkpoint).routed_expert_hidden_size is not None  # Kimi-Linear has none
     core, ranks = start_ranks(cfg.checkpoint, tokenizer, cfg, speculative, tp_size=cfg.tp_size,
                               ep_size=cfg.model_kwargs.moe_ep_size, dtype=torch_dtype(cfg.dtype),
                               device_type=torch.device(device).type, env=env,
                               comm=CommConfig(protocol=tensor_comm_protocol), timeouts=timeouts,
-                              exit_on_failure=True)
+                              exit_on_failure=True,
+                              latent_sharded=latent_moe and cfg.model_kwargs.latent_moe_layout == "sharded")
     return TPEngine(core, cfg.served_model_name, ranks, **engine_kwargs).start()

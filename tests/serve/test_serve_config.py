@@ -377,3 +377,11 @@ def test_moe_ep_size_must_divide_the_checkpoints_experts():
     with pytest.raises(ServeConfigError) as err:
         check_expert_parallel(cfg, 18)
     assert "'model_kwargs.moe_ep_size' (4)" in str(err.value) and "num_experts (18)" in str(err.value)
+
+
+def test_latent_moe_layout_defaults_to_sharded_and_names_a_bad_value(tmp_path):
+    assert parse_serve_config(minimal(), base_dir=tmp_path).model_kwargs.latent_moe_layout == "sharded"
+    raw = minimal(model_kwargs={"latent_moe_layout": "replicated"})
+    assert parse_serve_config(raw, base_dir=tmp_path).model_kwargs.latent_moe_layout == "replicated"
+    with pytest.raises(ServeConfigError, match="'model_kwargs.latent_moe_layout'"):
+        parse_serve_config(minimal(model_kwargs={"latent_moe_layout": "diagonal"}), base_dir=tmp_path)
