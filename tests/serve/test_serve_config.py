@@ -85,6 +85,18 @@ def test_pruned75_configs():
     assert dict(spec.model_kwargs.speculative_schedule) == {16: 7, 32: 4, 64: 0}
 
 
+def test_full_k3_two_node_configs():
+    # Two 8-GPU nodes: 16 ranks, one expert-parallel group per node (docs/multi_node.md).
+    for name in ("kimi_k3_tp16_ep2.yaml", "kimi_k3_tp16_ep2_dspark_sched.yaml"):
+        cfg = load_serve_config(CONFIGS / name)
+        assert (cfg.tp_size, cfg.model_kwargs.moe_ep_size, cfg.dtype, cfg.device) == (16, 2, "bfloat16", "cuda")
+        assert cfg.checkpoint == CONFIGS.parent / "models" / "Kimi-K3"
+        assert cfg.resources.kda_state.max_slots == 65 and cfg.scheduler.max_num_seqs == 64
+    spec = load_serve_config(CONFIGS / "kimi_k3_tp16_ep2_dspark_sched.yaml")
+    assert spec.speculative and spec.resources.dspark_kv is not None
+    assert dict(spec.model_kwargs.speculative_schedule) == {16: 7, 32: 4, 64: 0}
+
+
 # --- defaults and helpers -----------------------------------------------------------------------
 
 
