@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this are greedy (vLLM's epsilon): dividing logits by a smaller one only finds the
+# argmax the hard way, and near fp32's smallest normals the quotient overflows.
+GREEDY_TEMPERATURE = 1e-5
+
 
 class ParamError(ValueError):
     """A request parameter out of range; the message names the parameter (HTTP 400)."""
@@ -11,7 +15,8 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence is generated. `temperature == 0` means greedy (top-k/top-p/min-p ignored)."""
+    """How one sequence is generated. `temperature < GREEDY_TEMPERATURE` (0 included) means greedy
+    (top-k/top-p/min-p ignored)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -45,4 +50,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
