@@ -196,11 +196,15 @@ def serve_main(argv: list[str] | None = None) -> None:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    from mstar.server import access_log
     from mstar.server.app import build_app
 
     app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
+    access_log.install()  # query strings (which may hold a key) never reach the access log
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=120))
+                                           timeout_graceful_shutdown=120,
+                                           timeout_keep_alive=cfg.server.keep_alive_timeout_s,
+                                           h11_max_incomplete_event_size=cfg.server.max_header_bytes))
     log.info("access: %s; at most %d generations in flight, bodies up to %d bytes, n <= %d%s",
              f"{len(options.api_keys)} API key(s)" if options.api_keys else "open (no API key)",
              options.max_in_flight, options.max_body_bytes, options.max_n,
