@@ -19,6 +19,7 @@ closes, and a last chunk per choice with an empty delta and its `finish_reason`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -217,7 +218,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
     engine = ctx.engine
-    prompt_ids = _prompt_ids(req, engine.tokenizer)
+    # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
+    prompt_ids = await asyncio.to_thread(_prompt_ids, req, engine.tokenizer)
     check_prompt_ids(prompt_ids, engine, "messages")
     check_stop_token_ids(req.stop_token_ids, engine)
     if req.top_logprobs is not None and not req.logprobs:
