@@ -167,6 +167,7 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
         max_tokens=srv.max_tokens,
         max_in_flight=sched.max_num_seqs + sched.max_waiting,
         retry_after_s=srv.retry_after_s,
+        body_timeout_s=srv.body_timeout_s,
         log_requests=srv.log_requests or log_requests,
     )
 
