@@ -11,7 +11,8 @@ API keys come from the config's `server.api_keys`, every `--api-key`, and `MSTAR
 separated), all accepted. A failed engine step fails the requests in flight and serving goes on;
 `server.max_step_failures` failures in a row, or a crash of the engine thread, stop the engine:
 the server then stops and exits with status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
-Exit status 2: the config or the command line is wrong.
+Exit status 2: the config or the command line is wrong, or the HTTP port is in use (the socket is
+bound before anything else starts).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -172,6 +174,20 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
     )
 
 
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any rank, store or engine starts: those take ephemeral ports, and
+    one of them could take the port the server is told to serve on. A port in use is a ServeConfigError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ServeConfigError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port or stop "
+                               "what holds it") from None
+    return sock
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mstar-serve", description="Serve Kimi K3 behind an OpenAI-compatible API.")
     p.add_argument("--config", required=True, type=Path, help="serve config YAML (see configs/)")
@@ -192,6 +208,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_serve_config(args.config, args.overrides)
         options = server_options(cfg, args.api_key, args.log_requests)
+        http_socket = bind_http_socket(args.host, args.port)
         engine = build_engine(cfg, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
@@ -216,7 +233,7 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     engine.on_fatal = engine_stopped
     try:
-        server.run()
+        server.run(sockets=[http_socket])
     finally:
         engine.shutdown()
     if engine.fatal_error is not None:
