@@ -205,6 +205,11 @@ class ServerSection(_Section):
     # with an error and the server goes on.
     max_step_failures: int = Field(3, ge=1)
     log_requests: bool = False  # log each request's prompt and parameters (never logged otherwise)
+    body_timeout_s: float = 30.0  # a request body must arrive whole within this long, else 408 (slow clients)
+    keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
+    # Largest request line plus headers one request may send (h11's incomplete-event limit); more is
+    # refused and the connection closed. nginx's default allows 4 x 8 KiB header buffers.
+    max_header_bytes: int = 32 * 1024
 
 
 class ModelKwargs(_Section):

@@ -12,13 +12,15 @@ separated), all accepted; the environment is read once, here (`mstar.config.Envi
 engine step fails the requests in flight and serving goes on; `server.max_step_failures` failures in
 a row, or a crash of the engine thread, stop the engine: the server then stops and exits with
 status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
-Exit status 2: the config or the command line is wrong.
+Exit status 2: the config or the command line is wrong, or the HTTP port is in use (the socket is
+bound before anything else starts).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,8 +140,23 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
         max_tokens=srv.max_tokens,
         max_in_flight=sched.max_num_seqs + sched.max_waiting,
         retry_after_s=srv.retry_after_s,
+        body_timeout_s=srv.body_timeout_s,
         log_requests=srv.log_requests or log_requests,
     )
+
+
+def bind_http_socket(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound before any rank, store or engine starts: those take ephemeral ports, and
+    one of them could take the port the server is told to serve on. A port in use is a ServeConfigError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ServeConfigError(f"cannot listen on {host}:{port} ({err.strerror}); choose another --port or stop "
+                               "what holds it") from None
+    return sock
 
 
 def serve_main(argv: list[str] | None = None) -> None:
@@ -163,16 +180,21 @@ def serve_main(argv: list[str] | None = None) -> None:
         env = Environment.read()
         cfg = load_serve_config(args.config, args.overrides)
         options = server_options(cfg, args.api_key, args.log_requests, env)
+        http_socket = bind_http_socket(args.host, args.port)
         engine = build_engine(cfg, env=env, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
+    from mstar.server import access_log
     from mstar.server.app import build_app
 
     app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
+    access_log.install()  # query strings (which may hold a key) never reach the access log
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=120))
+                                           timeout_graceful_shutdown=120,
+                                           timeout_keep_alive=cfg.server.keep_alive_timeout_s,
+                                           h11_max_incomplete_event_size=cfg.server.max_header_bytes))
     log.info("access: %s; at most %d generations in flight, bodies up to %d bytes, n <= %d%s",
              f"{len(options.api_keys)} API key(s)" if options.api_keys else "open (no API key)",
              options.max_in_flight, options.max_body_bytes, options.max_n,
@@ -183,7 +205,7 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     engine.on_fatal = engine_stopped
     try:
-        server.run()
+        server.run(sockets=[http_socket])
     finally:
         engine.shutdown()
     if engine.fatal_error is not None:

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# Temperatures below this are greedy (vLLM's epsilon): dividing logits by a smaller one only finds the
+# argmax the hard way, and near fp32's smallest normals the quotient overflows.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class ParamError(ValueError):
@@ -15,7 +18,8 @@ class ParamError(ValueError):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one sequence is generated. `temperature == 0` means greedy (top-k/top-p/min-p ignored)."""
+    """How one sequence is generated. `temperature < GREEDY_TEMPERATURE` (0 included) means greedy
+    (top-k/top-p/min-p ignored)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -65,7 +69,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def penalized(self) -> bool:

@@ -2,7 +2,7 @@
 
 Processing order for a sampled (temperature > 0) row, each stage a pure function below:
 
-    1. temperature scaling      logits / T
+    1. temperature scaling      (logits - row max) / T
     2. top-k                    keep the k best
     3. top-p (nucleus)          keep the smallest best-first set whose mass >= top_p (of the top-k renormalised)
     4. min-p                    drop tokens with prob < min_p * max prob
@@ -13,7 +13,9 @@ Only min-p's place relative to top-p matters. Min-p compares each token with the
 masking other tokens and renormalising do not change, so it commutes with top-k. Top-p measures mass,
 so it depends on what came before it: with min-p last, top-p measures the distribution before min-p trims
 the tail (vLLM V1 applies min-p first, which can make top-p keep fewer tokens).
-Greedy (temperature == 0) rows ignore all of this and take the argmax of the raw logits (ties: lowest id).
+Greedy rows (temperature below `GREEDY_TEMPERATURE`, 1e-5, as in vLLM: stored as 0 in the batch) ignore
+all of this and take the argmax of the raw logits (ties: lowest id). Scaling never turns finite logits
+into ±inf, whatever the temperature (kernels/temperature.py).
 
 Ties at a filter boundary are kept: tokens whose logit equals that of the last token top-k or top-p
 keeps are kept too, so a mask never depends on how the sort happened to order equal values.
@@ -42,6 +44,7 @@ import torch
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.params import SamplingParams
 from mstar.engine.transfer import to_device
+from mstar.kernels.temperature import scale_by_temperature_finite
 
 _SEED_MASK = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny  # noise floor: keeps -log(q) finite, so masked tokens stay -inf
@@ -60,9 +63,10 @@ def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """logits / T per row; greedy rows (T == 0) pass through unscaled (their argmax is taken raw)."""
+    """(logits - row max) / T per row, never overflowing to ±inf (kernels/temperature.py); greedy rows
+    (T == 0) are only shifted (their argmax is taken from the raw logits)."""
     safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-    return logits / safe.unsqueeze(-1)
+    return scale_by_temperature_finite(logits, safe.unsqueeze(-1))
 
 
 def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
@@ -144,8 +148,9 @@ class SamplingBatch:
         requested = [p.logprobs for p in params if p.logprobs is not None]
         # One host-to-device copy for the four parameters (exact: float64 holds every top_k, and the
         # fp32 parameters round from it as they would from the Python floats).
-        values = to_device([[p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                            [p.min_p for p in params]], torch.float64, device)
+        # Greedy rows carry temperature 0 (also those below GREEDY_TEMPERATURE), the mark every stage reads.
+        values = to_device([[0.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
+                            [p.top_p for p in params], [p.min_p for p in params]], torch.float64, device)
         return cls(
             temperature=values[0].float(),
             top_k=values[1].long(),

@@ -11,10 +11,15 @@ which key matched. A refusal is a 401 in OpenAI's error shape; the key is never 
 Body size: a declared `Content-Length` over the limit is refused (413) before anything is read; a
 body sent without one (chunked) is counted as it is read, and reading past the limit raises the
 same 413 inside the endpoint.
+
+Body deadline: the whole body must arrive within `body_timeout_s` of the request reaching the app;
+a client that trickles it (or stops sending) gets a 408 and its connection back, so it cannot hold
+a connection, nor a graceful shutdown, for longer. (Header deadlines and sizes are uvicorn's/h11's.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 
@@ -25,6 +30,12 @@ from mstar.server.metrics import ServerMetrics
 from mstar.server.options import ServerOptions
 
 OPEN_PATHS = frozenset({"/openapi.json"})
+
+
+class BodyTimeout(APIError):
+    def __init__(self, limit_s: float):
+        super().__init__(f"The request body did not arrive within {limit_s:g} s; send it at once",
+                         status=408, code="request_timeout")
 
 
 class BodyTooLarge(APIError):
@@ -52,6 +63,7 @@ class AccessGuard:
     def __init__(self, app: ASGIApp, options: ServerOptions, metrics: ServerMetrics):
         self.app = app
         self.max_body_bytes = options.max_body_bytes
+        self.body_timeout_s = options.body_timeout_s
         self.metrics = metrics
         self._digests = [_digest(key) for key in options.api_keys]
         open_paths = set(OPEN_PATHS)
@@ -101,11 +113,21 @@ class AccessGuard:
     def _counted(self, receive: Receive) -> Receive:
         seen = 0
         limit = self.max_body_bytes
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        body_done = False
 
         async def counted() -> Message:
-            nonlocal seen
-            message = await receive()
+            nonlocal seen, body_done
+            if body_done:  # after the body only a disconnect can come: waiting for it is no body read
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except TimeoutError:
+                self.metrics.refused("body_timeout")
+                raise BodyTimeout(self.body_timeout_s) from None
             if message["type"] == "http.request":
+                body_done = not message.get("more_body", False)
                 seen += len(message.get("body", b""))
                 if seen > limit:
                     self.metrics.refused("too_large")

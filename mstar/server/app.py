@@ -16,7 +16,7 @@ from mstar.server.admission import Admission
 from mstar.server.chat import create_chat_completion
 from mstar.server.completions import create_completion
 from mstar.server.context import ServerContext
-from mstar.server.errors import APIError, error_response, guarded, install_error_handlers
+from mstar.server.errors import APIError, echo, error_response, guarded, install_error_handlers
 from mstar.server.metrics import CONTENT_TYPE, ServerMetrics
 from mstar.server.openapi import build_openapi
 from mstar.server.options import ServerOptions
@@ -42,7 +42,9 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
         options=options,
         admission=Admission(options.max_in_flight, options.retry_after_s, metrics),
     )
-    app = FastAPI(title="mstar", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    # redirect_slashes off: Starlette's redirect for a trailing slash is built from the client's Host
+    # header (an open redirect that a following client re-sends its body to); such a path is a 404.
+    app = FastAPI(title="mstar", docs_url=None, redoc_url=None, openapi_url="/openapi.json", redirect_slashes=False)
     document = build_openapi(options, served_model_name, engine.tokenizer.vocab_size, engine.max_seq_len)
     app.openapi = lambda: document  # FastAPI would derive one from the routes, which parse their own bodies
     app.state.ctx = ctx
@@ -84,7 +86,7 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
         if model != served_model_name:
-            err = APIError(f"The model '{model}' does not exist", status=404, param="model", code="model_not_found")
+            err = APIError(f"The model {echo(model)} does not exist", status=404, param="model", code="model_not_found")
             return error_response(err)
         return json_response(model_card())
 

@@ -23,6 +23,7 @@ closes, and a last chunk per choice with an empty delta and its `finish_reason`.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -254,7 +255,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_supported(req)
     _check_response_format(req)
     engine = ctx.engine
-    prompt_ids = truncate_prompt(chat_prompt_ids(req, engine.tokenizer), req)
+    # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
+    prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
     check_prompt_ids(prompt_ids, engine, "messages")
     check_stop_token_ids(req.stop_token_ids, engine)
     if req.top_logprobs is not None and not req.logprobs:

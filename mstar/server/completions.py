@@ -13,6 +13,7 @@ order); with `stream_options.include_usage`, a last chunk with no choices carrie
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -139,7 +140,8 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
-    prompts = [truncate_prompt(ids, req) for ids in _prompts(req.prompt, engine.tokenizer)]
+    # Off the event loop: tokenizing megabytes takes long enough to stall every other client's stream.
+    prompts = [truncate_prompt(ids, req) for ids in await asyncio.to_thread(_prompts, req.prompt, engine.tokenizer)]
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request", param="n")
     for p, ids in enumerate(prompts):

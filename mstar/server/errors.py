@@ -4,13 +4,19 @@ Bad input (malformed JSON, wrong types, out-of-range values, unknown model, prom
 is a 400 that names the parameter; a missing or wrong API key a 401, a body over the size limit a
 413, more engine requests than the server admits at once a 429 with `Retry-After`, an engine that
 has stopped a 503. Only an unexpected exception is a 500, with a generic message; its traceback goes
-to the log, not to the client (and never the request's prompt).
+to the log, not to the client (and never the request's prompt); the body carries an error id that
+the log line names too. Tracebacks are logged at most once per exception type per minute (a client
+that can trigger one must not flood the log), later ones as one line. A client that disconnects while
+its body is read is logged at INFO without a traceback. Values echoed from the request are cut to
+`ECHO_CHARS` characters (`echo`).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -18,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from mstar.engine.errors import EngineDeadError
 from mstar.engine.params import ParamError
@@ -30,11 +37,20 @@ _TYPE_BY_STATUS = {
     401: "invalid_request_error",  # what OpenAI answers for a bad key
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request; see the server log."
+ECHO_CHARS = 200  # longest piece of a request echoed back in an error message
+TRACEBACK_INTERVAL_S = 60.0  # one traceback per exception type in this long; the others as one line
+
+
+def echo(value: object) -> str:
+    """`repr(value)` for an error message, cut to ECHO_CHARS (a 100 KB model name is not sent back whole)."""
+    text = repr(value)
+    return text if len(text) <= ECHO_CHARS else f"{text[:ECHO_CHARS]}... ({len(text)} characters)"
 
 
 class APIError(Exception):
@@ -74,8 +90,38 @@ def engine_unavailable(detail: str) -> APIError:
     return APIError(f"The engine is not available: {detail}", status=503, code="engine_unavailable")
 
 
-def internal_error() -> APIError:
-    return APIError(INTERNAL_ERROR_MESSAGE, status=500, type="internal_server_error")
+def internal_error(error_id: str) -> APIError:
+    return APIError(f"{INTERNAL_ERROR_MESSAGE} Error id: {error_id}.", status=500, type="internal_server_error")
+
+
+class TracebackLimiter:
+    """Whether an exception's traceback goes to the log now: once per type per `interval_s`."""
+
+    def __init__(self, interval_s: float = TRACEBACK_INTERVAL_S):
+        self.interval_s = interval_s
+        self._last: dict[type, float] = {}
+
+    def allow(self, exc: BaseException) -> bool:
+        now = time.monotonic()
+        last = self._last.get(type(exc))
+        if last is not None and now - last < self.interval_s:
+            return False
+        self._last[type(exc)] = now
+        return True
+
+
+TRACEBACKS = TracebackLimiter()
+
+
+def log_unexpected(exc: Exception, what: str) -> str:
+    """Log an unexpected exception of an endpoint (traceback rate-limited); returns its error id."""
+    error_id = uuid.uuid4().hex[:16]
+    if TRACEBACKS.allow(exc):
+        logger.error("unexpected error in %s (error id %s)", what, error_id, exc_info=exc)
+    else:
+        logger.error("unexpected error in %s (error id %s): %s: %s (traceback logged at most once a minute)",
+                     what, error_id, type(exc).__name__, str(exc)[:ECHO_CHARS])
+    return error_id
 
 
 _LEADING_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -142,7 +188,7 @@ def from_validation_error(err: ValidationError) -> APIError:
         message = f"'{path}': {best['msg']}"
         given = best.get("input")
         if not isinstance(given, dict | list):
-            message += f" (got {given!r})"
+            message += f" (got {echo(given)})"
     if len(errors) > 1 and last_field in _UNION_HINTS:
         message += f"; {_UNION_HINTS[last_field]}"
     return APIError(message, param=path or None, code=code)
@@ -158,7 +204,8 @@ async def guarded(
     400), a stopped engine a 503, a vanished client an empty 499, anything else a logged 500."""
     try:
         return await handler()
-    except ClientDisconnected:
+    except (ClientDisconnected, ClientDisconnect):
+        logger.info("%s: the client disconnected before its answer", what)
         return Response(status_code=499)  # nobody is listening; nginx's code for "client closed request"
     except EngineDeadError as err:
         return error_response(engine_unavailable(str(err)))
@@ -167,9 +214,8 @@ async def guarded(
         if api_error.status == 400 and on_invalid is not None:
             on_invalid()
         return error_response(api_error)
-    except Exception:
-        logger.exception("unexpected error in %s", what)
-        return error_response(internal_error())
+    except Exception as exc:
+        return error_response(internal_error(log_unexpected(exc, what)))
 
 
 def install_error_handlers(app: FastAPI) -> None:

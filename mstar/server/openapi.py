@@ -217,6 +217,7 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
     auth = options.auth_enabled
     generation_errors = {
         400: "Invalid request: the message names the parameter",
+        408: f"The body did not arrive within {options.body_timeout_s:g} s",
         413: f"The body is larger than {options.max_body_bytes} bytes",
         429: "More generations in flight than the server admits; retry after Retry-After seconds",
         500: "The engine failed the request (an internal error, or non-finite logits)",

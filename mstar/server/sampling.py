@@ -13,7 +13,7 @@ import uuid
 
 from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
-from mstar.server.errors import APIError, from_param_error
+from mstar.server.errors import APIError, echo, from_param_error
 from mstar.server.generation import ChoiceSpec
 from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, SamplingFields, json_equal
 
@@ -25,7 +25,7 @@ def new_request_id(prefix: str) -> str:
 def check_model(requested: str | None, served_model_name: str) -> None:
     if requested is not None and requested != served_model_name:
         raise APIError(
-            f"The model '{requested}' does not exist; this server serves '{served_model_name}' (or omit 'model')",
+            f"The model {echo(requested)} does not exist; this server serves '{served_model_name}' (or omit 'model')",
             param="model",
             code="model_not_found",
         )

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from mstar.server.errors import APIError, internal_error
+from mstar.server.errors import APIError, internal_error, log_unexpected
 
 logger = logging.getLogger("mstar.server")
 
@@ -68,9 +68,8 @@ async def sse_body(events: AsyncIterator[bytes], close: Callable[[], Awaitable[N
     except APIError as err:
         yield sse_event(err.body())
         yield SSE_DONE
-    except Exception:
-        logger.exception("unexpected error while streaming a response")
-        yield sse_event(internal_error().body())
+    except Exception as exc:
+        yield sse_event(internal_error(log_unexpected(exc, "a streamed response")).body())
         yield SSE_DONE
     finally:
         aclose = getattr(events, "aclose", None)

@@ -111,7 +111,7 @@ class DSparkProposer:
                 generators: Sequence[torch.Generator | None]) -> list[DraftProposal]:
         """Drafts for the step's rows `rows` in one draft forward: row b drafts num_drafts tokens after its
         anchor (token_ids[0], at position num_computed, over its num_computed context rows), drawn as its
-        request samples (greedy at T=0) with params[i] and generators[i]."""
+        request samples (greedy when `SamplingParams.greedy`) with params[i] and generators[i]."""
         seqs = [decl.seqs[b] for b in rows]
         for s in seqs:  # each anchor needs the rows of every position before it committed to the draft KV
             self.draft.check_block(s.token_ids[0], s.num_computed, s.num_drafts, self.kv.lengths.get(s.request_id, 0))
@@ -121,7 +121,7 @@ class DSparkProposer:
         num_drafts = tuple(s.num_drafts for s in seqs)
         table = plan.page_table[to_device(list(rows), torch.long, device)]
         sampling = [
-            DraftSampling(p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None, g)
+            DraftSampling(0.0 if p.greedy else p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None, g)
             for p, g in zip(params, generators, strict=True)
         ]
         if self.paged:

@@ -25,6 +25,10 @@ A 429 is retried after its Retry-After (for up to `--request-timeout`); the late
 request counts from its first attempt. At the end the engine's pools must be empty (no request
 running or waiting, no KV page or KDA slot held) and nothing admitted in flight.
 
+`--hostile` mixes in clients a careful server must answer without hurting the others: extreme but
+valid sampling values (a 200 or a 400), tool-call arguments nested 5,000 deep (a 400), a 9 MiB body
+(a 413) and connections closed mid-body; the greedy checks of everyone else stay as they are.
+
 Reported: requests issued, completed, aborted as planned, lost (any request that failed or whose
 answer was wrong; must be 0), p50/p99 end-to-end latency and TTFT. Exit status 0 only when
 nothing was lost and the pools emptied.
@@ -62,6 +66,13 @@ KINDS = {  # kind: weight in the mix
     "abort_stream": 5,
     "abort_wait": 5,
 }
+HOSTILE_KINDS = {  # --hostile adds these: clients that must get a careful answer and hurt nobody
+    "extreme_sampling": 6,  # tiny/huge temperatures, top_p 1e-9, top_k 2**62, min_p 1: a 200 or a 400
+    "nested_tools": 3,  # tool-call arguments nested 5,000 deep: a 400
+    "huge_body": 2,  # a 9 MiB body: a 413
+    "disconnect_body": 3,  # headers and part of a body, then the connection closes
+}
+EXTREME_TEMPERATURES = (1e-45, 3e-39, 1e-38, 9.99e-6, 1e-5, 1e-4, 100.0, 1e30)
 GREEDY_KINDS = {"complete", "complete_stream", "long", "chat", "chat_stream", "n_greedy", "stop", "abort_stream"}
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "value", "token", "light", "seven", "forty",
          "import", "return", "yield", "lambda", "class", "object", "buffer", "socket", "thread", "queue"]
@@ -120,9 +131,9 @@ def _prompt(rng: random.Random, index: int, long: bool) -> str:
     return header + body + f"def {rng.choice(WORDS)}_{index}("
 
 
-def make_plan(count: int, seed: int | None) -> list[Job]:
+def make_plan(count: int, seed: int | None, hostile: bool = False) -> list[Job]:
     rng = random.Random(seed)
-    kinds, weights = zip(*KINDS.items(), strict=True)
+    kinds, weights = zip(*({**KINDS, **HOSTILE_KINDS} if hostile else KINDS).items(), strict=True)
     jobs = []
     for i in range(count):
         kind = rng.choices(kinds, weights)[0]
@@ -209,13 +220,64 @@ async def _post_with_retries(client: httpx.AsyncClient, path: str, body: dict, o
         await asyncio.sleep(float(response.headers.get("retry-after", "1")))
 
 
+def _nested_tool_messages(depth: int) -> list[dict]:
+    arguments = '{"a": ' + "[" * depth + "]" * depth + "}"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+
+
+async def _disconnect_mid_body(client: httpx.AsyncClient) -> None:
+    """Send the headers and a tenth of the declared body on a connection of its own, then close it."""
+    url = client.base_url
+    headers = "".join(f"{k}: {v}\r\n" for k, v in client.headers.items() if k.lower() == "authorization")
+    _, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(f"POST /v1/completions HTTP/1.1\r\nHost: {url.host}\r\nContent-Type: application/json\r\n"
+                 f"{headers}Content-Length: 1000\r\n\r\n{{\"prompt\": \"x".encode() + b"x" * 90)
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def run_hostile(client: httpx.AsyncClient, job: Job, model_name: str, outcome: Outcome,
+                      deadline: float) -> list[str]:
+    """A hostile job's problems: the answers a careful server gives (none for a client that leaves)."""
+    rng = random.Random(job.index)
+    if job.kind == "disconnect_body":
+        await _disconnect_mid_body(client)
+        outcome.status = "aborted"
+        return []
+    if job.kind == "extreme_sampling":
+        body = {"model": model_name, "prompt": job.text, "max_tokens": job.max_tokens,
+                "temperature": rng.choice(EXTREME_TEMPERATURES), "top_p": rng.choice([1e-9, 0.5, 1.0]),
+                "top_k": rng.choice([0, 1, 2**62]), "min_p": rng.choice([0.0, 1e-9, 1.0]),
+                "seed": rng.choice([0, 7, 2**63 - 1])}
+        r = await _post_with_retries(client, "/v1/completions", body, outcome, deadline)
+        if r.status_code == 400 or (r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in
+                                    ("length", "stop")):
+            return []
+        return [f"extreme sampling {body}: {r.status_code} {r.text[:200]}"]
+    if job.kind == "nested_tools":
+        body = {"model": model_name, "messages": _nested_tool_messages(5_000), "max_tokens": 2}
+        r = await _post_with_retries(client, "/v1/chat/completions", body, outcome, deadline)
+        return [] if r.status_code == 400 else [f"nested tool arguments: {r.status_code} {r.text[:200]}"]
+    r = await client.post("/v1/completions", content=b'{"prompt": "' + b"x" * (9 << 20) + b'"}',
+                          headers={"Content-Type": "application/json"})
+    return [] if r.status_code == 413 else [f"a 9 MiB body: {r.status_code} {r.text[:200]}"]
+
+
 async def run_job(client: httpx.AsyncClient, job: Job, expected: Expected, model_name: str, tokenizer,
                   deadline: float) -> Outcome:
     outcome = Outcome(job, "lost")
     path, body = request_body(job, expected, model_name)
     start = time.perf_counter()
     try:
-        if job.kind == "abort_wait":
+        if job.kind in HOSTILE_KINDS:
+            outcome.problems += await run_hostile(client, job, model_name, outcome, deadline)
+            if outcome.status == "aborted":
+                return outcome
+        elif job.kind == "abort_wait":
             while True:
                 try:
                     response = await asyncio.wait_for(client.post(path, json=body), job.abort_after_s)
@@ -542,7 +604,8 @@ def _engine_pools(engine, in_flight: int) -> dict:
 
 
 def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int = 300, duration_s: float = 240.0,
-                concurrency: int = 16, seed: int | None = 0, request_timeout_s: float = 300.0, log=print) -> dict:
+                concurrency: int = 16, seed: int | None = 0, request_timeout_s: float = 300.0, hostile: bool = False,
+                log=print) -> dict:
     """Serve `config` on loopback, soak it, stop it; the summary (see `summarize`). `seed` None: a
     fresh plan (its seed is in the summary)."""
     import torch
@@ -560,7 +623,7 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
         app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
         model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device="cpu")
         seed = random.randrange(2**31) if seed is None else seed
-        jobs = make_plan(requests, seed)
+        jobs = make_plan(requests, seed, hostile)
         started = time.perf_counter()
         with torch.inference_mode():
             expected = expectations(jobs, engine.tokenizer, model, cfg.max_seq_len)
@@ -579,7 +642,8 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
 
 def soak_url(url: str, checkpoint: str | Path, *, model_name: str | None = None, dtype: str = "float32",
              requests: int = 300, duration_s: float = 240.0, concurrency: int = 16, seed: int | None = 0,
-             request_timeout_s: float = 300.0, api_key: str | None = None, log=print) -> dict:
+             request_timeout_s: float = 300.0, api_key: str | None = None, hostile: bool = False,
+             log=print) -> dict:
     import torch
 
     from mstar.config import torch_dtype
@@ -593,7 +657,7 @@ def soak_url(url: str, checkpoint: str | Path, *, model_name: str | None = None,
     tokenizer = KimiTokenizer.from_dir(checkpoint)
     model = load_model(checkpoint, dtype=torch_dtype(dtype), device="cpu")
     seed = random.randrange(2**31) if seed is None else seed
-    jobs = make_plan(requests, seed)
+    jobs = make_plan(requests, seed, hostile)
     with torch.inference_mode():
         expected = expectations(jobs, tokenizer, model)
     log(f"soak: {len(jobs)} requests planned against {url}")
@@ -633,12 +697,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--duration", type=float, default=240.0, help="seconds after which no new request is sent")
     p.add_argument("--concurrency", type=int, default=16, help="clients at once")
     p.add_argument("--seed", type=int, default=0, help="the plan's seed (mix, prompts, lengths)")
+    p.add_argument("--hostile", action="store_true",
+                   help="mix in hostile clients: extreme sampling values, nested tool arguments, huge bodies, "
+                        "disconnects mid-body")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
     p.add_argument("--out", type=Path, help="write the summary as JSON here")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="with --config: config overrides")
     args = p.parse_args(argv)
     common = dict(requests=args.requests, duration_s=args.duration, concurrency=args.concurrency, seed=args.seed,
-                  request_timeout_s=args.request_timeout)
+                  request_timeout_s=args.request_timeout, hostile=args.hostile)
     if args.config is not None:
         summary = soak_config(args.config, args.overrides, **common)
     else:

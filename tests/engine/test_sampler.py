@@ -114,9 +114,10 @@ def test_temperature_scales_sampled_rows_and_leaves_greedy_rows():
     logits = torch.randn(3, 10)
     temperature = torch.tensor([0.5, 0.0, 2.0])
     scaled = scale_by_temperature(logits, temperature)
-    torch.testing.assert_close(scaled[0], logits[0] / 0.5)
-    torch.testing.assert_close(scaled[1], logits[1])
-    torch.testing.assert_close(scaled[2], logits[2] / 2.0)
+    best = logits.amax(-1, keepdim=True)  # sampled rows are shifted so that their best logit is 0
+    torch.testing.assert_close(scaled[0], (logits[0] - best[0]) / 0.5)
+    torch.testing.assert_close(scaled[1], logits[1] - best[1])
+    torch.testing.assert_close(scaled[2], (logits[2] - best[2]) / 2.0)
 
 
 @pytest.mark.parametrize("ties", [False, True])
@@ -176,7 +177,10 @@ def test_filter_pipeline_matches_reference_order(ties):
         expected = ref_filter(logits[i], p)
         assert torch.equal(filtered[i].isfinite(), expected.isfinite()), f"row {i}: {p}"
         kept = expected.isfinite()
-        torch.testing.assert_close(filtered[i][kept].double(), expected[kept])
+        # equal up to the per-row shift that puts the best logit at 0 (it changes no probability); the shift is
+        # taken before the division by T, the reference's after it: fp32 rounding apart
+        torch.testing.assert_close(filtered[i][kept].double(), (expected[kept] - expected[kept].max()).double(),
+                                   rtol=1e-6, atol=1e-5)
 
 
 # ---- sampling distribution -----------------------------------------------------------------------
@@ -313,3 +317,29 @@ def test_build_and_sample_reject_bad_input():
         SamplingBatch.build([SamplingParams(seed=3)], [None], CPU)
     with pytest.raises(ValueError, match=r"\[B, V\]"):
         Sampler().sample(torch.randn(3, 8), _batch([SamplingParams()] * 2))
+
+
+# ---- extreme but valid temperatures -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 3e-39, 1e-38, 1e-6, 9.99e-6])
+def test_temperatures_below_the_greedy_epsilon_are_greedy(temperature):
+    logits = torch.randn(6, 40) * 30
+    params = [SamplingParams(temperature=temperature, seed=_fresh_seed(), top_p=0.5, top_k=3)] * 6
+    batch = _batch(params, [request_generator(p.seed, CPU) for p in params])
+    assert batch.all_greedy and torch.equal(batch.temperature, torch.zeros(6))
+    result = Sampler().sample(logits, batch)
+    assert torch.equal(result.token_ids, logits.argmax(-1))
+
+
+def test_a_small_sampled_temperature_never_makes_finite_logits_non_finite():
+    rows, vocab = 6, 40
+    logits = torch.randn(rows, vocab) * 1e34  # logits / 1e-5 overflows fp32
+    params = [SamplingParams(temperature=1e-5, top_p=0.9, min_p=0.1, top_k=20)] * rows
+    batch = _batch(params)
+    filtered = filter_logits(logits, batch)
+    assert not filtered.isnan().any() and not (filtered == float("inf")).any()
+    assert filtered.isfinite().any(dim=-1).all()  # every row keeps a token
+    result = Sampler(torch.Generator().manual_seed(_fresh_seed())).sample(logits, batch)
+    # At such a temperature the best token holds all the mass (the plain quotient made +inf ties instead).
+    assert torch.equal(result.token_ids, logits.argmax(-1))

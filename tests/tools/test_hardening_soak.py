@@ -1,6 +1,7 @@
 """The soak test in its shortened form: `mstar-soak` (mstar/tools/soak.py) serves the tiny config
 on loopback and drives 80 mixed requests at it (streams and not, long prompts, n > 1, stop
-strings, clients that leave) from more clients than the server admits (so 429s are retried),
+strings, clients that leave, and hostile clients: extreme sampling values, nested tool arguments,
+huge bodies, disconnects mid-body) from more clients than the server admits (so 429s are retried),
 checking every answer against the greedy reference. Nothing may be lost, and the pools must be
 empty at the end. The full run is documented in the README
 ("Operating the server") with its command."""
@@ -20,7 +21,7 @@ def test_short_soak_loses_nothing(tiny_dir, capsys):
                                    "scheduler.max_num_batched_tokens=256", "scheduler.max_num_seqs=8",
                                    "scheduler.max_waiting=4"],
                           requests=80, duration_s=45, concurrency=16, seed=None, request_timeout_s=60,
-                          log=lambda _: None)
+                          hostile=True, log=lambda _: None)
     with capsys.disabled():
         print("\nsoak (short):\n" + format_summary(summary))
     assert summary["lost"] == 0, summary["problems"]
@@ -35,6 +36,8 @@ def test_plan_mixes_every_kind_and_prompts_are_distinct():
     jobs = make_plan(300, seed=1)
     assert {j.kind for j in jobs} == {"complete", "complete_stream", "long", "chat", "chat_stream", "n_greedy",
                                       "n_sampled", "stop", "abort_stream", "abort_wait"}
+    hostile = {j.kind for j in make_plan(300, seed=1, hostile=True)}
+    assert {"extreme_sampling", "nested_tools", "huge_body", "disconnect_body"} <= hostile
     assert len({j.text for j in jobs}) == len(jobs)
     assert any(j.n > 1 for j in jobs) and any(j.stream for j in jobs) and any(not j.stream for j in jobs)
 

@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mstar.kernels.temperature import scale_by_temperature_finite
 from mstar.models.dspark.config import DSparkConfig
 from mstar.models.dspark.rope import YarnRotaryEmbedding
 from mstar.models.dspark.weights import load_dspark_checkpoint
@@ -210,10 +211,11 @@ def draft_distribution(
 ) -> tuple[Tensor, Tensor]:
     """(processed logits, q) for logits [..., V]: divide by the temperature, then keep the top_k largest
     (ties with the k-th kept), then the smallest set of most likely tokens whose mass reaches top_p (the most
-    likely always kept); everything else gets -inf. Computed in at least fp32."""
+    likely always kept); everything else gets -inf. Computed in at least fp32; finite logits stay finite at
+    any temperature (kernels/temperature.py)."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: a sampled draft needs temperature > 0 (0 means greedy)")
-    z = at_least_fp32(logits) / temperature
+    z = scale_by_temperature_finite(at_least_fp32(logits), temperature)
     if top_k is not None:
         if top_k < 1:
             raise ValueError(f"top_k={top_k} must be >= 1 (or None for no top-k)")
@@ -625,8 +627,14 @@ class K3DSparkModel(nn.Module):
                 row_logits, row_probs = corrected, one_hot_probs(token.clamp(0, vocab - 1), vocab, corrected.dtype)
             else:
                 row_logits, row_probs = draft_distribution(corrected, temperature, top_k, top_p)
-                if not torch.isfinite(row_probs).all():
-                    raise ValueError(f"draft slot {j}: the sampling distribution is not finite (NaN logits?)")
+                # Draft numbers gone bad (NaN context rows) must not fail the step for every request: the
+                # slot proposes its argmax with q one-hot, still the distribution the draft was drawn from,
+                # so verification stays exact; only this request's acceptance suffers (and NaN target
+                # logits end the request alone in the engine).
+                bad = ~torch.isfinite(row_probs).all(dim=-1, keepdim=True)
+                point = one_hot_probs(corrected.argmax(dim=-1).clamp(0, vocab - 1), vocab, row_probs.dtype)
+                row_probs = torch.where(bad, point, row_probs)
+                row_logits = torch.where(bad, point.log(), row_logits)
                 token = torch.multinomial(row_probs, 1, generator=generator)[0]
             prev = token.clamp(0, vocab - 1)  # an out-of-range id must never reach the W1 gather
             tokens.append(prev)

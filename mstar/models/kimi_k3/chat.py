@@ -184,6 +184,8 @@ def _normalize_arguments(arguments: Any, name: str) -> tuple[dict[str, Any], str
         parsed = json.loads(arguments)
     except json.JSONDecodeError:
         return {}, arguments
+    except RecursionError:  # nesting deeper than Python's parser recurses: a client's input, not our bug
+        raise ValueError(f"tool call {name!r}: arguments are nested too deeply to parse") from None
     if not isinstance(parsed, dict):
         raise ValueError(f"tool call {name!r}: arguments must be a JSON object, got {arguments[:80]!r}")
     return parsed, None

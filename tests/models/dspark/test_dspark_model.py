@@ -9,6 +9,7 @@ with an explicit visibility mask.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -254,6 +255,22 @@ def test_nan_row_cannot_push_an_id_out_of_range(draft):
     base[1] = float("nan")
     tokens, _, _ = draft.markov_sample(base, 5)
     assert tokens.min() >= 0 and tokens.max() < cfg.vocab_size
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-38, 1e-5, 1.0])
+def test_a_sampled_draft_with_bad_numbers_proposes_without_failing(draft, temperature):
+    """NaN rows (a bad context) or a tiny temperature over large logits: the block still proposes in-range
+    tokens with a proper q (one-hot where its numbers went bad), instead of failing the whole step."""
+    cfg = draft.config
+    base = torch.randn(4, cfg.vocab_size, dtype=F64) * 1e300  # / T overflows fp64
+    base[2] = float("nan")
+    gen = torch.Generator().manual_seed(random.getrandbits(63))
+    tokens, logits, probs = draft.markov_sample(base, 5, temperature=temperature, top_p=0.9, generator=gen)
+    assert tokens.min() >= 0 and tokens.max() < cfg.vocab_size
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(4, dtype=probs.dtype))
+    assert probs[2].max() == 1  # the NaN slot proposes its argmax with a point mass
+    assert (probs.gather(-1, tokens[:, None]) > 0).all()  # every draft was drawn from its own q
 
 
 def test_sampled_drafts_are_reproducible_and_follow_q(draft, target_io):
