@@ -205,6 +205,8 @@ class ServerSection(_Section):
     # with an error and the server goes on.
     max_step_failures: int = Field(3, ge=1)
     log_requests: bool = False  # log each request's prompt and parameters (never logged otherwise)
+    max_headers: int = 100  # requests with more headers are refused with 431
+    max_url_bytes: int = 8 * 1024  # a longer request path plus query string is refused with 414
     body_timeout_s: float = 30.0  # a request body must arrive whole within this long, else 408 (slow clients)
     keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
     # Largest request line plus headers one request may send (h11's incomplete-event limit); more is

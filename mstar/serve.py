@@ -141,6 +141,8 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
         max_in_flight=sched.max_num_seqs + sched.max_waiting,
         retry_after_s=srv.retry_after_s,
         body_timeout_s=srv.body_timeout_s,
+        max_headers=srv.max_headers,
+        max_url_bytes=srv.max_url_bytes,
         log_requests=srv.log_requests or log_requests,
     )
 

@@ -12,6 +12,9 @@ Body size: a declared `Content-Length` over the limit is refused (413) before an
 body sent without one (chunked) is counted as it is read, and reading past the limit raises the
 same 413 inside the endpoint.
 
+Request shape: more than `max_headers` headers is a 431, a path plus query longer than
+`max_url_bytes` a 414, both before anything else (nginx and Apache refuse such requests too).
+
 Body deadline: the whole body must arrive within `body_timeout_s` of the request reaching the app;
 a client that trickles it (or stops sending) gets a 408 and its connection back, so it cannot hold
 a connection, nor a graceful shutdown, for longer. (Header deadlines and sizes are uvicorn's/h11's.)
@@ -64,6 +67,8 @@ class AccessGuard:
         self.app = app
         self.max_body_bytes = options.max_body_bytes
         self.body_timeout_s = options.body_timeout_s
+        self.max_headers = options.max_headers
+        self.max_url_bytes = options.max_url_bytes
         self.metrics = metrics
         self._digests = [_digest(key) for key in options.api_keys]
         open_paths = set(OPEN_PATHS)
@@ -77,7 +82,7 @@ class AccessGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        refusal = self._check_key(scope) or self._check_length(scope)
+        refusal = self._check_shape(scope) or self._check_key(scope) or self._check_length(scope)
         if refusal is not None:
             await error_response(refusal)(scope, receive, send)
             return
@@ -102,6 +107,18 @@ class AccessGuard:
         else:
             message = "Incorrect API key provided."
         return APIError(message, status=401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def _check_shape(self, scope: Scope) -> APIError | None:
+        if len(scope.get("headers", ())) > self.max_headers:
+            self.metrics.refused("too_many_headers")
+            return APIError(f"The request has more than {self.max_headers} headers", status=431,
+                            code="request_header_fields_too_large")
+        url_bytes = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b""))
+        if url_bytes > self.max_url_bytes:
+            self.metrics.refused("uri_too_long")
+            return APIError(f"The request's path and query are longer than {self.max_url_bytes} bytes", status=414,
+                            code="uri_too_long")
+        return None
 
     def _check_length(self, scope: Scope) -> APIError | None:
         for name, value in scope.get("headers", ()):

@@ -39,6 +39,8 @@ _TYPE_BY_STATUS = {
     405: "invalid_request_error",
     408: "invalid_request_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }

@@ -24,6 +24,8 @@ class ServerOptions:
     # mstar-serve sets it to scheduler.max_num_seqs + scheduler.max_waiting.
     max_in_flight: int | None = None
     retry_after_s: int = 1
+    max_headers: int = 100  # more request headers: 431 (Apache's LimitRequestFields)
+    max_url_bytes: int = 8 * 1024  # a longer path plus query: 414 (nginx's 8 KiB header buffer)
     body_timeout_s: float = 30.0  # the whole body must arrive within this long after the headers: else 408
     log_requests: bool = False  # log prompts and parameters of each request (never logged otherwise)
 
@@ -32,6 +34,8 @@ class ServerOptions:
             raise ValueError(f"max_n must be in 1..{MAX_N}, got {self.max_n}")
         if self.max_tokens < 0 or self.max_body_bytes < 1 or self.retry_after_s < 1:
             raise ValueError("max_tokens must be >= 0, max_body_bytes and retry_after_s >= 1")
+        if self.max_headers < 1 or self.max_url_bytes < 1:
+            raise ValueError("max_headers and max_url_bytes must be >= 1")
         if not self.body_timeout_s > 0:
             raise ValueError(f"body_timeout_s must be > 0, got {self.body_timeout_s}")
         if self.max_in_flight is not None and self.max_in_flight < 1:

@@ -50,11 +50,12 @@ def test_a_trailing_slash_is_a_404_not_a_redirect_to_the_clients_host(client, pa
 
 
 def test_a_huge_model_name_is_not_echoed_whole(client):
-    name = "m" * 60_000  # the URL of /v1/models/{name} is capped at 65,536 characters by the client
-    for r in (client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1}),
-              client.get(f"/v1/models/{name}")):
-        assert r.status_code in (400, 404)
-        assert len(r.json()["error"]["message"]) < ECHO_CHARS + 200 and "60002 characters" in r.text
+    name = "m" * 100_000
+    r = client.post("/v1/completions", json={"model": name, "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 400
+    assert len(r.json()["error"]["message"]) < ECHO_CHARS + 200 and "100002 characters" in r.text
+    r = client.get("/v1/models/" + "m" * 5_000)  # a longer URL is a 414
+    assert r.status_code == 404 and len(r.text) < ECHO_CHARS + 300 and "5002 characters" in r.text
 
 
 def test_a_huge_invalid_value_is_not_echoed_whole(client):
@@ -103,3 +104,13 @@ def test_a_client_gone_while_its_body_is_read_is_info_without_traceback(engine, 
     assert sent[0]["status"] == 499
     assert not [rec for rec in caplog.records if rec.levelno >= logging.WARNING]
     assert any("disconnected" in rec.getMessage() and rec.levelno == logging.INFO for rec in caplog.records)
+
+
+def test_too_many_headers_is_a_431_and_a_long_url_a_414(client):
+    headers = {f"x-h{i}": "v" for i in range(150)}
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers)
+    assert r.status_code == 431 and r.json()["error"]["code"] == "request_header_fields_too_large"
+    r = client.get("/v1/models/" + "m" * 9_000)
+    assert r.status_code == 414 and r.json()["error"]["code"] == "uri_too_long"
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+                       headers={f"x-h{i}": "v" for i in range(50)}).status_code == 200
