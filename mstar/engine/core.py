@@ -237,7 +237,7 @@ class EngineCore:
                 self._finish_step(previous)
             if launched is not None:
                 # a grammar's mask for the next step needs this step's tokens: no overlap (module doc)
-                if self._overlap and launched.committed and not any(r.matcher for r in launched.requests):
+                if self._overlap and launched.committed and all(r.matcher is None for r in launched.requests):
                     self._in_flight = launched
                 else:
                     self._finish_step(launched)
