@@ -29,6 +29,8 @@ memory of a step except through the step's own result copy. (The CPU runs every 
 there nothing is ever in flight.)
 
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
+- a step holding a request with a grammar (structured_output.py): the mask of its next step is
+  computed on the host from the matcher, which needs this step's token;
 - every step when speculation is on: the next step's drafts are proposed on the host from the
   accepted tokens of a verify step, and its commit needs the accepted lengths;
 - `async_scheduling=False`.
@@ -60,6 +62,7 @@ from mstar.engine.scheduler import Scheduler
 from mstar.engine.speculation import Speculation
 from mstar.engine.step import StepDecl
 from mstar.engine.step_results import LaunchedStep, pack
+from mstar.engine.structured_output import GrammarCompiler, apply_token_bitmask
 from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
@@ -156,6 +159,7 @@ class EngineCore:
         self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
         self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
+        self.grammars = GrammarCompiler(tokenizer.encoding, cfg.vocab_size, tuple(sorted(self.model_stop_ids)))
         self.profiler = StepProfiler.from_window(env.torch_profile, self.device)
 
     # --- requests ---------------------------------------------------------------------------
@@ -169,6 +173,8 @@ class EngineCore:
         bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
         if bad:
             raise ParamError(f"logit_bias names token ids {bad[:5]}, outside the vocabulary 0..{vocab - 1}")
+        if params.grammar is not None:
+            self.grammars.check(params.grammar)
         if len(prompt_ids) + params.max_tokens > limit:
             raise ParamError(f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
                              f"the maximum sequence length {limit}; shorten the prompt or lower max_tokens")
@@ -186,6 +192,7 @@ class EngineCore:
             stop_ids=stop_ids,
             text=OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output),
             generator=request_generator(params.seed, self.device) if params.seed is not None else None,
+            matcher=self.grammars.matcher(params.grammar) if params.grammar is not None else None,
             queued_at=time.perf_counter(),
         )
         self.requests[request_id] = request
@@ -230,7 +237,8 @@ class EngineCore:
             if previous is not None:
                 self._finish_step(previous)
             if launched is not None:
-                if self._overlap and launched.committed:
+                # a grammar's mask for the next step needs this step's tokens: no overlap (module doc)
+                if self._overlap and launched.committed and all(r.matcher is None for r in launched.requests):
                     self._in_flight = launched
                 else:
                     self._finish_step(launched)
@@ -362,6 +370,10 @@ class EngineCore:
                                             plan.input_ids, device)
         if processing is not None:
             logits = processing.apply(logits)
+        constrained = [b for b in sampled + verifying if requests[b].matcher is not None]
+        if constrained:  # such a request has no drafts: its one row is rows[b][0]
+            logits = apply_token_bitmask(logits, to_device([rows[b][0] for b in constrained], torch.long, device),
+                                         self.grammars.bitmask([requests[b].matcher for b in constrained], device))
         if sampled:
             batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
                                         device)
@@ -416,10 +428,14 @@ class EngineCore:
             stoppable = len(request.output_ids) >= request.params.min_tokens  # vLLM: no stop before min_tokens
             text += request.text.push(token, check_stops=stoppable)
             kept += 1
+            if request.matcher is not None:
+                request.matcher.consume_token(token)
             if stoppable and token in request.stop_ids:
                 reason, stop_reason = "stop", token
             elif request.text.stopped_by is not None:
                 reason, stop_reason = "stop", request.text.stopped_by
+            elif request.matcher is not None and request.matcher.is_stopped():
+                reason = "stop"  # the grammar is complete
             elif len(request.output_ids) >= request.params.max_tokens:
                 reason = "length"
             if reason is not None:

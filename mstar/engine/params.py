@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mstar.engine.structured_output import Grammar
 
 MAX_PENALTY = 2.0  # presence/frequency penalties: OpenAI's range is [-2, 2]
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -39,6 +43,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (vLLM's definition)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    grammar: Grammar | None = None  # structured outputs (engine/structured_output.py)
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -30,6 +31,7 @@ class Request:
     stop_ids: frozenset[int]
     text: OutputText
     generator: torch.Generator | None = None
+    matcher: Any = None  # the grammar's llguidance matcher, advanced with each appended token
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / state are in the caches
     status: Status = Status.WAITING

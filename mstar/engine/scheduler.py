@@ -145,8 +145,10 @@ class Scheduler:
         if drafts is None:
             return self._seq(request, 1)
         # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens. A request that processes
-        # its logits gets no drafts (logits_processing.py: its token counts hold for one position only).
-        room = 0 if request.params.processes_logits else request.params.max_tokens - len(request.output_ids) - 1
+        # its logits gets no drafts (logits_processing.py: its token counts hold for one position only), nor
+        # does one with a grammar (structured_output.py: its mask is computed for one position only).
+        undrafted = request.params.processes_logits or request.params.grammar is not None
+        room = 0 if undrafted else request.params.max_tokens - len(request.output_ids) - 1
         anchor = request.token_at(request.num_computed)
         return SeqStep(request.request_id, request.num_computed, (anchor,), sample=True, verify=True,
                        num_drafts=max(0, min(drafts, room)))

@@ -8,9 +8,9 @@ and a natural stop, `finish_reason` is "tool_calls"; a turn cut by max_tokens st
 
 `reasoning_effort` (OpenAI's name) is K3's `thinking_effort`. With `continue_final_message` (and
 `add_generation_prompt` false, as vLLM asks) the last assistant message is continued, not closed.
-Structured outputs are not supported yet: `response_format` json_object / json_schema and
-`tool_choice` "required" or a named function are a 400 (they would need a grammar to constrain the
-output; "auto", "none" and response_format "text" are fine), as is `chat_template` (K3's format only).
+`response_format` json_object / json_schema constrain the output (server/structured_outputs.py);
+`tool_choice` "required" or a named function are still a 400 (a grammar of K3's tool-call markup is
+not written yet; "auto" and "none" are fine), as is `chat_template` (K3's format only).
 `max_completion_tokens` (or the older `max_tokens`) defaults to all the room the context leaves.
 The reasoning is sent both as `reasoning_content` and as `reasoning` (current vLLM's name).
 
@@ -69,12 +69,6 @@ def _tools(req: ChatPromptFields) -> list[dict[str, Any]] | None:
         raise APIError(f"tool_choice {shown} {_STRUCTURED}; use 'auto' or 'none'", param="tool_choice",
                        code="unsupported")
     return [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
-
-
-def _check_response_format(req: ChatCompletionRequest) -> None:
-    if req.response_format is not None and req.response_format.type != "text":
-        raise APIError(f"response_format {req.response_format.type} {_STRUCTURED}; omit it or use 'text'",
-                       param="response_format", code="unsupported")
 
 
 def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
@@ -253,7 +247,6 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_model(req.model, ctx.served_model_name)
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
-    _check_response_format(req)
     engine = ctx.engine
     # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
     prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
@@ -262,7 +255,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES)
+    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format)
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param,
                                     ctx.options.max_tokens)

@@ -64,16 +64,11 @@ class StreamOptions(_Body):
     continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
 
 
-_STRUCTURED = "structured outputs (a grammar that constrains the output) are not supported yet; omit it"
+_STRUCTURED = "is not supported (structured outputs use llguidance; omit it)"
 _NO_PROMPT_LOGITS = "needs the prompt's logits, which this server does not compute yet; omit it"
 
 # field -> (neutral value, why it is refused). Both endpoints.
 REFUSED: dict[str, tuple[Any, str]] = {
-    "structured_outputs": (None, _STRUCTURED),
-    "guided_json": (None, _STRUCTURED),
-    "guided_regex": (None, _STRUCTURED),
-    "guided_choice": (None, _STRUCTURED),
-    "guided_grammar": (None, _STRUCTURED),
     "guided_decoding_backend": (None, _STRUCTURED),
     "guided_whitespace_pattern": (None, _STRUCTURED),
     "prompt_logprobs": (None, _NO_PROMPT_LOGITS),

@@ -15,7 +15,8 @@ from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.server.errors import APIError, echo, from_param_error
 from mstar.server.generation import ChoiceSpec
-from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, SamplingFields, json_equal
+from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, ResponseFormat, SamplingFields, json_equal
+from mstar.server.structured_outputs import request_grammar
 
 
 def new_request_id(prefix: str) -> str:
@@ -115,7 +116,7 @@ def resolve_max_tokens(
 
 
 def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
-                renames: dict[str, str] | None = None) -> SamplingParams:
+                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None) -> SamplingParams:
     """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later)."""
     optional = {
         name: getattr(req, name)
@@ -133,6 +134,7 @@ def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, engine),
+            grammar=request_grammar(req, response_format),
         )
     except ParamError as err:
         raise from_param_error(err, renames) from None

@@ -122,7 +122,6 @@ def test_chat_reasoning_effort_continue_and_reasoning_field(client, engine):
 REFUSED_CASES = [(name, {name: "x" if neutral is None else (not neutral if isinstance(neutral, bool) else 7)})
                  for name, (neutral, _) in REFUSED.items()]
 REFUSED_CASES += [
-    ("response_format", {"response_format": {"type": "json_object"}}),
     ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
     ("chat_template", {"chat_template": "{{ x }}"}),
 ]

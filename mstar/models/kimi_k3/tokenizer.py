@@ -235,6 +235,11 @@ class KimiTokenizer:
         return self._special_ids[BOS]
 
     @property
+    def encoding(self) -> tiktoken.Encoding:
+        """The tiktoken encoding (a grammar engine builds its token vocabulary from it)."""
+        return self._encoding
+
+    @property
     def eos_id(self) -> int:
         """`<|end_of_msg|>`: ends every XTML message and is K3's generation stop (generation_config)."""
         return self._special_ids[END_OF_MSG]

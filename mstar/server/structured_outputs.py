@@ -1,0 +1,70 @@
+"""The request fields that ask for structured outputs, as one engine Grammar (engine/structured_output.py).
+
+    response_format        {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema": ...}}
+    structured_outputs     vLLM's: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": lark}
+    guided_json, guided_regex, guided_choice, guided_grammar    vLLM's older names of the same
+
+At most one of them may be set; a malformed one is a 400 naming it (the engine checks the grammar itself).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from mstar.engine.structured_output import Grammar, choice_grammar
+from mstar.server.errors import APIError
+from mstar.server.protocol import ResponseFormat, SamplingFields
+
+_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+
+
+def _grammar(kind: str, value: Any, field: str) -> Grammar:
+    if kind == "json_schema":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                raise APIError(f"{field} is not valid JSON: {err}", param=field) from None
+        if not isinstance(value, dict):
+            raise APIError(f"{field} must be a JSON Schema object", param=field)
+        return Grammar("json_schema", json.dumps(value), field)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) for c in value):
+            raise APIError(f"{field} must be a non-empty list of strings", param=field)
+        return choice_grammar(value, field)
+    if not isinstance(value, str) or not value:
+        raise APIError(f"{field} must be a non-empty string", param=field)
+    return Grammar(kind, value, field)
+
+
+def _from_response_format(fmt: ResponseFormat) -> Grammar | None:
+    if fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return Grammar("json_object", "", "response_format")
+    spec = (fmt.model_extra or {}).get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise APIError("response_format json_schema needs json_schema.schema (the JSON Schema)",
+                       param="response_format.json_schema")
+    return _grammar("json_schema", spec["schema"], "response_format.json_schema")
+
+
+def request_grammar(req: SamplingFields, response_format: ResponseFormat | None = None) -> Grammar | None:
+    found: list[Grammar] = []
+    if response_format is not None and (g := _from_response_format(response_format)) is not None:
+        found.append(g)
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        keys = [k for k in _KINDS if isinstance(so, dict) and so.get(k) is not None]
+        if not isinstance(so, dict) or len(keys) != 1 or set(so) - set(_KINDS):
+            raise APIError(f"structured_outputs must set exactly one of {sorted(_KINDS)}", param="structured_outputs")
+        found.append(_grammar(_KINDS[keys[0]], so[keys[0]], f"structured_outputs.{keys[0]}"))
+    for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "lark")):
+        if getattr(req, name) is not None:
+            found.append(_grammar(kind, getattr(req, name), name))
+    if len(found) > 1:
+        names = ", ".join(g.field for g in found)
+        raise APIError(f"{names}: set at most one structured-output field", param=found[1].field)
+    return found[0] if found else None

@@ -1,0 +1,106 @@
+"""Structured outputs through the real `openai` client against the tiny engine behind the real server:
+json_schema / json_object outputs validate, regex and choice outputs match, a grammar request beside
+plain greedy ones leaves their tokens those of the reference, and a bad schema or regex is a 400 naming
+its field."""
+
+from __future__ import annotations
+
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import jsonschema_rs
+import openai
+import pytest
+from live_server import LiveServer
+from paths import ROOT
+
+from mstar.config import load_serve_config
+from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.serve import build_engine
+from mstar.server import build_app
+
+CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
+MODEL = "kimi_k3_tiny"
+HI = [{"role": "user", "content": "Give me a person as JSON."}]
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                                                                             "maximum": 120},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=512",
+                                     "resources.mla_kv.max_num_pages=128", "scheduler.max_num_batched_tokens=256"])
+    engine = build_engine(cfg)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    live = LiveServer(build_app(engine, served_model_name=MODEL))
+    live.start()
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+    live.stop()
+
+
+def test_json_schema_outputs_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for temperature in (0.0, 1.0, 1.0):
+        r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=120, temperature=temperature,
+                                           response_format=fmt, extra_body={"chat_template_kwargs":
+                                                                            {"thinking": False}})
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop", choice
+        assert jsonschema_rs.is_valid(SCHEMA, json.loads(choice.message.content)), choice.message.content
+
+
+def test_json_object_regex_and_choice(client):
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=120, temperature=0,
+                                       response_format={"type": "json_object"},
+                                       extra_body={"chat_template_kwargs": {"thinking": False}})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    r = client.completions.create(model=MODEL, prompt="Code:", max_tokens=20, temperature=0.8,
+                                  extra_body={"guided_regex": "[A-Z]{2}-[0-9]{3}"})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r.choices[0].text), r.choices[0].text
+    for body in ({"guided_choice": ["red", "green", "blue"]},
+                 {"structured_outputs": {"choice": ["red", "green", "blue"]}}):
+        r = client.completions.create(model=MODEL, prompt="Colour:", max_tokens=10, temperature=1.0, extra_body=body)
+        assert r.choices[0].text in ("red", "green", "blue"), r.choices[0].text
+    r = client.completions.create(model=MODEL, prompt="n=", max_tokens=10, temperature=1.0,
+                                  extra_body={"structured_outputs": {"grammar": 'start: "x" /[0-9]/ "y"'}})
+    assert re.fullmatch("x[0-9]y", r.choices[0].text), r.choices[0].text
+
+
+def test_grammar_request_leaves_plain_greedy_requests_unchanged(client, engine, tiny_model):
+    prompts = [engine.tokenizer.encode(p) for p in ("def fibonacci(n):\n", "The sky is", "1, 2, 3,")]
+
+    def plain(ids):
+        return client.completions.create(model=MODEL, prompt=ids, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True}).choices[0]
+
+    def constrained():
+        return client.completions.create(model=MODEL, prompt="x", max_tokens=40, temperature=0,
+                                         extra_body={"guided_json": SCHEMA}).choices[0]
+
+    with ThreadPoolExecutor(4) as pool:
+        grammar = pool.submit(constrained)
+        outs = list(pool.map(plain, prompts))
+    assert jsonschema_rs.is_valid(SCHEMA, json.loads(grammar.result().text))
+    for ids, out in zip(prompts, outs, strict=True):
+        assert out.token_ids == greedy_generate(tiny_model, ids, 10)
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"guided_json": {"type": "nope"}}, "guided_json"),
+    ({"guided_regex": "a(b"}, "guided_regex"),
+    ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs"),
+])
+def test_bad_grammars_are_a_400_naming_the_field(client, body, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
+    assert err.value.body["param"] == param, err.value.body
+    assert err.value.body["message"].startswith(next(iter(body))), err.value.body  # structured_outputs.grammar
