@@ -60,14 +60,14 @@ from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
 from mstar.engine.scheduler import Scheduler
 from mstar.engine.speculation import Speculation
-from mstar.engine.step import StepDecl
 from mstar.engine.step_results import LaunchedStep, pack
 from mstar.engine.structured_output import GrammarCompiler, apply_token_bitmask
-from mstar.engine.transfer import HostCopy, to_device
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import HostCopy, to_device
 from mstar.runner.executor import ModelStep, StepExecutor
 from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.params import SamplingParams
-from mstar.engine.transfer import to_device
+from mstar.resources.transfer import to_device
 
 # ----------------------------------------------------------------------------------------------------
 # The definitions, as pure functions over [R, V] fp32 logits and [R] per-row values.

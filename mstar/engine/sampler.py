@@ -43,8 +43,8 @@ import torch
 
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.params import SamplingParams
-from mstar.engine.transfer import to_device
 from mstar.kernels.temperature import scale_by_temperature_finite
+from mstar.resources.transfer import to_device
 
 _SEED_MASK = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny  # noise floor: keeps -log(q) finite, so masked tokens stay -inf

@@ -25,7 +25,7 @@ from typing import Protocol
 
 from mstar.config import SchedulerConfig
 from mstar.engine.request import Request, Status
-from mstar.engine.step import SeqStep, StepDecl
+from mstar.resources.step import SeqStep, StepDecl
 
 
 class Resource(Protocol):

@@ -15,10 +15,10 @@ import torch
 
 from mstar.engine.request import Request
 from mstar.engine.sampler import SamplingBatch
-from mstar.engine.step import SeqStep, StepDecl
-from mstar.engine.transfer import to_device
 from mstar.models.dspark.model import DraftProposal
 from mstar.resources.latent_kv import LatentKVPlan
+from mstar.resources.step import SeqStep, StepDecl
+from mstar.resources.transfer import to_device
 from mstar.speculative.proposer import DSparkProposer
 from mstar.speculative.schedule import DraftSchedule
 from mstar.speculative.verify import VerifyResult, verify

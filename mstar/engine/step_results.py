@@ -21,9 +21,9 @@ import torch
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.request import Request
 from mstar.engine.sampler import SampleResult
-from mstar.engine.step import StepDecl
-from mstar.engine.transfer import HostCopy
 from mstar.models.kimi_k3.serving import BatchPlan
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import HostCopy
 
 
 def pack(finite: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.step import StepDecl
-from mstar.engine.transfer import to_device
 from mstar.resources.page_allocator import PageAllocator
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import to_device
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.step import StepDecl
-from mstar.engine.transfer import to_device
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import to_device
 
 
 class RecurrentStatePool:

@@ -14,8 +14,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from mstar.engine.step import StepDecl
 from mstar.models.kimi_k3.serving import BatchPlan
+from mstar.resources.step import StepDecl
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.transfer import to_device
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.resources.transfer import to_device
 from mstar.runner.cuda_graphs import StepGraphs
 
 MAX_PREFILL_TOKENS = 8192  # the largest bucket: larger steps run eagerly, their launches amortized over the rows

@@ -14,8 +14,8 @@ import random
 import torch
 
 from mstar.engine.speculation import Speculation
-from mstar.engine.step import StepDecl
 from mstar.models.dspark.model import DraftProposal
+from mstar.resources.step import StepDecl
 
 
 class OracleSpeculation(Speculation):

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.params import SamplingParams
-from mstar.engine.step import StepDecl
-from mstar.engine.transfer import to_device
 from mstar.models.dspark import paged
 from mstar.models.dspark.model import BlockBatch, DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import to_device
 from mstar.speculative.draft_graphs import DraftGraphs
 from mstar.speculative.schedule import DraftSchedule
 

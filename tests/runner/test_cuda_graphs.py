@@ -10,12 +10,12 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
-from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.resources.step import SeqStep, StepDecl
 from mstar.runner.cuda_graphs import DecodeGraphs, capture_blockers, decode_buckets
 
 

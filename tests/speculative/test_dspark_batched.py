@@ -17,9 +17,9 @@ from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
 from mstar.engine.speculation import Speculation
-from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.dspark.model import BlockBatch, DraftCache, K3DSparkModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.resources.step import SeqStep, StepDecl
 from mstar.speculative.proposer import DSparkProposer
 from mstar.speculative.schedule import DraftSchedule
 

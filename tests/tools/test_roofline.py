@@ -11,11 +11,11 @@ import torch
 
 from mstar.distributed.sharding import ShardingPlan
 from mstar.distributed.weight_bytes import WeightBytes
-from mstar.engine.step import SeqStep, StepDecl
 from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.weights import load_model
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.resources.step import SeqStep, StepDecl
 from mstar.tools.roofline import (
     decode_floor,
     expected_distinct_experts,

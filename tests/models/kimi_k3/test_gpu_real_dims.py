@@ -9,7 +9,6 @@ import pytest
 import torch
 from packed_experts import hold_packed
 
-from mstar.engine.step import SeqStep, StepDecl
 from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps, MXFP4Experts
@@ -19,6 +18,7 @@ from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.resources.step import SeqStep, StepDecl
 from mstar.tools.make_tiny import real_dims_raw_config
 
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
