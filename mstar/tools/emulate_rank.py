@@ -761,7 +761,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
         "collective_cost": None if comm_cost is None else {"latency_s": comm_cost.latency_s,
                                                             "small_bytes": comm_cost.small_bytes,
-                                                            "bytes_per_s": comm_cost.bytes_per_s},
+                                                            "bytes_per_s": comm_cost.bytes_per_s,
+                                                            # measured, subtracted from each wait's spin
+                                                            "delay_overhead_ns": emulation.comm.delay_overhead_ns},
     }
     header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
                                   shipped_pool_bytes(emulation.serving.model.config))
