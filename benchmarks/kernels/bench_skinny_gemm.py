@@ -52,6 +52,7 @@ from mstar.models.kimi_k3.moe import LatentMoE  # noqa: E402
 from mstar.tools.roofline import HBM_BYTES_PER_S, resolve_config  # noqa: E402
 
 BF16 = torch.bfloat16
+DEVICE = "cuda"
 ROTATE_BYTES = 400e6  # the weight copies of one case together: several times the 60 MB L2
 MAX_COPIES = 64
 # (shared memory per program: stages x (block_n + block_m) x block_k x 2 B; ctas_per_sm programs must fit in 227 KB)
@@ -108,9 +109,9 @@ class Case:
 
     def __init__(self, rows: int, n: int, k: int):
         self.copies = max(2, min(MAX_COPIES, math.ceil(ROTATE_BYTES / (2 * n * k))))
-        self.w = [(torch.randn(n, k, device="cuda") * k**-0.5).to(BF16) for _ in range(self.copies)]
-        self.x = torch.randn(rows, k, device="cuda").to(BF16)
-        self.out = torch.empty(rows, n, device="cuda", dtype=BF16)
+        self.w = [(torch.randn(n, k, device=DEVICE) * k**-0.5).to(BF16) for _ in range(self.copies)]
+        self.x = torch.randn(rows, k, device=DEVICE).to(BF16)
+        self.out = torch.empty(rows, n, device=DEVICE, dtype=BF16)
         self.expect = self.x.float() @ self.w[0].float().T
 
     def error(self, fn) -> float:
@@ -132,29 +133,39 @@ def ours(config=None, pdl=None):
     return lambda x, w, out: skinny_gemm.skinny_linear(x, w, config=config, pdl=pdl, out=out)
 
 
+def attempt(entry: dict, key: str, run) -> None:
+    """entry[key] = run(), or entry[key + "_failed"] = the error (a variant that does not compile or fit on this
+    GPU or Triton is recorded, not fatal)."""
+    try:
+        entry[key] = run()
+    except Exception as e:
+        entry[f"{key}_failed"] = f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def measure_case(name: str, rows: int, n: int, k: int, calls: int, reps: int, sweep: bool) -> dict:
     case = Case(rows, n, k)
     floor_us = case_bytes(rows, n, k) / HBM_BYTES_PER_S * 1e6
     r = {"name": name, "rows": rows, "n": n, "k": k, "calls_per_step": calls, "bytes": case_bytes(rows, n, k),
          "floor_us": floor_us, "copies": case.copies, "cublas_us": case.time(cublas, reps)}
-    r["ours_err"] = case.error(ours())
-    r["ours_us"] = case.time(ours(), reps)
-    r["ours_no_pdl_us"] = case.time(ours(pdl=False), reps)
+    attempt(r, "ours_err", lambda: case.error(ours()))
+    attempt(r, "ours_us", lambda: case.time(ours(), reps))
+    attempt(r, "ours_no_pdl_err", lambda: case.error(ours(pdl=False)))
+    attempt(r, "ours_no_pdl_us", lambda: case.time(ours(pdl=False), reps))
     if sweep:
         r["sweep"] = []
         for cfg in SWEEP if rows <= 16 else SWEEP_64_ROWS:
-            entry = {"config": cfg.__dict__}
-            try:
-                entry["err"] = case.error(ours(cfg))
-                entry["us"] = case.time(ours(cfg), reps)
-            except Exception as e:  # a config that does not compile or fit is recorded, not fatal
-                entry["failed"] = f"{type(e).__name__}: {str(e)[:200]}"
+            entry = {"config": cfg.__dict__, "pdl": True}
+            attempt(entry, "err", lambda cfg=cfg: case.error(ours(cfg)))
+            if "err" in entry:
+                attempt(entry, "us", lambda cfg=cfg: case.time(ours(cfg), reps))
             r["sweep"].append(entry)
-        timed = [e for e in r["sweep"] if "us" in e and e["err"] < 2e-2]
-        if timed:
-            best = min(timed, key=lambda e: e["us"])
-            r["best_us"], r["best_config"] = best["us"], best["config"]
-    del case
+    default = skinny_gemm.default_config(rows, n, k).__dict__
+    timed = [{"us": r[key], "config": default, "pdl": key == "ours_us"} for key in ("ours_us", "ours_no_pdl_us")
+             if key in r and r[key.replace("_us", "_err")] < 2e-2]
+    timed += [e for e in r.get("sweep", []) if "us" in e and e["err"] < 2e-2]
+    if timed:
+        best = min(timed, key=lambda e: e["us"])
+        r["best_us"], r["best_config"], r["best_pdl"] = best["us"], best["config"], best["pdl"]
     return r
 
 
@@ -165,13 +176,13 @@ def chain_weights(projections, copies: int):
               "latent up"]
     shapes = {name: (n, k) for name, n, k, _ in projections}
     order = [shapes[name] for name in wanted if name in shapes]
-    return [[(torch.randn(n, k, device="cuda") * k**-0.5).to(BF16) for n, k in order] for _ in range(copies)]
+    return [[(torch.randn(n, k, device=DEVICE) * k**-0.5).to(BF16) for n, k in order] for _ in range(copies)]
 
 
 def measure_chain(projections, rows: int, reps: int) -> dict:
     copies = 8  # 8 x ~150 MB of distinct weights per replay
     layers = chain_weights(projections, copies)
-    x = torch.randn(rows, layers[0][0].shape[1], device="cuda").to(BF16)
+    x = torch.randn(rows, layers[0][0].shape[1], device=DEVICE).to(BF16)
 
     def run(linear):
         def go():
@@ -184,15 +195,18 @@ def measure_chain(projections, rows: int, reps: int) -> dict:
 
     variants = {"cublas": lambda h, w: F.linear(h, w), "ours_no_pdl": lambda h, w: skinny_gemm.skinny_linear(h, w,
                 pdl=False), "ours_pdl": lambda h, w: skinny_gemm.skinny_linear(h, w, pdl=True)}
-    outs = {name: run(fn)() for name, fn in variants.items()}
+    outs: dict[str, torch.Tensor] = {}
+    for name, fn in variants.items():
+        attempt(outs, name, run(fn))
     ref = outs["cublas"].double()
     launches = sum(len(ws) for ws in layers)
     byte_count = sum(case_bytes(rows, *w.shape) for ws in layers for w in ws)
     result = {"rows": rows, "launches": launches, "bytes": byte_count,
               "floor_us": byte_count / HBM_BYTES_PER_S * 1e6, "shapes": [list(w.shape) for w in layers[0]]}
     for name, fn in variants.items():
-        result[f"{name}_rel_to_cublas"] = float((outs[name].double() - ref).norm() / ref.norm())
-        result[f"{name}_us"] = time_graphs([capture(run(fn))], reps)
+        if name in outs:
+            result[f"{name}_rel_to_cublas"] = float((outs[name].double() - ref).norm() / ref.norm())
+            attempt(result, f"{name}_us", lambda fn=fn: time_graphs([capture(run(fn))], reps))
     return result
 
 
@@ -206,8 +220,8 @@ def step_summary(cases: list[dict], rows: int) -> dict:
     mine = [c for c in cases if c["rows"] == rows]
     byte_count = sum(c["bytes"] * c["calls_per_step"] for c in mine)
     cub = sum(c["cublas_us"] * c["calls_per_step"] for c in mine)
-    ours_t = sum(c.get("best_us", c["ours_us"]) * c["calls_per_step"] for c in mine)
-    chosen = sum(min(c.get("best_us", c["ours_us"]), c["cublas_us"]) * c["calls_per_step"] for c in mine)
+    ours_t = sum(c.get("best_us", math.nan) * c["calls_per_step"] for c in mine)
+    chosen = sum(min(c.get("best_us", math.inf), c["cublas_us"]) * c["calls_per_step"] for c in mine)
     floor = byte_count / HBM_BYTES_PER_S * 1e6
     return {"rows": rows, "bytes": byte_count, "floor_us": floor, "cublas_us": cub, "ours_us": ours_t,
             "chosen_us": chosen, "chosen_bw_fraction": floor / chosen}
@@ -238,12 +252,16 @@ def main() -> None:
             results["cases"].append(measure_case(name, rows, n, k, calls, args.reps, args.sweep))
             write(results)
             c = results["cases"][-1]
-            print(f"{name} {n}x{k} M={rows}: cublas {c['cublas_us']:.2f} ours {c['ours_us']:.2f} "
-                  f"(no pdl {c['ours_no_pdl_us']:.2f}, best {c.get('best_us', float('nan')):.2f}) "
+            print(f"{name} {n}x{k} M={rows}: cublas {c['cublas_us']:.2f} ours {_get(c, 'ours_us'):.2f} "
+                  f"(no pdl {_get(c, 'ours_no_pdl_us'):.2f}, best {_get(c, 'best_us'):.2f}) "
                   f"floor {c['floor_us']:.2f} us", file=sys.stderr)
     results["steps"] = [step_summary(results["cases"], rows) for rows in args.rows]
     write(results)
     print_tables(results)
+
+
+def _get(entry: dict, key: str) -> float:
+    return entry.get(key, math.nan)
 
 
 def print_tables(results: dict) -> None:
@@ -251,15 +269,16 @@ def print_tables(results: dict) -> None:
           "| best/floor | cuBLAS/ours |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for c in results["cases"]:
-        best = c.get("best_us", c["ours_us"])
+        best = _get(c, "best_us")
         print(f"| {c['name']} | {c['n']} | {c['k']} | {c['calls_per_step']} | {c['rows']} | {c['bytes'] / 1e6:.1f} "
-              f"| {c['floor_us']:.2f} | {c['cublas_us']:.2f} | {c['ours_us']:.2f} | {c['ours_no_pdl_us']:.2f} "
-              f"| {best:.2f} | {best / c['floor_us']:.2f} | {c['cublas_us'] / best:.2f} |")
+              f"| {c['floor_us']:.2f} | {c['cublas_us']:.2f} | {_get(c, 'ours_us'):.2f} "
+              f"| {_get(c, 'ours_no_pdl_us'):.2f} | {best:.2f} | {best / c['floor_us']:.2f} "
+              f"| {c['cublas_us'] / best:.2f} |")
     print("\n| chain M | launches | floor µs | cuBLAS µs | ours no-PDL µs | ours PDL µs |")
     print("|--:|--:|--:|--:|--:|--:|")
     for c in results["chain"]:
-        print(f"| {c['rows']} | {c['launches']} | {c['floor_us']:.1f} | {c['cublas_us']:.1f} "
-              f"| {c['ours_no_pdl_us']:.1f} | {c['ours_pdl_us']:.1f} |")
+        print(f"| {c['rows']} | {c['launches']} | {c['floor_us']:.1f} | {_get(c, 'cublas_us'):.1f} "
+              f"| {_get(c, 'ours_no_pdl_us'):.1f} | {_get(c, 'ours_pdl_us'):.1f} |")
     print("\n| step M | GB | floor µs | cuBLAS µs | ours µs | per-shape choice µs | floor/choice |")
     print("|--:|--:|--:|--:|--:|--:|--:|")
     for s in results.get("steps", []):
