@@ -63,14 +63,33 @@ class SkinnyConfig:
         return 16 if rows <= 16 else 64
 
 
-def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """The tile config measured best for `rows` x (n, k) on the H200 (bench_skinny_gemm.py --sweep)."""
-    if rows > 16:  # 64 x 64 x 256 x 2 B of x per stage: a shorter K tile keeps 4 stages in shared memory
+def default_config(rows: int) -> SkinnyConfig:
+    """The tiles of a shape the measured table does not hold: the config that won most K3 shapes in the sweep."""
+    if rows > 16:  # 64 x 64 x 128 x 2 B of x per stage beside W's 64 x 128: 4 stages fit in shared memory
         return SkinnyConfig(block_n=64, block_k=128, stages=4)
-    return SkinnyConfig()
+    return SkinnyConfig(block_n=64, block_k=128, stages=6)
 
 
-# --- which path runs a call ----------------------------------------------------------------------------------
+# --- which path runs a call: a table measured on the H200 ------------------------------------------------------
+
+MEASURED_ROWS = (1, 8, 16, 64)  # a call of r rows takes the entry of the first of these >= r
+_WIDE = SkinnyConfig(64, 128, 3, ctas_per_sm=3)
+_DEEP = SkinnyConfig(64, 128, 6)
+_LONG = SkinnyConfig(64, 256, 4)
+# (N, K) of a TP8 rank of pruned75 -> per MEASURED_ROWS, the fastest swept config where it beat cuBLAS by more
+# than 2% (the same config timed twice in that run differed by under 1%), None where cuBLAS ran: the H200 run at
+# 0a78fac, benchmarks/kernels/results/h200_0a78fac_skinny_gemm.md (µs per call in a graph, L2 rotated, ours vs
+# cuBLAS at 1 row in the comments). The shapes it does not name (o_proj 7168x1536, the shared experts' down
+# 7168x768, the latent 448x7168 and 7168x448, MLA q_b 2304x1536, the dense MLP's down 7168x4224) ran faster
+# through cuBLAS at every row count, as does any shape not measured.
+H200_TABLE: dict[tuple[int, int], tuple[SkinnyConfig | None, ...]] = {
+    (6284, 7168): (_WIDE, _WIDE, _WIDE, SkinnyConfig(64, 128, 4)),  # KDA inputs: 25.4 vs 31.8; 32.0 vs 43.4 at 64
+    (1536, 128): (_WIDE, _WIDE, _WIDE, SkinnyConfig(32, 128, 4, ctas_per_sm=2)),  # KDA f_b: 1.41 vs 2.58
+    (8448, 7168): (_DEEP, _LONG, _DEEP, None),  # the dense MLP's gate/up: 30.2 vs 31.9
+    (1536, 7168): (_DEEP, None, _DEEP, None),  # the shared experts' gate/up: 9.72 vs 9.97
+    (3648, 7168): (None, _DEEP, _DEEP, None),  # MLA inputs: 17.1 vs 17.0 (17.2 vs 18.2 at 8 rows)
+    (20480, 7168): (_LONG, _LONG, None, None),  # lm_head: 74.4 vs 79.9
+}
 
 
 def supported(device: torch.device | str) -> bool:
@@ -81,29 +100,31 @@ def supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 8
 
 
-def use_kernel(max_rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
-    """Whether projections of (n, k) at up to `max_rows` rows run this kernel (True) or cuBLAS (False).
+def measured_choice(rows: int, n: int, k: int) -> SkinnyConfig | None:
+    """The H200 table's entry for `rows` x (n, k): the kernel's config, or None (cuBLAS; also past MAX_ROWS and
+    for shapes not measured)."""
+    if not 1 <= rows <= MAX_ROWS or (n, k) not in H200_TABLE:
+        return None
+    return H200_TABLE[(n, k)][next(i for i, r in enumerate(MEASURED_ROWS) if rows <= r)]
 
-    The kernel is chosen only where it is built and tested (a 16-bit dtype, at most MAX_ROWS rows, a CUDA
-    device the kernel supports) and, on Hopper, where the H200 run recorded in
-    benchmarks/kernels/results/ measured it faster than cuBLAS (`_SLOWER_THAN_CUBLAS`).
-    """
-    if dtype not in DTYPES or not 1 <= max_rows <= MAX_ROWS or not supported(device):
+
+def use_kernel(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether a projection of weight [n, k] at `rows` rows runs this kernel (True) or cuBLAS (False): only on a
+    Hopper GPU (where the table was measured; bf16 there, fp16 moves the same bytes), in a 16-bit dtype, and
+    where `H200_TABLE` names a config. A CUDA-graph bucket of up to R rows asks with rows=R; `linear` asks with
+    the call's rows. Deterministic and free: nothing is timed at startup."""
+    if dtype not in DTYPES or not supported(device) or torch.cuda.get_device_capability(device)[0] != 9:
         return False
-    return not any(rows_at_least <= max_rows and (n, k) == shape for shape, rows_at_least in _SLOWER_THAN_CUBLAS)
-
-
-# (n, k) -> the fewest rows at which cuBLAS was measured faster (bench_skinny_gemm.py, H200)
-_SLOWER_THAN_CUBLAS: tuple[tuple[tuple[int, int], int], ...] = ()
+    return measured_choice(rows, n, k) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight) (no bias): this kernel where `use_kernel` picks it for x's rows, else cuBLAS.
-    T (x's rows) is a host int, so a CUDA graph captured at T replays the path taken."""
+    """F.linear(x, weight) (no bias): this kernel, with the measured config, where `use_kernel` picks it for
+    x's rows; else cuBLAS. The rows are a host int, so a CUDA graph captured at T rows replays the path taken."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (x.dtype == weight.dtype and weight.stride(-1) == 1
-            and use_kernel(rows, weight.shape[0], weight.shape[1], x.dtype, x.device)):
-        return skinny_linear(x, weight)
+    n, k = weight.shape
+    if x.dtype == weight.dtype and weight.stride(-1) == 1 and use_kernel(rows, n, k, x.dtype, x.device):
+        return skinny_linear(x, weight, config=measured_choice(rows, n, k))
     return F.linear(x, weight)
 
 
@@ -142,9 +163,10 @@ def _interpreted() -> bool:
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, config: SkinnyConfig | None = None,
                   ctas: int | None = None, pdl: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (1..MAX_ROWS rows, rows of stride 1) @ weight [N, K]^T -> [..., N] in x's dtype, fp32
-    accumulation. `config`: tiles and grid (default: `default_config`); `ctas`: the number of programs
-    (default: the config's per-SM count times the SMs); `pdl`: programmatic dependent launch (default: on
-    Hopper and newer, off in the interpreter); `out`: a contiguous [..., N] tensor to write."""
+    accumulation. `config`: tiles and grid (default: `default_config`; `linear` passes the measured one);
+    `ctas`: the number of programs (default: the config's per-SM count times the SMs); `pdl`: programmatic
+    dependent launch (default: on Hopper and newer, off in the interpreter); `out`: a contiguous [..., N]
+    tensor to write."""
     K, N = x.shape[-1], weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: weight must be [N, {K}] with unit column stride (x has {K} columns), "
@@ -158,7 +180,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, config: SkinnyConfig
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
-    cfg = config or default_config(M, N, K)
+    cfg = config or default_config(M)
     block_m = cfg.block_m(M)
     if cfg.block_n * block_m > MAX_TILE or cfg.ctas_per_sm > MAX_CTAS_PER_SM:
         raise ValueError(f"skinny_linear: {cfg} at {M} rows exceeds the workspace (block_n x block_m <= {MAX_TILE}, "

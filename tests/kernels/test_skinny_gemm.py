@@ -84,9 +84,21 @@ def test_bad_calls_say_what_is_wrong():
         skinny_gemm.skinny_linear(torch.randn(1, 32), w, pdl=True)
 
 
+def test_the_measured_table_by_row_count():
+    """A call of r rows takes the entry of the first measured row count >= r; past MAX_ROWS, and for shapes the
+    table does not name, cuBLAS runs."""
+    kda_inputs, mla_inputs = (6284, 7168), (3648, 7168)
+    assert skinny_gemm.measured_choice(1, *kda_inputs) == skinny_gemm.H200_TABLE[kda_inputs][0]
+    assert skinny_gemm.measured_choice(40, *kda_inputs) == skinny_gemm.H200_TABLE[kda_inputs][3]
+    assert skinny_gemm.measured_choice(1, *mla_inputs) is None  # cuBLAS at 1 row, the kernel at 2..16
+    assert all(skinny_gemm.measured_choice(r, *mla_inputs) == skinny_gemm.H200_TABLE[mla_inputs][1] for r in (2, 8))
+    assert skinny_gemm.measured_choice(65, *kda_inputs) is None
+    assert skinny_gemm.measured_choice(1, 7168, 1536) is None  # o_proj: cuBLAS was faster
+    assert skinny_gemm.measured_choice(1, 100, 200) is None  # not measured
+
+
 def test_linear_takes_cublas_off_the_gpu():
-    """`use_kernel` picks the kernel only on a supported CUDA device; elsewhere `linear` is F.linear."""
-    assert not skinny_gemm.use_kernel(1, 7168, 1536, torch.bfloat16, "cpu")
-    assert not skinny_gemm.use_kernel(65, 7168, 1536, torch.bfloat16, "cpu")
+    """`use_kernel` picks the kernel only on a Hopper GPU; elsewhere `linear` is F.linear."""
+    assert not skinny_gemm.use_kernel(1, 6284, 7168, torch.bfloat16, "cpu")
     x, w = torch.randn(3, 32), torch.randn(8, 32)
     assert torch.equal(skinny_gemm.linear(x, w), torch.nn.functional.linear(x, w))
