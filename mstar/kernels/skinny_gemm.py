@@ -11,9 +11,9 @@ How this kernel reaches the bandwidth:
   loads, which move no bytes), and the multiply-adds cost nothing beside the loads.
 - Stream-K over a persistent grid: the (N tile, K tile) units, N-tile major, are cut into `ctas` equal
   contiguous ranges, one per program, with `ctas` a multiple of the SM count. Every SM then streams the same
-  number of bytes (a split-K grid of n_tiles x splits programs leaves waves partly empty: the first Triton
-  GEMV of this project lost to cuBLAS that way, benchmarks/kernels/results/README.md). The loop runs flat over
-  a program's units, so the software pipeline keeps loading across N-tile boundaries.
+  number of bytes (a split-K grid of n_tiles x splits programs leaves its last wave partly empty; the first
+  Triton GEMV of this project, such a grid, lost to cuBLAS: benchmarks/kernels/results/README.md). The loop
+  runs flat over a program's units, so the software pipeline keeps loading across N-tile boundaries.
 - One launch, no zeroed buffer per call: an N tile covered by one program is stored straight to y. A tile
   shared by programs gets each program's fp32 partial in a workspace slot; the program that finds itself last
   on the tile's semaphore (an atomic counter, acq_rel) adds the partials in program order (deterministic:
