@@ -7,8 +7,10 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
-- `GpuLayerOps`: one-launch kernels for the norms, the AttnRes mix + norm, the routers' selection and the
-  dense SiTU MLPs; the routed experts of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
+- `GpuLayerOps`: every dense projection through `gemm` (the skinny GEMM kernel at the shapes and row counts
+  where its H200 table beat cuBLAS, `mstar/kernels/skinny_gemm.py`; cuBLAS elsewhere); one-launch kernels
+  for the norms, the AttnRes mix + norm, the routers' selection and the dense SiTU MLPs; the routed experts
+  of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
   Triton kernels (`mstar/kernels/moe_mxfp4.py`) over the experts' packed bytes, stacked as they are, never
   re-quantized; steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16 grouped GEMMs instead, on each
   layer's experts dequantized into one shared scratch (`mstar/kernels/moe_bf16.py`).
@@ -21,7 +23,6 @@ reference modules are only read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels import (
@@ -33,6 +34,7 @@ from mstar.kernels import (
     moe_bf16,
     moe_mxfp4,
     router_topk,
+    skinny_gemm,
 )
 from mstar.kernels.stacked_linear import StackedLinear, rows_view
 from mstar.quant.mxfp4_linear import MXFP4Linear
@@ -222,8 +224,9 @@ class GpuLayerOps(LayerOps):
         self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight^T: every dense projection of the serving model runs here (stacked ones included)."""
-        return F.linear(x, weight)
+        """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
+        the skinny GEMM kernel where its measured table beat cuBLAS at this shape and row count, else cuBLAS."""
+        return skinny_gemm.linear(x, weight)
 
     def linear(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return self.gemm(x, proj.weight) if proj.bias is None else proj(x)
