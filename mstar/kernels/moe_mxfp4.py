@@ -46,18 +46,20 @@ by T (no autotuning inside a CUDA graph); benchmarks/kernels/bench_moe_mxfp4.py 
 around it.
 
 Small batches (decode) matter most: at one token the floor is reading 16 experts (35 MB per TP8 rank
-of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200. Up to
-DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False): both GEMM launches run one
-program per (pair p, N tile, K part); p's program takes p's expert unless p is dropped or an earlier
-pair chose the same expert (then it exits at once), and its rows are all T tokens (BLOCK_M >= T, the
-token's row real if it chose the expert; its h row is its first such pair; the down kernel sums the
-combine weights of all such pairs). Each program finds this in the T*k ids itself (one [BLOCK_M, k]
-load from L2). So each touched expert is read and decoded once however many tokens share it: at T=8,
-128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB of a program per pair. The rows
-stay a tensor-core dot although at T=1 one of the 16 is real: its multiply-adds cost ~0.03
-instructions per weight (a 64x16x16 wgmma per 1024 weights and warp), where a CUDA-core GEMV would add
-a bf16->fp32 unpack and an FFMA per weight to the ~3 of decoding (compiled for sm_90: ~7 per weight
-against 5-6 for the dot; instruction issue, not HBM, is what bounds these loops).
+of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200 (22-25 us at 32-256
+tokens). Up to DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False, the direct
+path): both GEMM launches run one program per (expert, N tile, K part) once there are at least as many
+pairs as experts, else one per (pair p, ...), which takes p's expert unless p is dropped or an earlier
+pair chose the same expert (then it exits at once). A program's rows are the tokens that chose its
+expert, in token order, compacted in chunks of BLOCK_M (it loops over the chunks; one at decode sizes):
+each program finds them in the T*k ids itself (one [T, k] load from L2, a prefix count, and a
+[BLOCK_M, T] selection per chunk). A row's h row is the token's first pair with the expert; the down
+kernel sums the combine weights of all such pairs. So each touched expert is read and decoded once
+however many tokens share it (at T=8, 128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB
+of a program per pair), and the x tiles stay BLOCK_M rows at any T. The rows stay a tensor-core dot
+although at T=1 one of the 16 is real: its multiply-adds cost ~0.03 instructions per weight (a 64x16x16
+wgmma per 1024 weights and warp), where a CUDA-core GEMV would add a bf16->fp32 unpack and an FFMA per
+weight to the ~2.5 of decoding; instruction issue, not HBM, is what bounds these loops.
 
 Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
 64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
@@ -66,17 +68,22 @@ k experts do (combine="atomic"); the gate/up parts add into `split_sum` (fp32, a
 part that completes a tile (a counter per tile, `split_count`) reads the sum, applies SiTU as usual,
 and leaves sum and counter zero, so that a workspace needs zeroing only when allocated.
 
-Dequantization (`_dequant_mxfp4`): an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16
-number value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's
-bf16 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
+Dequantization: an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16 number
+value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's bf16
+arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
 2^(scale - 1) is a finite bf16 only for scale bytes <= 128 (|w| <= 12), which `stack_experts` checks.
 decode="select" builds only normal bf16 numbers and takes every scale byte, for a few more integer
-operations per weight. Both codes of a byte are built as the two halves of one int32 and scaled by
-one packed bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Decoding costs ~3 of
-the ~5-7 instructions per weight of the main loops (read off the sm_90 SASS): at small T the kernels
-are likely bound by instruction issue rather than by HBM, so the tiles are chosen for few
-instructions per weight as much as for parallelism. Under Triton's CPU interpreter (numpy has no
-bf16 arithmetic) the same bits are scaled and dotted in fp32.
+operations per weight. Two codes are built as the two halves of one int32 and scaled by one packed
+bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Where the weights are the A operand
+of a wgmma from registers (swap_ab, 64 rows or more: every decode-size tile), `_dequant_words` decodes
+a 32-bit word (8 codes) at a time into pairs of columns (i, i + 4) and the K columns of both operands
+are reordered (`_k_order`) so that each thread's share of the A fragment is a contiguous run of packed
+bytes: 16-byte shared-memory reads and no layout conversion of the decoded tile. Read off the sm_90
+SASS (Triton 3.6), this took the main loops from 5.2-5.6 to 3.4-3.8 instructions per weight (gate/up
+at BLOCK_N 32, BLOCK_K 256; down at 128 x 128). Elsewhere (the large-T tiles, whose weights are the B
+operand in shared memory, and narrower tiles) `_dequant_mxfp4` decodes a byte at a time in the natural
+order, which compiles better there. Under Triton's CPU interpreter (numpy has no bf16 arithmetic) the
+same bits are scaled and dotted in fp32.
 """
 
 from __future__ import annotations
@@ -98,7 +105,7 @@ MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
-DIRECT_MAX_PAIRS = 256  # default_config skips the alignment up to this many pairs (T <= 16 at top-16)
+DIRECT_MAX_PAIRS = 4096  # default_config skips the alignment up to this many pairs (T <= 256 at top-16)
 DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
 
 
@@ -282,7 +289,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
     if not align:
         # At one token 192 gate/up tiles of 64 rows are too few for 132 SMs: split K in two.
         gate_up = GemmTile(32, 256, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
-        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, GemmTile(128, 128), align=False)
+        # Rows are compacted chunks of each expert's tokens: 16 while experts expect ~10 rows or fewer.
+        block_m = 16 if pairs <= 10 * num_experts else 32
+        return MoEConfig(block_m, gate_up, GemmTile(128, 128), align=False)
     rows = pairs / max(num_experts, 1)
     combine = "atomic" if pairs <= 1024 else "reduce"
     if rows <= 8:
@@ -351,10 +360,16 @@ def _row_blocks(num_pairs: int, num_experts: int, config: MoEConfig) -> int:
     return max_row_blocks(num_pairs, num_experts, config.block_m) if config.align else 0
 
 
+def _programs(num_pairs: int, num_experts: int, config: MoEConfig) -> int:
+    """Programs along a GEMM launch's first axis: row blocks, or (direct) experts or pairs."""
+    if config.align:
+        return _row_blocks(num_pairs, num_experts, config)
+    return num_experts if _direct_by_expert(num_pairs, num_experts, config) else num_pairs
+
+
 def _split_tiles(num_pairs: int, num_experts: int, inter: int, config: MoEConfig) -> int:
     """Output tiles of the gate/up launch (programs along its first axis x N tiles): one counter each."""
-    programs = _row_blocks(num_pairs, num_experts, config) if config.align else num_pairs
-    return programs * (inter // config.gate_up.block_n)
+    return _programs(num_pairs, num_experts, config) * (inter // config.gate_up.block_n)
 
 
 @dataclass
@@ -461,9 +476,9 @@ def moe_mxfp4(
                          f"{tuple(out.shape)}")
     if num_tokens == 0:
         return out
-    if not config.align and config.block_m < num_tokens:
-        raise ValueError(f"MoEConfig(align=False) needs block_m >= T (one program's rows are all tokens), got "
-                         f"block_m {config.block_m} for T={num_tokens}")
+    if not config.align and config.gate_up.split_k > 1 and config.block_m < num_tokens:
+        raise ValueError(f"MoEConfig(align=False) with a split gate/up needs block_m >= T (one chunk of rows per "
+                         f"program), got block_m {config.block_m} for T={num_tokens}")
     if workspace is None:
         workspace = MoEWorkspace.allocate(num_tokens, top_k, num_experts, hidden, inter, config, z.device)
     _check_workspace(workspace, num_tokens * top_k, num_experts, hidden, inter, config)
@@ -570,18 +585,25 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     )
 
 
-def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, top_k: int) -> dict:
+def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, num_tokens: int, top_k: int,
+                     num_experts: int) -> dict:
     return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
             "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "SPLIT_K": tile.split_k,
-            "ALIGNED": config.align, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
-            "COMPUTE": _compute_dtype()}
+            "ALIGNED": config.align, "BY_EXPERT": _direct_by_expert(num_tokens * top_k, num_experts, config),
+            "T_PAD": 16 if config.align else max(16, triton.next_power_of_2(num_tokens)),
+            "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal", "COMPUTE": _compute_dtype()}
 
 
-def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
+def _direct_by_expert(num_pairs: int, num_experts: int, config: MoEConfig) -> bool:
+    """Whether the direct path runs one program per expert (at least as many pairs as experts) or per pair."""
+    return not config.align and num_pairs >= num_experts
+
+
+def _route_args(ids: torch.Tensor, num_experts: int, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
     """(programs along the grid's first axis, the routing arguments) of a GEMM launch: one program per
-    row block after alignment, else one per pair (those whose expert an earlier pair has exit at once)."""
-    programs = ws.num_blocks if config.align else ids.numel()
-    return programs, (ids, ws.sorted_pair, ws.block_expert, ws.block_rows, ids.shape[0])
+    row block after alignment, else one per expert or per pair (`_program_expert`)."""
+    return _programs(ids.numel(), num_experts, config), (ids, ws.sorted_pair, ws.block_expert, ws.block_rows,
+                                                         ids.shape[0])
 
 
 def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,
@@ -589,12 +611,13 @@ def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: M
     tile = config.gate_up
     hidden, inter = z.shape[1], ws.hidden_act.shape[1]
     scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
-    programs, route = _route_args(ids, config, ws)
+    num_experts = w13_packed.shape[0]
+    programs, route = _route_args(ids, num_experts, config, ws)
     # Unsplit, the kernel reads neither split buffer: any tensors stand in.
     split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
     args = (z, w13_packed, scale, ws.hidden_act, out, *split, *route, out.numel(), beta, linear_beta, z.stride(0),
             w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, *ids.shape, num_experts)
     constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=_ZERO_BLOCK)
     _launch(_gate_up_kernel, (programs, inter // tile.block_n, tile.split_k), args, constexprs, tile)
 
@@ -604,10 +627,11 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     hidden, inter = out.shape[1], ws.hidden_act.shape[1]
     scale = w2_scale.view(torch.int32)
     atomic = config.combine == "atomic"
-    programs, route = _route_args(ids, config, ws)
+    num_experts = w2_packed.shape[0]
+    programs, route = _route_args(ids, num_experts, config, ws)
     args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, *ids.shape, num_experts)
     constexprs.update(ATOMIC=atomic)
     _launch(_down_kernel, (programs, hidden // tile.block_n, tile.split_k), args, constexprs, tile)
 
@@ -653,6 +677,7 @@ def _launch(kernel, grid, args, constexprs: dict, tile: GemmTile) -> None:
 # Kernels may read only constexpr globals.
 _DROPPED_ID = tl.constexpr(DROPPED)
 _SCALE_WORD = tl.constexpr(SCALE_WORD)
+_WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 
 
 @triton.jit
@@ -761,6 +786,36 @@ def _dequant_mxfp4(packed, scale_words, N: tl.constexpr, KB: tl.constexpr, SUBNO
 
 
 @triton.jit
+def _dequant_words(words, scale_words, N: tl.constexpr, KW: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                   COMPUTE: tl.constexpr):
+    """words int32 [N, KW] (8 codes each) + scale words int32 [N, KW / 16] -> weights [N, 8 KW], exactly.
+
+    Word w holds columns 8w..8w+7, column 8w + n in bits 4n..4n+3. Shifted left by 12 - 4i, codes i
+    and i + 4 sit at the top of the two halves (bits 12..15, 28..31), where one mask keeps both signs
+    and one shift and mask move both magnitudes to bits 8..6: ~2 operations per bf16 pair, against
+    ~2.5 for a byte at a time (which must first be extracted). The pairs are columns (8w + i, 8w + i + 4),
+    and the result is in `_k_order`'s column order (the activations must be reordered the same way).
+    """
+    t = words[:, :, None] << (12 - 4 * tl.arange(0, 4))[None, None, :]  # [N, KW, 4]: codes i, i + 4 at the top
+    s = (scale_words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [N, KW / 16, 4]
+    if SUBNORMAL_DECODE:
+        # value * 2^-126 in each half (0 and 0.5 as bf16 subnormals), then 2^(s - 1) scales it.
+        pair = (t & -0x7FFF8000) | ((t >> 6) & 0x01C001C0)  # -0x7FFF8000 == 0x80008000
+        factor = (s + 126) << 7
+    else:
+        low = _e2m1_bits_normal((t >> 12) & 0x7) | (t & 0x8000)
+        high = _e2m1_bits_normal((t >> 28) & 0x7) | ((t >> 16) & 0x8000)
+        pair = low | (high << 16)
+        factor = s << 7
+    # One scale byte per 4 words (32 columns), four per scale word.
+    low, high = _scaled_halves(pair.reshape(N, KW // 16, 4, 16), factor[:, :, :, None], COMPUTE)
+    pairs = tl.join(tl.reshape(low, (N, KW, 4)), tl.reshape(high, (N, KW, 4)))  # [N, KW, 4 (i), 2 (h)]
+    # Word w = j KW/4 + v to position (v, i, j, h) (`_k_order`).
+    pairs = tl.permute(tl.reshape(pairs, (N, 4, KW // 4, 4, 2)), (0, 2, 3, 1, 4))
+    return tl.reshape(pairs, (N, 8 * KW))
+
+
+@triton.jit
 def _scaled_halves(pair, factor, COMPUTE: tl.constexpr):
     """The low and high bf16 halves of int32 `pair`, each times the bf16 whose bits are `factor`."""
     if COMPUTE.is_fp32():
@@ -815,32 +870,59 @@ def _tanh(u):
 
 
 @triton.jit
-def _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens, program,
-                  ALIGNED: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(expert, pair index of each row, whether the row is real) of a GEMM program; expert < 0: no work.
+def _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr,
+                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr):
+    """(expert, tokens, hit, rank, slot) of a GEMM program; expert < 0: no work.
 
-    ALIGNED: the program's row block from the alignment. Otherwise the program of pair p takes the
-    expert of p, unless an earlier pair has it (that pair's program does it) or p is dropped, and its
-    rows are the T tokens: row t is real if t chose the expert, as its pair t k + j (the first such j).
+    ALIGNED: the expert of the program's row block; its one chunk of rows is the block (`_chunk_rows`).
+    Otherwise (the direct path) the program takes expert `program` (BY_EXPERT), or the expert of pair
+    `program` unless an earlier pair has it (that pair's program does it) or the pair is dropped; its
+    rows are the tokens that chose the expert, in order: hit[t] = 1 if token t did, rank[t] = how many
+    earlier tokens did, slot[t] = the first of t's slots that chose it; `tokens` counts them.
     """
+    t = tl.arange(0, T_PAD)
+    if ALIGNED:
+        expert = tl.load(block_expert_ptr + program)
+        tokens = 1  # one chunk; hit, rank and slot are unused
+        hit = t
+        rank = t
+        slot = t
+    else:
+        slots = tl.arange(0, K_PAD)
+        pairs = t[:, None] * TOP_K + slots[None, :]
+        ids = tl.load(ids_ptr + pairs, mask=(t[:, None] < num_tokens) & (slots[None, :] < TOP_K),
+                      other=_DROPPED_ID).to(tl.int32)
+        if BY_EXPERT:
+            expert = program
+        else:
+            expert = tl.load(ids_ptr + program).to(tl.int32)
+            first = tl.min(tl.min(tl.where(ids == expert, pairs, T_PAD * TOP_K), axis=1), axis=0)
+            expert = tl.where(first == program, expert, _DROPPED_ID)  # a dropped pair stays dropped
+        chose = ids == expert
+        hit = tl.max(chose.to(tl.int32), axis=1)
+        rank = tl.cumsum(hit, 0) - hit
+        slot = tl.min(tl.where(chose, slots[None, :], K_PAD), axis=1)
+        tokens = tl.sum(hit, 0)
+        expert = tl.where(tokens > 0, expert, _DROPPED_ID)
+    return expert.to(tl.int64), tokens, hit, rank, slot
+
+
+@triton.jit
+def _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED: tl.constexpr,
+                TOP_K: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(pair index of each row, whether the row is real) of the rows start..start + BLOCK_M - 1 of a program:
+    its row block (ALIGNED), or its expert's tokens of those ranks (`_program_expert`)."""
     offs_m = tl.arange(0, BLOCK_M)
     if ALIGNED:
-        expert = tl.load(block_expert_ptr + program).to(tl.int64)
         row_ok = offs_m < tl.load(block_rows_ptr + program)
         pair = tl.load(sorted_pair_ptr + program * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
     else:
-        slots = tl.arange(0, K_PAD)
-        pairs = offs_m[:, None] * TOP_K + slots[None, :]
-        ids = tl.load(ids_ptr + pairs, mask=(offs_m[:, None] < num_tokens) & (slots[None, :] < TOP_K),
-                      other=_DROPPED_ID).to(tl.int64)
-        expert = tl.load(ids_ptr + program).to(tl.int64)
-        chose = ids == expert
-        first = tl.min(tl.min(tl.where(chose, pairs, TOP_K * BLOCK_M), axis=1), axis=0)
-        expert = tl.where(first == program, expert, _DROPPED_ID)  # a dropped pair stays dropped
-        row_ok = tl.max(chose.to(tl.int32), axis=1) > 0
-        slot = tl.min(tl.where(chose, slots[None, :], K_PAD), axis=1)
-        pair = offs_m.to(tl.int64) * TOP_K + tl.where(row_ok, slot, 0)
-    return expert, pair, row_ok
+        t = tl.arange(0, T_PAD)
+        pick = (hit[None, :] > 0) & (rank[None, :] == start + offs_m[:, None])  # [BLOCK_M, T_PAD]
+        row_ok = tl.max(pick.to(tl.int32), axis=1) > 0
+        token = tl.sum(tl.where(pick, t[None, :], 0), axis=1)
+        pair = token.to(tl.int64) * TOP_K + tl.sum(tl.where(pick, slot[None, :], 0), axis=1)
+    return pair, row_ok
 
 
 @triton.jit
@@ -862,7 +944,7 @@ def _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED: tl.constexpr, TO
 
 @triton.jit
 def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
                   COMPUTE: tl.constexpr):
     """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N].
 
@@ -871,24 +953,49 @@ def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.c
     decoded weights are then the A operand, which Hopper's wgmma takes straight from registers (no
     round trip through shared memory), and the few token rows are the N side of the instruction.
     """
-    KB: tl.constexpr = BLOCK_K // 2  # weight bytes per row per step
     acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
-        w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, KB, SUBNORMAL_DECODE, COMPUTE)
+        if WORDS:
+            # Weights a word at a time in `_k_order`'s column order, and the activations in the same order.
+            w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
+            x = _k_order(x, BLOCK_M, BLOCK_K)
+        else:
+            w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
         acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
-        w_ptrs += KB
+        w_ptrs += BLOCK_K // 8 if WORDS else BLOCK_K // 2
         s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
     return tl.trans(acc) if SWAP_AB else acc
 
 
 @triton.jit
+def _k_order(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """t [ROWS, COLS] (natural column order) in the order of `_dequant_words`' columns.
+
+    A thread's share of a wgmma A operand in registers (kWidth 2) is, per 8 columns, the 2 columns
+    2j, 2j + 1 (j = lane % 4), and the next 8 columns' share belongs to the same 4 lanes. Column
+    8a + 2j + h of the reordered tile (a = 4v + i) is source column 8(j COLS/32 + v) + i + 4h: thread j's
+    columns are then the contiguous quarter j of the tile, so it reads its packed bytes 16 at a time,
+    and each of its bf16 pairs is one decoded pair (i, i + 4) of a word (`_dequant_words`). Naturally
+    ordered, each thread would read a byte in every 4 (Triton then reads the staged weights from shared
+    memory a byte at a time) and the decoded tile would go through shared memory again to reach the
+    fragment layout. The same reordering of both operands' K columns leaves the dot unchanged.
+    """
+    return tl.reshape(tl.permute(tl.reshape(t, (ROWS, 4, COLS // 32, 2, 4)), (0, 2, 4, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit
 def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_K: tl.constexpr):
-    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes, scale words."""
-    w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
-              + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+                 BLOCK_K: tl.constexpr, WORDS: tl.constexpr = False):
+    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes (WORDS: int32 words of
+    8 codes), scale words."""
+    if WORDS:
+        w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_we // 4) + rows[:, None] * (stride_wn // 4)
+                  + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+    else:
+        w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
+                  + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
     s_ptrs = (s_ptr + expert * stride_se + rows[:, None] * stride_sn
               + (k_start // _SCALE_WORD + tl.arange(0, BLOCK_K // _SCALE_WORD))[None, :])
     return w_ptrs, s_ptrs
@@ -909,7 +1016,8 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     stride_we, stride_wn, stride_se, stride_sn,
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                    ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
+                    ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr, T_PAD: tl.constexpr, ZERO_OUT: tl.constexpr,
+                    ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
                     SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split)."""
     program = tl.program_id(0)
@@ -920,8 +1028,8 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
         # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
         _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
                     tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
-    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
-                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
+    expert, tokens, hit, rank, slot = _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED,
+                                                      BY_EXPERT, TOP_K, K_PAD, T_PAD)
     if expert < 0:
         return
 
@@ -931,18 +1039,23 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
     k_part: tl.constexpr = HIDDEN // SPLIT_K
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
-    x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
+    WORDS: tl.constexpr = SWAP_AB and 2 * BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
-                                  stride_sn, BLOCK_K)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
-                        SUBNORMAL_DECODE, COMPUTE)
+                                  stride_sn, BLOCK_K, WORDS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if SPLIT_K > 1:
-        # The part that completes the tile adds up the others' (left in split_sum) and goes on; it leaves
-        # the sums and the counter zero for the next launch. The barrier and the release order every
-        # thread's additions before the count (the usual threadfence-reduction pattern). The sums are
-        # read and zeroed by one exchange per element: a load and a store may be given to different
-        # threads (seen at BLOCK_N = 64), and nothing orders one thread's load before another's store.
-        # The exchange is of the bits (Triton's interpreter exchanges only integers).
+        # One chunk of rows (fit_config: BLOCK_M >= T). The part that completes the tile adds up the
+        # others' (left in split_sum) and goes on; it leaves the sums and the counter zero for the next
+        # launch. The barrier and the release order every thread's additions before the count (the usual
+        # threadfence-reduction pattern). The sums are read and zeroed by one exchange per element: a load
+        # and a store may be given to different threads (seen at BLOCK_N = 64), and nothing orders one
+        # thread's load before another's store. The exchange is of the bits (Triton's interpreter exchanges
+        # only integers).
+        pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, 0, hit, rank, slot, ALIGNED, TOP_K,
+                                   T_PAD, BLOCK_M)
+        x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
+        acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                            SUBNORMAL_DECODE, COMPUTE)
         sum_ptrs = split_sum_ptr + pair[:, None] * (2 * INTER) + (pid_n * 2 * BLOCK_N + tile_rows)[None, :]
         tl.atomic_add(sum_ptrs, acc, mask=row_ok[:, None], sem="relaxed")
         tl.debug_barrier()
@@ -950,13 +1063,28 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
             return
         bits = tl.atomic_xchg(sum_ptrs.to(tl.pointer_type(tl.int32)), tl.zeros_like(acc).to(tl.int32),
                               mask=row_ok[:, None], sem="relaxed")
-        acc = bits.to(tl.float32, bitcast=True)
         tl.store(split_count_ptr + program * n_tiles + pid_n, 0)
+        _situ_store(bits.to(tl.float32, bitcast=True), h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER, BLOCK_M,
+                    BLOCK_N, COMPUTE)
+    else:
+        start = 0
+        while start < tokens:  # one chunk of BLOCK_M rows at a time (ALIGNED: the block)
+            pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED,
+                                       TOP_K, T_PAD, BLOCK_M)
+            x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
+            acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
+                                WORDS, SUBNORMAL_DECODE, COMPUTE)
+            _situ_store(acc, h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER, BLOCK_M, BLOCK_N, COMPUTE)
+            start += BLOCK_M
 
+
+@triton.jit
+def _situ_store(acc, h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
+    """h[pair, offs_n] = SiTU of the interleaved gate/up sums acc [BLOCK_M, 2 BLOCK_N], rounded to bf16."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     # SiTU(a, b) = [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in fp32.
     act = (beta * _tanh(gate / beta) * tl.sigmoid(gate)) * (linear_beta * _tanh(up / linear_beta))
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pair[:, None] * INTER + offs_n[None, :], _to_bf16(act, COMPUTE), mask=row_ok[:, None])
 
 
@@ -965,32 +1093,37 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  block_rows_ptr, num_tokens, stride_we, stride_wn, stride_se, stride_sn,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                 COMPUTE: tl.constexpr):
+                 ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr, T_PAD: tl.constexpr, ATOMIC: tl.constexpr,
+                 SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows (its K part if split: ATOMIC adds the parts up);
     added into out (atomic) or stored per pair (reduce)."""
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
-                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
+    expert, tokens, hit, rank, slot = _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED,
+                                                      BY_EXPERT, TOP_K, K_PAD, T_PAD)
     if expert < 0:
         return
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_part: tl.constexpr = INTER // SPLIT_K
     k_start = tl.program_id(2) * k_part
-    x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    WORDS: tl.constexpr = SWAP_AB and BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                                  BLOCK_K)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUBNORMAL_DECODE,
-                        COMPUTE)
-
-    if ATOMIC:
-        coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
-        out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
-        tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
-    else:
-        tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
+                                  BLOCK_K, WORDS)
+    start = 0
+    while start < tokens:  # one chunk of BLOCK_M rows at a time (ALIGNED: the block)
+        pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED, TOP_K,
+                                   T_PAD, BLOCK_M)
+        x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+        acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                            SUBNORMAL_DECODE, COMPUTE)
+        if ATOMIC:
+            coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
+            out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
+            tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
+        else:
+            tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
+        start += BLOCK_M
 
 
 @triton.jit

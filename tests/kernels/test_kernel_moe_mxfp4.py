@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
-from mstar.kernels.moe_mxfp4 import _dequant_mxfp4  # noqa: E402
+from mstar.kernels.moe_mxfp4 import _dequant_mxfp4, _dequant_words, _k_order  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
 
 # Interpreted only if triton's own helpers (tl.sum & co.) were defined under the interpreter too.
@@ -259,6 +259,24 @@ def test_direct_matches_reference(num_tokens, pattern):
 
 
 @needs_kernel_device
+@pytest.mark.parametrize(("num_tokens", "pattern"), [(20, "hot"), (40, "random"), (33, "skewed")])
+def test_direct_chunks_of_rows(num_tokens, pattern):
+    """The direct path past BLOCK_M tokens: one program per expert (T k >= E), its rows the tokens that chose it,
+    compacted in chunks of BLOCK_M = 16 ("hot": every token on the same 16 of 24 experts, 2 chunks each and
+    8 experts with no token; "skewed": a few experts with most tokens), with DROPPED pairs."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E)
+    z = torch.randn(num_tokens, TINY_H, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    ids, weights = routing(num_tokens, DIRECT_E, DIRECT_K, gen, pattern)
+    ids = drop_some(ids, gen)
+    config = direct_config(num_tokens, block_m=16)
+    assert moe._direct_by_expert(ids.numel(), DIRECT_E, config)
+    out, ws, _ = run_kernel(z, ids, weights, stacked, config)
+    assert ws.num_blocks == 0
+    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
+
+
+@needs_kernel_device
 @pytest.mark.parametrize(("decode", "swap_ab"), [("select", True), ("subnormal", False)])
 def test_direct_variants(decode, swap_ab):
     """The decode path with the other decode and with the activations as the dot's A operand."""
@@ -322,19 +340,28 @@ def test_alignment_at_rank_routing(num_tokens, block_m):
 
 
 @triton.jit
-def _dequant_probe(packed_ptr, words_ptr, out_ptr, N: tl.constexpr, KB: tl.constexpr,
-                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+def _dequant_probe(packed_ptr, words_ptr, out_ptr, column_ptr, N: tl.constexpr, KB: tl.constexpr,
+                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, WORDS: tl.constexpr):
+    """The decoded tile of N rows x 2 KB columns, and (WORDS) the source column of each of its columns."""
     rows = tl.arange(0, N)[:, None]
-    packed = tl.load(packed_ptr + rows * KB + tl.arange(0, KB)[None, :])
+    cols = tl.arange(0, 2 * KB)[None, :]
     words = tl.load(words_ptr + rows * (KB // 64) + tl.arange(0, KB // 64)[None, :])
-    w = _dequant_mxfp4(packed, words, N, KB, SUBNORMAL_DECODE, COMPUTE)
-    tl.store(out_ptr + rows * (2 * KB) + tl.arange(0, 2 * KB)[None, :], w.to(tl.float32))
+    if WORDS:
+        packed = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + rows * (KB // 4) + tl.arange(0, KB // 4)[None, :])
+        w = _dequant_words(packed, words, N, KB // 4, SUBNORMAL_DECODE, COMPUTE)
+        tl.store(column_ptr + rows * (2 * KB) + cols, _k_order(rows * 0 + cols, N, 2 * KB))
+    else:
+        packed = tl.load(packed_ptr + rows * KB + tl.arange(0, KB)[None, :])
+        w = _dequant_mxfp4(packed, words, N, KB, SUBNORMAL_DECODE, COMPUTE)
+    tl.store(out_ptr + rows * (2 * KB) + cols, w.to(tl.float32))
 
 
 @needs_kernel_device
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("decode", DECODES)
-def test_dequant_is_exact(decode):
-    """Every code (both nibbles, both signs) and a wide range of scale bytes decode bit for bit."""
+def test_dequant_is_exact(decode, words):
+    """Every code (both nibbles, both signs) and a wide range of scale bytes decode bit for bit, a byte at a
+    time and a word at a time (then in the column order of _k_order, the same the activations take)."""
     gen = new_generator(TINY_DEVICE)
     rows, kb = 16, 128
     packed = torch.randint(0, 256, (rows, kb), generator=gen, device=TINY_DEVICE, dtype=torch.int32).to(torch.uint8)
@@ -342,9 +369,14 @@ def test_dequant_is_exact(decode):
     scale = torch.randint(64, top + 1, (rows, kb // 16), generator=gen, device=TINY_DEVICE, dtype=torch.int32)
     scale = scale.to(torch.uint8)
     out = torch.full((rows, 2 * kb), float("nan"), device=TINY_DEVICE)
-    _dequant_probe[(1,)](packed, scale.view(torch.int32), out, N=rows, KB=kb,
-                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype())
-    assert torch.equal(out, dequantize_mxfp4(packed, scale)), "dequantized weights differ from dequantize_mxfp4"
+    column = torch.full((rows, 2 * kb), -1, dtype=torch.int32, device=TINY_DEVICE)
+    _dequant_probe[(1,)](packed, scale.view(torch.int32), out, column, N=rows, KB=kb,
+                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype(), WORDS=words)
+    expected = dequantize_mxfp4(packed, scale)
+    if words:
+        assert torch.equal(column.sort(dim=1).values, torch.arange(2 * kb, device=TINY_DEVICE).expand(rows, -1).int())
+        expected = expected.gather(1, column.long())
+    assert torch.equal(out, expected), "dequantized weights differ from dequantize_mxfp4"
 
 
 @needs_kernel_device
@@ -400,10 +432,12 @@ def test_inputs_are_checked():
         moe.fit_config(replace(moe.default_config(1, 2, 2), gate_up=moe.GemmTile(16, 128, split_k=0)), TINY_H, TINY_I)
     with pytest.raises(ValueError, match="split down GEMM"):
         moe.fit_config(moe.MoEConfig(16, moe.GemmTile(16, 128), moe.GemmTile(16, 128, split_k=2), "reduce"), 128, 256)
-    too_short = replace(moe.default_config(17, 1, 2, align=False), block_m=16)
+    # A split gate/up takes one chunk of rows per program (the direct path's chunks are BLOCK_M rows).
+    wide = moe.stack_experts(*(3 * [[random_mxfp4(256, 256, gen)]]))
+    too_short = replace(moe.default_config(17, 1, 1, align=False), block_m=16, gate_up=moe.GemmTile(16, 128, split_k=2))
     with pytest.raises(ValueError, match="block_m >= T"):
-        moe.moe_mxfp4(torch.zeros(17, TINY_H, dtype=torch.bfloat16), torch.zeros(17, 1, dtype=torch.int64),
-                      torch.ones(17, 1), *stacked, config=too_short)
+        moe.moe_mxfp4(torch.zeros(17, 256, dtype=torch.bfloat16), torch.zeros(17, 1, dtype=torch.int64),
+                      torch.ones(17, 1), *wide, config=too_short)
     assert not moe.supported("cpu")
 
 
@@ -448,7 +482,7 @@ def test_config_table_and_block_bound():
         # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 8 at top-16), the alignment above.
         assert moe.default_config(tokens, RANK_K, RANK_E).align == (tokens * RANK_K > moe.DIRECT_MAX_PAIRS)
     direct = moe.default_config(40, RANK_K, RANK_E, align=False)
-    assert not direct.align and direct.block_m == 64 and direct.combine == "atomic"
+    assert not direct.align and direct.block_m == 16 and direct.combine == "atomic"
     shrunk = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(256, 1024), moe.GemmTile(512, 512)), TINY_H, TINY_I)
     assert (shrunk.gate_up.block_n, shrunk.gate_up.block_k, shrunk.down.block_n, shrunk.down.block_k) == (
         128, 128, 128, 128)
