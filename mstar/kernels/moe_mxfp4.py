@@ -46,20 +46,18 @@ by T (no autotuning inside a CUDA graph); benchmarks/kernels/bench_moe_mxfp4.py 
 around it.
 
 Small batches (decode) matter most: at one token the floor is reading 16 experts (35 MB per TP8 rank
-of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200 (22-25 us at 32-256
-tokens). Up to DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False, the direct
-path): both GEMM launches run one program per (expert, N tile, K part) once there are at least as many
-pairs as experts, else one per (pair p, ...), which takes p's expert unless p is dropped or an earlier
-pair chose the same expert (then it exits at once). A program's rows are the tokens that chose its
-expert, in token order, compacted in chunks of BLOCK_M (it loops over the chunks; one at decode sizes):
-each program finds them in the T*k ids itself (one [T, k] load from L2, a prefix count, and a
-[BLOCK_M, T] selection per chunk). A row's h row is the token's first pair with the expert; the down
-kernel sums the combine weights of all such pairs. So each touched expert is read and decoded once
-however many tokens share it (at T=8, 128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB
-of a program per pair), and the x tiles stay BLOCK_M rows at any T. The rows stay a tensor-core dot
-although at T=1 one of the 16 is real: its multiply-adds cost ~0.03 instructions per weight (a 64x16x16
-wgmma per 1024 weights and warp), where a CUDA-core GEMV would add a bf16->fp32 unpack and an FFMA per
-weight to the ~2.5 of decoding; instruction issue, not HBM, is what bounds these loops.
+of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200. Up to
+DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False): both GEMM launches run one
+program per (pair p, N tile, K part); p's program takes p's expert unless p is dropped or an earlier
+pair chose the same expert (then it exits at once), and its rows are all T tokens (BLOCK_M >= T, the
+token's row real if it chose the expert; its h row is its first such pair; the down kernel sums the
+combine weights of all such pairs). Each program finds this in the T*k ids itself (one [BLOCK_M, k]
+load from L2). So each touched expert is read and decoded once however many tokens share it: at T=8,
+128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB of a program per pair. The rows
+stay a tensor-core dot although at T=1 one of the 16 is real: its multiply-adds cost ~0.03
+instructions per weight (a 64x16x16 wgmma per 1024 weights and warp), where a CUDA-core GEMV would add
+a bf16->fp32 unpack and an FFMA per weight to the ~3 of decoding (compiled for sm_90: ~7 per weight
+against 5-6 for the dot; instruction issue, not HBM, is what bounds these loops).
 
 Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
 64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
@@ -105,7 +103,7 @@ MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
-DIRECT_MAX_PAIRS = 4096  # default_config skips the alignment up to this many pairs (T <= 256 at top-16)
+DIRECT_MAX_PAIRS = 64  # default_config skips the alignment up to this many pairs (T <= 4 at top-16)
 DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
 
 
@@ -272,36 +270,33 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
 
     align=None skips the alignment up to DIRECT_MAX_PAIRS pairs (module doc, "Small batches"); True or
     False forces the choice (benchmarks and tests compare the two). Without alignment every program's
-    rows are the T tokens, so BLOCK_M = T rounded up to a tensor-core tile; gate/up tiles of 64 rows
-    (BLOCK_N = 32: one wgmma M) and down tiles of 128 were the best of a sweep on the H200 at T = 1-32,
-    and splitting the gate/up K in two paid at T = 1 only (39.5 -> 34.6 us; 153 vs 144 us at T = 8).
+    rows are the T tokens, so BLOCK_M = T rounded up to a tensor-core tile.
 
-    With alignment, decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one
-    token's 16 experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the
-    dot's A operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized
-    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. Up to 48 rows
-    per expert these choices come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6
-    instructions per weight in the main loops), not yet from timings; above, from --tune on the H200.
+    Measured on the H200 at 209d3ea (benchmarks/kernels/results/h200_209d3ea_moe_mxfp4_decode.md), with the
+    weights decoded a word at a time: gate/up tiles of 128 rows (BLOCK_N 64, BLOCK_K 128) beat 64-row tiles
+    of BLOCK_K 256 at T = 1 (split in two: 38.3 -> 33.0 us), 8 (148.9 -> 141.4) and 64 (332 -> 311); down
+    tiles of 128 rows beat 64-row ones by 1.3-1.5x at T = 1, 8 and 64; the aligned pipeline (BLOCK_M 16) beat
+    the direct one from T = 8 on (136 vs 155 us at 8, 267 vs 332 at 64), the direct one is far ahead at
+    T <= 4 (93 vs 164 us at 4). So BLOCK_M 16 up to 12 expected rows per expert (T = 168 here), then taller
+    blocks so that each expert's weights are dequantized once per BLOCK_M rows, and from BLOCK_M = 64 the
+    activations are the A operand again (the weights then go through shared memory as the B operand).
+    Above 48 rows per expert, from --tune on the H200 (h200_bef60d1_moe_mxfp4_tune.md), where the atomic
+    combine also beat "reduce" (which stays available: deterministic).
     """
     pairs = num_tokens * top_k
     if align is None:
         align = pairs > DIRECT_MAX_PAIRS
     if not align:
-        # At one token 192 gate/up tiles of 64 rows are too few for 132 SMs: split K in two.
-        gate_up = GemmTile(32, 256, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
-        # Rows are compacted chunks of each expert's tokens: 16 while experts expect ~10 rows or fewer.
-        block_m = 16 if pairs <= 10 * num_experts else 32
-        return MoEConfig(block_m, gate_up, GemmTile(128, 128), align=False)
+        # At one token 96 gate/up tiles of 128 rows are too few for 132 SMs: split K in two.
+        gate_up = GemmTile(64, 128, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
+        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, GemmTile(128, 128), align=False)
     rows = pairs / max(num_experts, 1)
-    combine = "atomic" if pairs <= 1024 else "reduce"
-    if rows <= 8:
-        gate_up = GemmTile(block_n=16 if pairs <= 64 else 32, block_k=256)
-        down = GemmTile(block_n=64 if pairs <= 64 else 128, block_k=128)
-        return MoEConfig(16, gate_up, down, combine)
+    if rows <= 12:
+        return MoEConfig(16, GemmTile(64, 128), GemmTile(128, 128))
     if rows <= 24:
-        return MoEConfig(32, GemmTile(64, 128), GemmTile(64, 128), combine)
+        return MoEConfig(32, GemmTile(64, 128), GemmTile(128, 128))
     if rows <= 48:
-        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), combine, swap_ab=False)
+        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), swap_ab=False)
     # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
     # 64-row blocks and 4-warp tiles beat the earlier guess of 128 rows at 8 warps, and the atomic combine beat
     # "reduce" by 3-4%: 969 -> 871 us at 1024 tokens, 2875 -> 2391 at 4096 (and 5226 -> 4782 at 8192, untuned).
@@ -360,16 +355,10 @@ def _row_blocks(num_pairs: int, num_experts: int, config: MoEConfig) -> int:
     return max_row_blocks(num_pairs, num_experts, config.block_m) if config.align else 0
 
 
-def _programs(num_pairs: int, num_experts: int, config: MoEConfig) -> int:
-    """Programs along a GEMM launch's first axis: row blocks, or (direct) experts or pairs."""
-    if config.align:
-        return _row_blocks(num_pairs, num_experts, config)
-    return num_experts if _direct_by_expert(num_pairs, num_experts, config) else num_pairs
-
-
 def _split_tiles(num_pairs: int, num_experts: int, inter: int, config: MoEConfig) -> int:
     """Output tiles of the gate/up launch (programs along its first axis x N tiles): one counter each."""
-    return _programs(num_pairs, num_experts, config) * (inter // config.gate_up.block_n)
+    programs = _row_blocks(num_pairs, num_experts, config) if config.align else num_pairs
+    return programs * (inter // config.gate_up.block_n)
 
 
 @dataclass
@@ -476,9 +465,9 @@ def moe_mxfp4(
                          f"{tuple(out.shape)}")
     if num_tokens == 0:
         return out
-    if not config.align and config.gate_up.split_k > 1 and config.block_m < num_tokens:
-        raise ValueError(f"MoEConfig(align=False) with a split gate/up needs block_m >= T (one chunk of rows per "
-                         f"program), got block_m {config.block_m} for T={num_tokens}")
+    if not config.align and config.block_m < num_tokens:
+        raise ValueError(f"MoEConfig(align=False) needs block_m >= T (one program's rows are all tokens), got "
+                         f"block_m {config.block_m} for T={num_tokens}")
     if workspace is None:
         workspace = MoEWorkspace.allocate(num_tokens, top_k, num_experts, hidden, inter, config, z.device)
     _check_workspace(workspace, num_tokens * top_k, num_experts, hidden, inter, config)
@@ -535,7 +524,8 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_ALIGN_CHUNK = 256  # pairs one alignment program places
+_ALIGN_CHUNK = 256  # pairs one alignment program places (above _ALIGN_SMALL_PAIRS pairs)
+_ALIGN_SMALL_PAIRS = 4096  # up to this many pairs, one alignment program per SUB pairs (see _align)
 _ZERO_BLOCK = 1024  # fp32 output elements a gate/up program zeroes per step
 _COMBINE_BLOCK = 512  # output columns per combine program
 
@@ -577,33 +567,31 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     rows = max(16, min(64, 16384 // e_pad))  # keeps the [rows, E_PAD] one-hot temporaries in registers
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
-    _align_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
+    # Each program's time is its serial steps (~3 us each on the H200 at E = 224: one per SUB pairs it places
+    # and per META blocks it describes): 11 us at 16 pairs, 25-33 us at 256-4096 pairs with 256 a program.
+    # Up to _ALIGN_SMALL_PAIRS pairs, programs of SUB pairs (one step each) count all pairs themselves, which
+    # stays cheap; above, the counting would dominate, so programs place more pairs.
+    chunk = rows if pairs <= _ALIGN_SMALL_PAIRS else _ALIGN_CHUNK
+    _align_kernel[(triton.cdiv(pairs, chunk),)](
         ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
         block_expert.numel() if blocks else 0, num_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, SUB=rows, META=rows,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=rows, META=rows,
         HIST=min(2048, max(64, triton.next_power_of_2(pairs))), GROUPS=groups is not None, num_warps=4,
     )
 
 
-def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, num_tokens: int, top_k: int,
-                     num_experts: int) -> dict:
+def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, top_k: int) -> dict:
     return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
             "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "SPLIT_K": tile.split_k,
-            "ALIGNED": config.align, "BY_EXPERT": _direct_by_expert(num_tokens * top_k, num_experts, config),
-            "T_PAD": 16 if config.align else max(16, triton.next_power_of_2(num_tokens)),
-            "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal", "COMPUTE": _compute_dtype()}
+            "ALIGNED": config.align, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
+            "COMPUTE": _compute_dtype()}
 
 
-def _direct_by_expert(num_pairs: int, num_experts: int, config: MoEConfig) -> bool:
-    """Whether the direct path runs one program per expert (at least as many pairs as experts) or per pair."""
-    return not config.align and num_pairs >= num_experts
-
-
-def _route_args(ids: torch.Tensor, num_experts: int, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
+def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
     """(programs along the grid's first axis, the routing arguments) of a GEMM launch: one program per
-    row block after alignment, else one per expert or per pair (`_program_expert`)."""
-    return _programs(ids.numel(), num_experts, config), (ids, ws.sorted_pair, ws.block_expert, ws.block_rows,
-                                                         ids.shape[0])
+    row block after alignment, else one per pair (those whose expert an earlier pair has exit at once)."""
+    programs = ws.num_blocks if config.align else ids.numel()
+    return programs, (ids, ws.sorted_pair, ws.block_expert, ws.block_rows, ids.shape[0])
 
 
 def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,
@@ -611,13 +599,12 @@ def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: M
     tile = config.gate_up
     hidden, inter = z.shape[1], ws.hidden_act.shape[1]
     scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
-    num_experts = w13_packed.shape[0]
-    programs, route = _route_args(ids, num_experts, config, ws)
+    programs, route = _route_args(ids, config, ws)
     # Unsplit, the kernel reads neither split buffer: any tensors stand in.
     split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
     args = (z, w13_packed, scale, ws.hidden_act, out, *split, *route, out.numel(), beta, linear_beta, z.stride(0),
             w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, *ids.shape, num_experts)
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
     constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=_ZERO_BLOCK)
     _launch(_gate_up_kernel, (programs, inter // tile.block_n, tile.split_k), args, constexprs, tile)
 
@@ -627,11 +614,10 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     hidden, inter = out.shape[1], ws.hidden_act.shape[1]
     scale = w2_scale.view(torch.int32)
     atomic = config.combine == "atomic"
-    num_experts = w2_packed.shape[0]
-    programs, route = _route_args(ids, num_experts, config, ws)
+    programs, route = _route_args(ids, config, ws)
     args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, *ids.shape, num_experts)
+    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
     constexprs.update(ATOMIC=atomic)
     _launch(_down_kernel, (programs, hidden // tile.block_n, tile.split_k), args, constexprs, tile)
 
@@ -870,59 +856,32 @@ def _tanh(u):
 
 
 @triton.jit
-def _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr,
-                    TOP_K: tl.constexpr, K_PAD: tl.constexpr, T_PAD: tl.constexpr):
-    """(expert, tokens, hit, rank, slot) of a GEMM program; expert < 0: no work.
+def _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens, program,
+                  ALIGNED: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(expert, pair index of each row, whether the row is real) of a GEMM program; expert < 0: no work.
 
-    ALIGNED: the expert of the program's row block; its one chunk of rows is the block (`_chunk_rows`).
-    Otherwise (the direct path) the program takes expert `program` (BY_EXPERT), or the expert of pair
-    `program` unless an earlier pair has it (that pair's program does it) or the pair is dropped; its
-    rows are the tokens that chose the expert, in order: hit[t] = 1 if token t did, rank[t] = how many
-    earlier tokens did, slot[t] = the first of t's slots that chose it; `tokens` counts them.
+    ALIGNED: the program's row block from the alignment. Otherwise the program of pair p takes the
+    expert of p, unless an earlier pair has it (that pair's program does it) or p is dropped, and its
+    rows are the T tokens: row t is real if t chose the expert, as its pair t k + j (the first such j).
     """
-    t = tl.arange(0, T_PAD)
-    if ALIGNED:
-        expert = tl.load(block_expert_ptr + program)
-        tokens = 1  # one chunk; hit, rank and slot are unused
-        hit = t
-        rank = t
-        slot = t
-    else:
-        slots = tl.arange(0, K_PAD)
-        pairs = t[:, None] * TOP_K + slots[None, :]
-        ids = tl.load(ids_ptr + pairs, mask=(t[:, None] < num_tokens) & (slots[None, :] < TOP_K),
-                      other=_DROPPED_ID).to(tl.int32)
-        if BY_EXPERT:
-            expert = program
-        else:
-            expert = tl.load(ids_ptr + program).to(tl.int32)
-            first = tl.min(tl.min(tl.where(ids == expert, pairs, T_PAD * TOP_K), axis=1), axis=0)
-            expert = tl.where(first == program, expert, _DROPPED_ID)  # a dropped pair stays dropped
-        chose = ids == expert
-        hit = tl.max(chose.to(tl.int32), axis=1)
-        rank = tl.cumsum(hit, 0) - hit
-        slot = tl.min(tl.where(chose, slots[None, :], K_PAD), axis=1)
-        tokens = tl.sum(hit, 0)
-        expert = tl.where(tokens > 0, expert, _DROPPED_ID)
-    return expert.to(tl.int64), tokens, hit, rank, slot
-
-
-@triton.jit
-def _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED: tl.constexpr,
-                TOP_K: tl.constexpr, T_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(pair index of each row, whether the row is real) of the rows start..start + BLOCK_M - 1 of a program:
-    its row block (ALIGNED), or its expert's tokens of those ranks (`_program_expert`)."""
     offs_m = tl.arange(0, BLOCK_M)
     if ALIGNED:
+        expert = tl.load(block_expert_ptr + program).to(tl.int64)
         row_ok = offs_m < tl.load(block_rows_ptr + program)
         pair = tl.load(sorted_pair_ptr + program * BLOCK_M + offs_m, mask=row_ok, other=0).to(tl.int64)
     else:
-        t = tl.arange(0, T_PAD)
-        pick = (hit[None, :] > 0) & (rank[None, :] == start + offs_m[:, None])  # [BLOCK_M, T_PAD]
-        row_ok = tl.max(pick.to(tl.int32), axis=1) > 0
-        token = tl.sum(tl.where(pick, t[None, :], 0), axis=1)
-        pair = token.to(tl.int64) * TOP_K + tl.sum(tl.where(pick, slot[None, :], 0), axis=1)
-    return pair, row_ok
+        slots = tl.arange(0, K_PAD)
+        pairs = offs_m[:, None] * TOP_K + slots[None, :]
+        ids = tl.load(ids_ptr + pairs, mask=(offs_m[:, None] < num_tokens) & (slots[None, :] < TOP_K),
+                      other=_DROPPED_ID).to(tl.int64)
+        expert = tl.load(ids_ptr + program).to(tl.int64)
+        chose = ids == expert
+        first = tl.min(tl.min(tl.where(chose, pairs, TOP_K * BLOCK_M), axis=1), axis=0)
+        expert = tl.where(first == program, expert, _DROPPED_ID)  # a dropped pair stays dropped
+        row_ok = tl.max(chose.to(tl.int32), axis=1) > 0
+        slot = tl.min(tl.where(chose, slots[None, :], K_PAD), axis=1)
+        pair = offs_m.to(tl.int64) * TOP_K + tl.where(row_ok, slot, 0)
+    return expert, pair, row_ok
 
 
 @triton.jit
@@ -1016,8 +975,7 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     stride_we, stride_wn, stride_se, stride_sn,
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                    ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr, T_PAD: tl.constexpr, ZERO_OUT: tl.constexpr,
-                    ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
+                    ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
                     SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split)."""
     program = tl.program_id(0)
@@ -1028,8 +986,8 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
         # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
         _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
                     tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
-    expert, tokens, hit, rank, slot = _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED,
-                                                      BY_EXPERT, TOP_K, K_PAD, T_PAD)
+    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
+                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
     if expert < 0:
         return
 
@@ -1039,23 +997,19 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
     k_part: tl.constexpr = HIDDEN // SPLIT_K
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
+    x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
     WORDS: tl.constexpr = SWAP_AB and 2 * BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
                                   stride_sn, BLOCK_K, WORDS)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                        SUBNORMAL_DECODE, COMPUTE)
     if SPLIT_K > 1:
-        # One chunk of rows (fit_config: BLOCK_M >= T). The part that completes the tile adds up the
-        # others' (left in split_sum) and goes on; it leaves the sums and the counter zero for the next
-        # launch. The barrier and the release order every thread's additions before the count (the usual
-        # threadfence-reduction pattern). The sums are read and zeroed by one exchange per element: a load
-        # and a store may be given to different threads (seen at BLOCK_N = 64), and nothing orders one
-        # thread's load before another's store. The exchange is of the bits (Triton's interpreter exchanges
-        # only integers).
-        pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, 0, hit, rank, slot, ALIGNED, TOP_K,
-                                   T_PAD, BLOCK_M)
-        x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
-        acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
-                            SUBNORMAL_DECODE, COMPUTE)
+        # The part that completes the tile adds up the others' (left in split_sum) and goes on; it leaves
+        # the sums and the counter zero for the next launch. The barrier and the release order every
+        # thread's additions before the count (the usual threadfence-reduction pattern). The sums are
+        # read and zeroed by one exchange per element: a load and a store may be given to different
+        # threads (seen at BLOCK_N = 64), and nothing orders one thread's load before another's store.
+        # The exchange is of the bits (Triton's interpreter exchanges only integers).
         sum_ptrs = split_sum_ptr + pair[:, None] * (2 * INTER) + (pid_n * 2 * BLOCK_N + tile_rows)[None, :]
         tl.atomic_add(sum_ptrs, acc, mask=row_ok[:, None], sem="relaxed")
         tl.debug_barrier()
@@ -1063,28 +1017,13 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
             return
         bits = tl.atomic_xchg(sum_ptrs.to(tl.pointer_type(tl.int32)), tl.zeros_like(acc).to(tl.int32),
                               mask=row_ok[:, None], sem="relaxed")
+        acc = bits.to(tl.float32, bitcast=True)
         tl.store(split_count_ptr + program * n_tiles + pid_n, 0)
-        _situ_store(bits.to(tl.float32, bitcast=True), h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER, BLOCK_M,
-                    BLOCK_N, COMPUTE)
-    else:
-        start = 0
-        while start < tokens:  # one chunk of BLOCK_M rows at a time (ALIGNED: the block)
-            pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED,
-                                       TOP_K, T_PAD, BLOCK_M)
-            x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
-            acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
-                                WORDS, SUBNORMAL_DECODE, COMPUTE)
-            _situ_store(acc, h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER, BLOCK_M, BLOCK_N, COMPUTE)
-            start += BLOCK_M
 
-
-@triton.jit
-def _situ_store(acc, h_ptr, pair, row_ok, offs_n, beta, linear_beta, INTER: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, COMPUTE: tl.constexpr):
-    """h[pair, offs_n] = SiTU of the interleaved gate/up sums acc [BLOCK_M, 2 BLOCK_N], rounded to bf16."""
     gate, up = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
     # SiTU(a, b) = [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in fp32.
     act = (beta * _tanh(gate / beta) * tl.sigmoid(gate)) * (linear_beta * _tanh(up / linear_beta))
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pair[:, None] * INTER + offs_n[None, :], _to_bf16(act, COMPUTE), mask=row_ok[:, None])
 
 
@@ -1093,37 +1032,33 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  block_rows_ptr, num_tokens, stride_we, stride_wn, stride_se, stride_sn,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, BY_EXPERT: tl.constexpr, T_PAD: tl.constexpr, ATOMIC: tl.constexpr,
-                 SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+                 ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                 COMPUTE: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows (its K part if split: ATOMIC adds the parts up);
     added into out (atomic) or stored per pair (reduce)."""
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
-    expert, tokens, hit, rank, slot = _program_expert(ids_ptr, block_expert_ptr, num_tokens, program, ALIGNED,
-                                                      BY_EXPERT, TOP_K, K_PAD, T_PAD)
+    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
+                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
     if expert < 0:
         return
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_part: tl.constexpr = INTER // SPLIT_K
     k_start = tl.program_id(2) * k_part
+    x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
     WORDS: tl.constexpr = SWAP_AB and BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, k_start, stride_we, stride_wn, stride_se, stride_sn,
                                   BLOCK_K, WORDS)
-    start = 0
-    while start < tokens:  # one chunk of BLOCK_M rows at a time (ALIGNED: the block)
-        pair, row_ok = _chunk_rows(sorted_pair_ptr, block_rows_ptr, program, start, hit, rank, slot, ALIGNED, TOP_K,
-                                   T_PAD, BLOCK_M)
-        x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
-        acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
-                            SUBNORMAL_DECODE, COMPUTE)
-        if ATOMIC:
-            coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
-            out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
-            tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
-        else:
-            tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
-        start += BLOCK_M
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                        SUBNORMAL_DECODE, COMPUTE)
+
+    if ATOMIC:
+        coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
+        out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
+        tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
+    else:
+        tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
 
 
 @triton.jit

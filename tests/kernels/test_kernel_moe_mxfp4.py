@@ -232,10 +232,9 @@ def test_tiny_repeated_and_unused_experts(pattern):
 
 
 def direct_config(num_tokens: int, **changes) -> moe.MoEConfig:
-    """The default (decode path) config at DIRECT_E/DIRECT_K, on the interpreter with wide N tiles:
+    """The direct path's default config at DIRECT_E/DIRECT_K, on the interpreter with wide N tiles:
     2 gate/up and 1 down program per expert instead of 8 and 2 keep the CPU run short."""
-    config = moe.default_config(num_tokens, DIRECT_K, DIRECT_E)
-    assert not config.align, "the default dispatch skips the alignment up to DIRECT_MAX_PAIRS pairs"
+    config = moe.default_config(num_tokens, DIRECT_K, DIRECT_E, align=False)
     if INTERPRET:
         changes = {"gate_up": moe.GemmTile(64, 128), "down": moe.GemmTile(128, 128), **changes}
     return replace(config, **changes)
@@ -254,24 +253,6 @@ def test_direct_matches_reference(num_tokens, pattern):
     ids, weights = routing(num_tokens, DIRECT_E, DIRECT_K, gen, pattern)
     ids = drop_some(ids, gen)
     out, ws, _ = run_kernel(z, ids, weights, stacked, direct_config(num_tokens))
-    assert ws.num_blocks == 0
-    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
-
-
-@needs_kernel_device
-@pytest.mark.parametrize(("num_tokens", "pattern"), [(20, "hot"), (40, "random"), (33, "skewed")])
-def test_direct_chunks_of_rows(num_tokens, pattern):
-    """The direct path past BLOCK_M tokens: one program per expert (T k >= E), its rows the tokens that chose it,
-    compacted in chunks of BLOCK_M = 16 ("hot": every token on the same 16 of 24 experts, 2 chunks each and
-    8 experts with no token; "skewed": a few experts with most tokens), with DROPPED pairs."""
-    gen = new_generator(TINY_DEVICE)
-    stacked = tiny_experts(gen, DIRECT_E)
-    z = torch.randn(num_tokens, TINY_H, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
-    ids, weights = routing(num_tokens, DIRECT_E, DIRECT_K, gen, pattern)
-    ids = drop_some(ids, gen)
-    config = direct_config(num_tokens, block_m=16)
-    assert moe._direct_by_expert(ids.numel(), DIRECT_E, config)
-    out, ws, _ = run_kernel(z, ids, weights, stacked, config)
     assert ws.num_blocks == 0
     assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
 
@@ -432,12 +413,10 @@ def test_inputs_are_checked():
         moe.fit_config(replace(moe.default_config(1, 2, 2), gate_up=moe.GemmTile(16, 128, split_k=0)), TINY_H, TINY_I)
     with pytest.raises(ValueError, match="split down GEMM"):
         moe.fit_config(moe.MoEConfig(16, moe.GemmTile(16, 128), moe.GemmTile(16, 128, split_k=2), "reduce"), 128, 256)
-    # A split gate/up takes one chunk of rows per program (the direct path's chunks are BLOCK_M rows).
-    wide = moe.stack_experts(*(3 * [[random_mxfp4(256, 256, gen)]]))
-    too_short = replace(moe.default_config(17, 1, 1, align=False), block_m=16, gate_up=moe.GemmTile(16, 128, split_k=2))
+    too_short = replace(moe.default_config(17, 1, 2, align=False), block_m=16)
     with pytest.raises(ValueError, match="block_m >= T"):
-        moe.moe_mxfp4(torch.zeros(17, 256, dtype=torch.bfloat16), torch.zeros(17, 1, dtype=torch.int64),
-                      torch.ones(17, 1), *wide, config=too_short)
+        moe.moe_mxfp4(torch.zeros(17, TINY_H, dtype=torch.bfloat16), torch.zeros(17, 1, dtype=torch.int64),
+                      torch.ones(17, 1), *stacked, config=too_short)
     assert not moe.supported("cpu")
 
 
@@ -479,10 +458,10 @@ def test_config_table_and_block_bound():
             config = moe.fit_config(moe.default_config(tokens, RANK_K, RANK_E, align=align), RANK_H, RANK_I)
             assert RANK_I % config.gate_up.block_n == 0 and RANK_H % config.gate_up.block_k == 0
             assert RANK_H % config.down.block_n == 0 and RANK_I % config.down.block_k == 0
-        # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 8 at top-16), the alignment above.
+        # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 4 at top-16), the alignment above.
         assert moe.default_config(tokens, RANK_K, RANK_E).align == (tokens * RANK_K > moe.DIRECT_MAX_PAIRS)
     direct = moe.default_config(40, RANK_K, RANK_E, align=False)
-    assert not direct.align and direct.block_m == 16 and direct.combine == "atomic"
+    assert not direct.align and direct.block_m == 64 and direct.combine == "atomic"
     shrunk = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(256, 1024), moe.GemmTile(512, 512)), TINY_H, TINY_I)
     assert (shrunk.gate_up.block_n, shrunk.gate_up.block_k, shrunk.down.block_n, shrunk.down.block_k) == (
         128, 128, 128, 128)
