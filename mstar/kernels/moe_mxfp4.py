@@ -103,7 +103,7 @@ MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
-DIRECT_MAX_PAIRS = 64  # default_config skips the alignment up to this many pairs (T <= 4 at top-16)
+DIRECT_MAX_PAIRS = 128  # default_config skips the alignment up to this many pairs (T <= 8 at top-16)
 DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
 
 
@@ -276,8 +276,9 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
     weights decoded a word at a time: gate/up tiles of 128 rows (BLOCK_N 64, BLOCK_K 128) beat 64-row tiles
     of BLOCK_K 256 at T = 1 (split in two: 38.3 -> 33.0 us), 8 (148.9 -> 141.4) and 64 (332 -> 311); down
     tiles of 128 rows beat 64-row ones by 1.3-1.5x at T = 1, 8 and 64; the aligned pipeline (BLOCK_M 16) beat
-    the direct one from T = 8 on (136 vs 155 us at 8, 267 vs 332 at 64), the direct one is far ahead at
-    T <= 4 (93 vs 164 us at 4). So BLOCK_M 16 up to 12 expected rows per expert (T = 168 here), then taller
+    the direct one with compacted rows (209d3ea) from T = 8 on (136 vs 155 us at 8, 267 vs 332 at 64). With
+    its rows all T tokens again (1964b5d, h200_1964b5d_moe_mxfp4_decode.md) the direct path wins up to T = 8
+    (123 vs 131 us at 8; 168 vs 166 at 16). So BLOCK_M 16 up to 12 expected rows per expert (T = 168 here), then taller
     blocks so that each expert's weights are dequantized once per BLOCK_M rows, and from BLOCK_M = 64 the
     activations are the A operand again (the weights then go through shared memory as the B operand).
     Above 48 rows per expert, from --tune on the H200 (h200_bef60d1_moe_mxfp4_tune.md), where the atomic

@@ -458,7 +458,7 @@ def test_config_table_and_block_bound():
             config = moe.fit_config(moe.default_config(tokens, RANK_K, RANK_E, align=align), RANK_H, RANK_I)
             assert RANK_I % config.gate_up.block_n == 0 and RANK_H % config.gate_up.block_k == 0
             assert RANK_H % config.down.block_n == 0 and RANK_I % config.down.block_k == 0
-        # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 4 at top-16), the alignment above.
+        # The decode path up to DIRECT_MAX_PAIRS pairs (T <= 8 at top-16), the alignment above.
         assert moe.default_config(tokens, RANK_K, RANK_E).align == (tokens * RANK_K > moe.DIRECT_MAX_PAIRS)
     direct = moe.default_config(40, RANK_K, RANK_E, align=False)
     assert not direct.align and direct.block_m == 64 and direct.combine == "atomic"
