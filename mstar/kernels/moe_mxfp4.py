@@ -56,8 +56,9 @@ load from L2). So each touched expert is read and decoded once however many toke
 128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB of a program per pair. The rows
 stay a tensor-core dot although at T=1 one of the 16 is real: its multiply-adds cost ~0.03
 instructions per weight (a 64x16x16 wgmma per 1024 weights and warp), where a CUDA-core GEMV would add
-a bf16->fp32 unpack and an FFMA per weight to the ~3 of decoding (compiled for sm_90: ~7 per weight
-against 5-6 for the dot; instruction issue, not HBM, is what bounds these loops).
+a bf16->fp32 unpack and an FFMA per weight to the ~2.5 of decoding (the whole main loop of the dot is
+~3.4 per weight compiled for sm_90, benchmarks/kernels/sass_moe_mxfp4.py; instruction issue and latency,
+not HBM, are what bound these loops).
 
 Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
 64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
