@@ -32,8 +32,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece
 from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat
-from mstar.server.assistant_stream import AssistantStreamParser, Piece
 from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
@@ -309,7 +309,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                 spec.params, 1)
     run = GenerationRun(engine, [spec], ctx.metrics, arrival, ctx.admission)
     segmenter = AlignedSegmenter(engine.tokenizer)
-    parser = AssistantStreamParser(thinking=True)
+    parser = AssistantOutputParser(thinking=True)
     items = OutputItems()
     finished: list = []
     generated = [0]
