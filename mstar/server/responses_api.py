@@ -58,37 +58,36 @@ class ContentPart(_Strict):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+class _InputItem(_Strict):
+    """What every input item may carry back from an earlier response (accepted, not used)."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class MessageItem(_InputItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_InputItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_InputItem):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_InputItem):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[ContentPart] = Field(default_factory=list)
     content: list[ContentPart] | None = None
-    status: str | None = None
 
 
 class FunctionTool(BaseModel):
