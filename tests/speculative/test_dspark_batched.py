@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
@@ -186,16 +187,10 @@ def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir, paged):
 
     engine.spec.propose = check
     prompts = [list(range(3, 3 + n)) for n in (2, 11, 30, 5, 19)]
-    for i, prompt in enumerate(prompts):
-        params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True) if i % 2 == 0 else \
-            SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
-        engine.add_request(f"r{i}", prompt, params)
-        engine.step()
-    for _ in range(200):
-        if not engine.has_work():
-            break
-        engine.step()
-    assert not engine.has_work()
+    jobs = [(f"r{i}", prompt, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True) if i % 2 == 0 else
+             SamplingParams(max_tokens=14, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True))
+            for i, prompt in enumerate(prompts)]
+    run_to_completion(engine, jobs, per_step=1, max_steps=205)
     batch_sizes = {n for n, _, _ in checked}
     assert max(batch_sizes) >= 4 and {k for _, k, _ in checked} >= {3, 5}
     assert {greedy for _, _, greedy in checked} == {True, False}
