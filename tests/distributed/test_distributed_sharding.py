@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.distributed.comm_choice import CommConfig, CommKind, Message, choose_communicator
@@ -166,6 +167,13 @@ class _Recorder:
 
     def __init__(self):
         self.messages: list[StepMessage] = []
+        self._replayed = 0
+
+    def replay_new(self, follower) -> None:
+        """Apply to `follower` the messages it has not had yet, as a follower rank receives them."""
+        for message in self.messages[self._replayed:]:
+            apply_step(follower, message, torch.device("cpu"))
+        self._replayed = len(self.messages)
 
     def send_step(self, plan, prefix_lens, tap_layers):
         self.messages.append(StepMessage(STEP, len(self.messages), plan_on(plan, "cpu"), prefix_lens, tap_layers))
@@ -196,15 +204,14 @@ def test_follower_mirrors_rank0_state_through_step_messages(tiny_model, tiny_dir
     for i, n in enumerate([3, 30, 70, 9, 50, 1]):
         prompt = [rng.randrange(1000) for _ in range(n)]
         core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True))
-    applied = 0
-    while core.has_work():
-        core.step()
-        for message in channel.messages[applied:]:
-            apply_step(follower, message, torch.device("cpu"))
-        applied = len(channel.messages)
+
+    def mirror():
+        channel.replay_new(follower)
         assert torch.equal(follower.pool.state, core.pool.state)
         assert torch.equal(follower.pool.conv, core.pool.conv)
         assert torch.equal(follower.kv.cache, core.kv.cache)
+
+    run_to_completion(core, after_step=mirror)
     assert core.scheduler.num_preemptions > 0, "the workload should preempt (re-prefill into a reset slot)"
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from mstar.server.assistant_stream import Piece
+from mstar.models.kimi_k3.assistant_output import Piece
 from mstar.server.responses_api import OutputItems, ResponsesRequest, chat_messages
 
 

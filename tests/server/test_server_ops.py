@@ -94,7 +94,13 @@ def test_metrics_names_and_engine_gauges(client):
     names = {name.split("{")[0] for name in values}
     assert set(METRIC_NAMES) <= names
     assert values["mstar_kv_pages_total"] == 64 and values["mstar_kda_slots_total"] == 16
-    assert values['mstar_request_success_total{finish_reason="stop"}'] >= 0
+    # every known label value is shown before its first use (a series that is missing cannot be graphed)
+    for reason in ("stop", "length"):
+        assert f'mstar_request_success_total{{finish_reason="{reason}"}}' in values, reason
+    for reason in ("error", "abort", "cancelled", "invalid_request"):
+        assert f'mstar_request_failure_total{{reason="{reason}"}}' in values, reason
+    for reason in ("unauthorized", "too_large", "overloaded"):
+        assert f'mstar_request_refused_total{{reason="{reason}"}}' in values, reason
 
 
 def test_metrics_count_requests_and_latencies(client):
