@@ -47,8 +47,8 @@ class StepMessage:
     step_id: int = 0
     plan: BatchPlan | None = None  # CPU tensors
     prefix_lens: tuple[int, ...] = ()  # per row: its slot's pending KDA prefix length
-    slot_copies: tuple[tuple[int, int], ...] = ()  # KDA (from slot, to slot) copies to make before the forward
     tap_layers: tuple[int, ...] = ()
+    slot_copies: tuple[tuple[int, int], ...] = ()  # KDA (from slot, to slot) copies to make before the forward
     geometry: dict[str, Any] | None = None  # GEOMETRY: rank 0's pool shapes, checked by every follower
 
 
@@ -88,8 +88,7 @@ class ControlChannel:
                   slot_copies: tuple[tuple[int, int], ...] = ()) -> None:
         """Send one step; the channel counts as busy (no heartbeats) until `step_done`."""
         with self._lock:
-            message = StepMessage(STEP, self._next_step, plan_on(plan, "cpu"), prefix_lens, tap_layers,
-                                  slot_copies=slot_copies)
+            message = StepMessage(STEP, self._next_step, plan_on(plan, "cpu"), prefix_lens, tap_layers, slot_copies)
             self._busy = True
             self._send(message)
             self._next_step += 1

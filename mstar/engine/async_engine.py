@@ -146,6 +146,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         self._send(_ResetPrefixCache(lambda: loop.call_soon_threadsafe(done.set_result, None)))
+        if self.fatal_error is not None:  # it died meanwhile, perhaps after answering the queued resets
+            return
         await done
 
     # --- the engine thread --------------------------------------------------------------------
@@ -198,6 +200,17 @@ class AsyncEngine:
         for request_id in list(core.requests):
             core.abort_request(request_id)
         self._deliver(core.drain_outputs())
+        self._answer_resets()
+
+    def _answer_resets(self) -> None:
+        """The engine stops: answer the resets still queued (nothing is cached any more), so none waits forever."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _ResetPrefixCache):
+                message.done()
 
     def _die(self, message: str) -> None:
         """Stop for good: fail every request anyone waits for, free what the core holds, tell the owner."""
@@ -209,6 +222,7 @@ class AsyncEngine:
         error = [RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
                  for request_id in waiting]
         self._deliver(error)
+        self._answer_resets()
         try:
             self.core.fail_all(message)
             self.core.drain_outputs()

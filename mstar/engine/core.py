@@ -28,6 +28,12 @@ after N+1's, so they run after N+1 has written what it writes there. The host re
 memory of a step except through the step's own result copy. (The CPU runs every op at once, so
 there nothing is ever in flight.)
 
+Prefix caching (prefix_cache.py, `prefix_cache.enabled`): the scheduler starts a new request after the
+longest cached prefix it can resume from; once a step is finished (its tokens on the host) the engine
+publishes the full pages and KDA snapshots of its requests under their content keys, and a request that
+ends publishes its last ones before it is released (a failed one does not: its rows may be garbage).
+The KDA slot copies this makes travel with the next step to tensor-parallel followers (`slot_copies`).
+
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
 - a step holding a request with a grammar (structured_output.py): the mask of its next step is
   computed on the host from the matcher, which needs this step's token;

@@ -8,6 +8,13 @@ a snapshot was taken, every `kda_snapshot_interval` tokens (resources/recurrent_
 therefore resumes at the longest prefix whose pages every pool holds and whose end has a snapshot,
 and always computes at least its last token, whose logits pick its next one.
 
+Snapshots are taken where a step leaves the state on a boundary: the end of a prefill chunk (the
+scheduler ends each chunk at the last boundary it crosses, so a long prompt leaves one near its end,
+which the next turn of a conversation resumes from), each boundary a decode step reaches, and with
+speculation only a boundary where a verify block starts (blocks skip over most positions). A prompt
+that shares cached pages past its snapshot hit (another conversation's system prompt) also ends its
+first chunk at the last boundary inside the shared part, so the requests after it resume there.
+
 Content keys need the tokens on the host, which a step in flight may not have sent yet: pages and
 snapshots are published after each step finishes, for the tokens known by then (`publish`).
 """
@@ -41,18 +48,19 @@ class PrefixCache:
             extend_keys(request.page_keys, request.prompt_ids + request.output_ids, self.page_size)
         return request.page_keys
 
-    def lookup(self, request: Request) -> tuple[bytes, ...]:
-        """The page keys of the longest cached prefix `request` can resume from (nothing is claimed: the
-        step's admission does that, atomically, or refuses)."""
+    def lookup(self, request: Request) -> tuple[tuple[bytes, ...], int]:
+        """(the page keys of the longest cached prefix `request` can resume from, the tokens of the longest
+        prefix whose pages are cached, snapshot or not). Nothing is claimed: the step's admission does
+        that, atomically, or refuses."""
         usable = (request.num_tokens - 1) // self.page_size  # pages that leave the last token to compute
         if usable < self.pages_per_snapshot:
-            return ()
+            return (), 0
         keys = self._keys(request)[:usable]
         held = min(kv.match(keys) for kv in self.page_pools)
         pages = held - held % self.pages_per_snapshot
         while pages and not self.pool.has_snapshot(keys[pages - 1]):
             pages -= self.pages_per_snapshot
-        return tuple(keys[:pages])
+        return tuple(keys[:pages]), held * self.page_size
 
     def record(self, request: Request, prefix: tuple[bytes, ...]) -> None:
         """Count an admission that resumed from `prefix` (its first one gives the request's cached tokens)."""

@@ -13,8 +13,8 @@ Waiting requests are admitted strictly first come, first served.
 With prefix caching (prefix_cache.py) a request admitted from the queue (new, or preempted) first
 looks up the longest cached prefix of its tokens; its first chunk then starts after that prefix and
 maps the prefix's pages and KDA snapshot in the same atomic admission. A prefill chunk (chunked_prefill)
-that crosses a KDA snapshot boundary ends at the last one it crosses, so that the state there is
-snapshotted.
+that crosses a KDA snapshot boundary ends at the last one it crosses (or at the last one inside the
+cached pages it shares past its hit: prefix_cache.py), so that the state there is snapshotted.
 Preemption publishes the victim's pages before releasing it (its references only; pages that other
 requests share stay theirs), so its recompute resumes from them where they are still cached.
 
@@ -132,7 +132,7 @@ class Scheduler:
                 break
             if is_new and len(self.running) >= cfg.max_num_seqs:
                 break
-            prefix = self.prefix.lookup(request) if is_new and self.prefix is not None else ()
+            prefix, shared = self.prefix.lookup(request) if is_new and self.prefix is not None else ((), 0)
             start = len(prefix) * self.prefix.page_size if prefix else request.num_computed
             n = request.num_tokens - start
             if n > budget:
@@ -141,7 +141,7 @@ class Scheduler:
                 elif seqs:
                     break  # an unchunked prompt waits for a step of its own
             if self.prefix is not None and cfg.chunked_prefill:
-                n = self._to_snapshot_boundary(start, n)
+                n = self._to_snapshot_boundary(start, n, shared)
             seq = self._seq(request, n, start, prefix)
             if not self._admit([seq]):
                 if is_new:
@@ -163,11 +163,15 @@ class Scheduler:
         return any(not r.is_decoding for r in self.running) or any(not r.sampling_done for r in self.waiting)
 
     # --- helpers ----------------------------------------------------------------------------
-    def _to_snapshot_boundary(self, start: int, n: int) -> int:
-        """Shorten a chunk of n tokens from `start` to end at the last KDA snapshot boundary it crosses."""
+    def _to_snapshot_boundary(self, start: int, n: int, shared: int) -> int:
+        """Shorten a chunk of n tokens from `start` to end at a KDA snapshot boundary: the last one within
+        the first `shared` tokens (cached pages without a snapshot there yet), else the last it crosses."""
         interval = self.prefix.pool.snapshot_interval
-        boundary = (start + n) // interval * interval
-        return boundary - start if boundary > start else n
+        for end in (min(shared, start + n), start + n):
+            boundary = end // interval * interval
+            if boundary > start:
+                return boundary - start
+        return n
 
     @staticmethod
     def _seq(request: Request, n: int, start: int | None = None, prefix: tuple[bytes, ...] = ()) -> SeqStep:

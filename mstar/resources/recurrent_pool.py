@@ -11,11 +11,12 @@ are kept as a *pending prefix*, and commit records how many of its rows verifica
 The next step first replays that accepted prefix from the checkpoint, then runs its own rows.
 The cost is replaying at most k+1 rows per step; there are no per-token snapshots and no copies.
 
-Prefix caching keeps *snapshots* in the slots no request holds: when an ordinary (non-verify) row of a
-step ends at a multiple of `snapshot_interval` tokens, commit copies the slot's state and conv window
-to a spare slot. The snapshot is keyed, once the tokens before it are known on the host, by the
-content key of the KV page it ends at (`publish`); a new request whose step declares that page key as
-the last of its `prefix` starts from a copy of it instead of the zero state. Snapshots are cache, not
+Prefix caching keeps *snapshots* in the slots no request holds: when the state a step leaves is at a
+multiple of `snapshot_interval` tokens (an ordinary row ending there, or a verify block starting there),
+commit copies the slot's state and conv window to a spare slot. The snapshot is keyed, once the
+tokens before it are known on the host, by the content key of the KV page it ends at (`publish`); a
+new request whose step declares that page key as the last of its `prefix` starts from a copy of it
+instead of the zero state. Snapshots are cache, not
 holdings: admission takes their slots back (least recently used first) when a request needs one, and
 a snapshot goes when the page it ends at is evicted. Every copy between slots is logged in `copies`
 until `take_copies`, for tensor-parallel followers to replay (each rank holds its own heads' state).
@@ -140,14 +141,19 @@ class RecurrentStatePool:
 
     def commit(self, decl: StepDecl) -> None:
         """Ordinary rows were folded into the state by the forward; a verify block's accepted rows
-        become the pending prefix. An ordinary row that ends on a snapshot boundary leaves a snapshot."""
+        become the pending prefix. A state that now sits on a snapshot boundary leaves a snapshot."""
         for s in decl.seqs:
             slot = self.slots[s.request_id]
             self.prefix_len[slot] = s.committed if s.verify else 0
-            if not s.verify and self.snapshot_interval and s.committed_end % self.snapshot_interval == 0:
-                self._snapshot(s.request_id, slot, s.committed_end)
+            # The forward folded in an ordinary row's tokens, but of a verify block only the pending prefix
+            # before it: the state is that at the block's start.
+            folded = s.num_computed if s.verify else s.committed_end
+            if self.snapshot_interval and folded and folded % self.snapshot_interval == 0:
+                self._snapshot(s.request_id, slot, folded)
 
     def _snapshot(self, request_id: str, slot: int, position: int) -> None:
+        if any(snap.request_id == request_id and snap.position == position for snap in self._snapshots.values()):
+            return  # taken at the row that ended there, before the verify block that starts there
         spare = self._spare_slot()
         if spare is None:
             return  # every slot runs a request: a snapshot is only ever cache

@@ -32,12 +32,17 @@ def test_a_row_ending_on_a_boundary_leaves_a_snapshot_that_a_new_request_resumes
     run(pool, "a", 5, 3)
     state, conv = pool.state[:, slot].clone(), pool.conv[:, slot].clone()
     assert pool.num_snapshots == 1 and pool.num_free == pool.capacity - 1  # snapshots stay available to requests
-    run(pool, "a", 8, 1, verify=True)  # a verify block's state is a checkpoint, never snapshotted
+    run(pool, "a", 8, 2, verify=True)  # a verify block from 8: its state is that at 8, snapshotted already
     assert pool.num_snapshots == 1
+    run(pool, "a", 9, 4, verify=True)  # (accepted 1 of the last block's rows; the block after skips 16)
+    run(pool, "a", 13, 4, verify=True)
+    assert pool.num_snapshots == 1
+    run(pool, "a", 16, 4, verify=True)  # a block starting on a boundary: the state folded up to 16
+    assert pool.num_snapshots == 2
     pool.publish("a", {8: b"k8"})
     assert pool.has_snapshot(b"k8")
     pool.release("a")
-    assert pool.num_snapshots == 1  # a keyed snapshot outlives its request
+    assert pool.num_snapshots == 1  # a keyed snapshot outlives its request; the unkeyed one at 16 went
     decl = StepDecl((SeqStep("b", 8, (1,), sample=True, prefix=(b"k7", b"k8")),))
     pool.admit(decl)
     b = pool.slots["b"]
