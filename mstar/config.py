@@ -176,7 +176,8 @@ class PrefixCacheConfig(_Section):
     enabled: bool = True
     # Tokens between the KDA state snapshots a prefix can resume from (a multiple of resources.mla_kv.page_size):
     # a hit resumes at the longest cached prefix that ends on one. Prefill chunks stop at the last snapshot
-    # boundary they cross, so a prompt of more than this many tokens may take one step more.
+    # boundary they cross, so a prompt of more than this many tokens may take one step more. Snapshots take the
+    # KDA slots no running request holds: resources.kda_state.max_slots beyond scheduler.max_num_seqs + 1.
     kda_snapshot_interval: int = Field(512, ge=1)
 
 

@@ -79,10 +79,11 @@ class PagedLatentKV:
         self.published[request_id] = max(self.published[request_id], len(keys))
 
     def reset_prefix_cache(self) -> None:
-        """Forget every content key; the pages running requests hold stay private to them."""
+        """Forget every content key: cached pages become free. The pages running requests hold are keyed
+        again when they next publish (from their first page, so that their prefixes stay reachable)."""
         self.allocator.reset()
         for request_id in self.published:
-            self.published[request_id] = len(self.pages[request_id])
+            self.published[request_id] = 0
 
     # --- plan / commit / release --------------------------------------------------------------
     def plan(self, decl: StepDecl) -> LatentKVPlan:

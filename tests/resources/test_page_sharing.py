@@ -171,3 +171,14 @@ def test_an_evicted_prefix_page_refuses_the_step_that_named_it():
     prefill(kv, "x", 3 * PAGE)  # takes every page: the cached prefix is evicted
     decl = StepDecl((SeqStep("b", 2 * PAGE, (1,), sample=True, prefix=tuple(keys)),))
     assert kv.match(keys) == 0 and not kv.can_admit(decl)
+
+
+def test_after_a_reset_running_requests_key_their_pages_again():
+    kv = make_kv(8)
+    keys = prefill(kv, "a", 2 * PAGE)
+    kv.reset_prefix_cache()
+    assert kv.match(keys) == 0
+    kv.publish("a", keys)  # its next publish: from its first page, so the chain is reachable again
+    assert kv.match(keys) == 2
+    kv.release("a")
+    assert kv.allocator.num_cached == 2 and kv.allocator.num_used == 0
