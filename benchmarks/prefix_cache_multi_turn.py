@@ -4,7 +4,8 @@
 
 Each of --conversations chats runs --turns turns one after another; turn t's prompt is turn t-1's prompt,
 its answer and a new message of --message tokens (random ids), the first prompt --first tokens. The chats
-take turns (one request in the engine at a time), so TTFT is a turn's own prefill. Greedy: the answers, and
+take turns (one request in the engine at a time), so TTFT is a turn's own prefill; each engine first serves
+one warm-up request, whose cache it then resets. Greedy: the answers, and
 so the prompts, are the same with the cache on and off, which the script checks. Without --checkpoint it
 writes the tiny checkpoint (mstar-make-tiny's) to a temporary folder.
 """
@@ -51,6 +52,9 @@ def run(model, tokenizer, args, enabled: bool, messages) -> dict:
                        prefix_cache={"enabled": enabled, "kda_snapshot_interval": args.interval},
                        model_kwargs={"cuda_graphs": False})
     engine = EngineCore(model, tokenizer, cfg)
+    # warm up (the first steps of a process are slower), then forget what the warm-up cached
+    serve_turn(engine, "warmup", [t + 1 for t in messages[0][0]], args.answer)
+    engine.reset_prefix_cache()
     prompts = [[] for _ in messages]
     by_turn = [[] for _ in range(args.turns)]
     answers, cached_tokens, prompt_tokens, output_tokens = [], 0, 0, 0
