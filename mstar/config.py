@@ -169,6 +169,18 @@ class ResourcesConfig(_Section):
     dspark_kv: DSparkKvConfig | None = None  # draft KV; None when speculation is off
 
 
+class PrefixCacheConfig(_Section):
+    """`prefix_cache`: requests whose tokens start with a prefix computed before (an earlier turn, a shared
+    system prompt) reuse its KV pages and KDA state and prefill only the rest (README, Prefix caching)."""
+
+    enabled: bool = True
+    # Tokens between the KDA state snapshots a prefix can resume from (a multiple of resources.mla_kv.page_size):
+    # a hit resumes at the longest cached prefix that ends on one. Prefill chunks stop at the last snapshot
+    # boundary they cross, so a prompt of more than this many tokens may take one step more. Snapshots take the
+    # KDA slots no running request holds: resources.kda_state.max_slots beyond scheduler.max_num_seqs + 1.
+    kda_snapshot_interval: int = Field(512, ge=1)
+
+
 class SchedulerConfig(_Section):
     """`scheduler`: continuous batching limits."""
 
@@ -256,6 +268,7 @@ class EngineConfig(_Section):
     max_seq_len: int = Field(8192, ge=1)  # longest request, prompt plus output, in tokens
     resources: ResourcesConfig = ResourcesConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     model_kwargs: ModelKwargs = ModelKwargs()
 
     @property
@@ -357,6 +370,12 @@ def _check_pools(cfg: EngineConfig) -> None:
     pools = [("resources.mla_kv.max_num_pages", r.mla_kv.max_num_pages)]
     if r.dspark_kv is not None or cfg.speculative:
         pools.append(("resources.dspark_kv.max_num_pages", cfg.dspark_kv_pages))
+    interval = cfg.prefix_cache.kda_snapshot_interval
+    if cfg.prefix_cache.enabled and interval % page:
+        raise ServeConfigError(
+            f"'prefix_cache.kda_snapshot_interval' ({interval}) must be a multiple of 'resources.mla_kv.page_size' "
+            f"({page}): a snapshot is keyed by the page it ends at; try {max(page, interval // page * page)}"
+        )
     needed = 1 + -(-cfg.max_seq_len // page)  # page 0 is the sink: it holds no request's tokens
     for key, pages in pools:
         if pages < needed:

@@ -202,10 +202,11 @@ def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]
 
 
 def apply_step(runner: ModelRunner, message: StepMessage, device: torch.device) -> None:
-    """Run rank 0's step here: reset the slots of rows that start a sequence, take the pending prefix
-    lengths, then the forward (its logits are rank 0's business)."""
+    """Run rank 0's step here: make rank 0's KDA slot copies, reset the slots of rows that start a sequence,
+    take the pending prefix lengths, then the forward (its logits are rank 0's business)."""
     plan: BatchPlan = plan_on(message.plan, device)
     pool = runner.pool
+    pool.apply_copies(message.slot_copies)
     for b, slot in enumerate(plan.host_slots()):
         if plan.num_computed[b] == 0:
             pool.state[:, slot].zero_()
@@ -422,7 +423,7 @@ class LeaderExecutor:
         self.ranks.check()
         prefix_lens = tuple(self.pool.prefix_len[slot] for slot in step.plan.host_slots())
         try:
-            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers))
+            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers), step.slot_copies)
             return self.inner.execute(step)
         except Exception as e:
             # A broken collective is most often a rank that died: say which, once the monitor knows.
