@@ -185,9 +185,12 @@ class GpuMixerOps(TorchMixerOps):
         elif max(rows) == 1:
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
             mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
-        else:
+        else:  # verify blocks (and eager chunks): split the context as decode does, for the same reason
             cu = plan.cu_seqlens if plan.cu_seqlens is not None else torch.tensor(plan.seq_starts, device=x.device)
-            mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows))
+            splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + max(rows),
+                                                  query_rows=max(rows))
+            mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows),
+                                            num_splits=splits)
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, gate)
 
