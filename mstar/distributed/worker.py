@@ -365,7 +365,7 @@ class Ranks:
             if not missing:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"node(s) {', '.join(map(str, missing))} did not join within {timeout:g} s "
+                raise RendezvousError(f"node(s) {', '.join(map(str, missing))} did not join within {timeout:g} s "
                                    "(--rendezvous-timeout): start `mstar-serve` with the same config and "
                                    "--node-rank N, --master-addr and --master-port on each of them")
             self.check()
