@@ -361,7 +361,8 @@ class Ranks:
             return
         deadline = time.monotonic() + timeout
         while True:
-            missing = [n for n in range(1, self.setup.nnodes) if not self.store.check([alive_key(n)])]
+            # a node's counter, 0 until its first beat (reading it with add(0) creates it: check() would not do)
+            missing = [n for n in range(1, self.setup.nnodes) if self.store.add(alive_key(n), 0) == 0]
             if not missing:
                 return
             if time.monotonic() > deadline:

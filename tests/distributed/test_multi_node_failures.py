@@ -1,7 +1,7 @@
 """Failures across nodes: killing node 0's process tree ends node 1 within 10 s (tests/support/two_nodes.py);
 a node pointed at a master that is not there says where it looked and how long, and exits 4; in one
-process, the beats that find a silent node or a dead store, and the setup that leaves the API keys on
-node 0."""
+process: node 0 names the nodes that never joined, SHM is refused across nodes, the beats find a silent
+node or a dead store, and the setup leaves the API keys on node 0."""
 
 from __future__ import annotations
 
@@ -16,11 +16,13 @@ from live_server import wait_until
 from processes import free_port
 from two_nodes import Node, TwoNodes, overrides
 
-from mstar.config import Environment, parse_serve_config
+from mstar.config import EngineConfig, Environment, parse_serve_config
 from mstar.distributed.comm_choice import CommConfig
 from mstar.distributed.launch import EXIT_NO_MASTER
 from mstar.distributed.node_beats import NodeBeats
-from mstar.distributed.worker import EXIT_RANK_FAILED, follower_setup
+from mstar.distributed.rendezvous import Rendezvous, RendezvousError
+from mstar.distributed.worker import EXIT_RANK_FAILED, build_tp_engine, follower_setup, start_ranks
+from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 
 @pytest.fixture
@@ -54,6 +56,25 @@ def test_a_node_without_its_master_says_where_it_looked_and_exits(tiny_dir, tmp_
                       node.log())
     assert found, node.log()
     assert 1.5 <= float(found.group(1)) <= 4, "it did not wait for its rendezvous timeout, or far longer"
+
+
+def test_node0_names_the_nodes_that_never_joined(tiny_dir):
+    """One rank per node, so node 0 spawns nothing: it waits for node 1 for the rendezvous timeout, then says so."""
+    engine = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 16, "max_num_pages": 8},
+                                                     "kda_state": {"max_slots": 3}},
+                          scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 32})
+    rdzv = Rendezvous("127.0.0.1", free_port(), nnodes=2, node_rank=0, nproc_per_node=1, timeout_s=1.5)
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"node\(s\) 1 did not join within 1.5 s \(--rendezvous-timeout\)"):
+        start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=2, rendezvous=rdzv)
+    assert time.monotonic() - start < 10
+
+
+def test_symmetric_memory_is_refused_across_nodes(tiny_dir):
+    cfg = parse_serve_config({"model": "kimi_k3", "checkpoint": str(tiny_dir), "tp_size": 16, "device": "cuda"})
+    rdzv = Rendezvous("10.0.0.1", 29500, nnodes=2, node_rank=0, nproc_per_node=8)
+    with pytest.raises(ValueError, match="ranks of 2 nodes need --tensor-comm-protocol NCCL"):
+        build_tp_engine(cfg, None, device="cuda", tensor_comm_protocol="SHM", rendezvous=rdzv)
 
 
 def test_beats_find_a_silent_node_and_a_dead_store():
