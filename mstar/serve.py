@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -201,7 +200,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     try:
         env = Environment.read()
         cfg = load_serve_config(args.config, args.overrides)
-        rendezvous = resolve_rendezvous(args, cfg.tp_size, os.environ)
+        rendezvous = resolve_rendezvous(args, cfg.tp_size, env.rendezvous())
         if rendezvous.node_rank > 0:  # no HTTP here: this node runs its ranks for node 0
             raise SystemExit(serve_other_node(cfg, rendezvous))
         options = server_options(cfg, args.api_key, args.log_requests, env)

@@ -367,8 +367,8 @@ class Ranks:
                 return
             if time.monotonic() > deadline:
                 raise RendezvousError(f"node(s) {', '.join(map(str, missing))} did not join within {timeout:g} s "
-                                   "(--rendezvous-timeout): start `mstar-serve` with the same config and "
-                                   "--node-rank N, --master-addr and --master-port on each of them")
+                                      "(--rendezvous-timeout): start `mstar-serve` with the same config and "
+                                      "--node-rank N, --master-addr and --master-port on each of them")
             self.check()
             time.sleep(0.1)
 
