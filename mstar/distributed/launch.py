@@ -141,7 +141,7 @@ class NodeRanks:
                     return self._fail(f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}")
             self.beats.check_store()
             if self.beats.lost is not None:
-                return self._fail(f"node 0 is gone: {self.beats.lost}")
+                return self._fail(f"node 0 is gone: {self.beats.lost}", tell_node0=False)
             if len(self.signals) > 1:
                 return self._fail(f"{signal.Signals(self.signals[-1]).name} again")
         try:
@@ -151,9 +151,11 @@ class NodeRanks:
         log.info("node %d: its ranks stopped", self.rdzv.node_rank)
         return 0
 
-    def _fail(self, message: str) -> int:
+    def _fail(self, message: str, tell_node0: bool = True) -> int:
         log.critical("node %d: %s; stopping its %d ranks, exiting with status %d", self.rdzv.node_rank, message,
                      len(self.processes), EXIT_RANK_FAILED)
+        if tell_node0:  # first, so that rank 0 names the cause rather than the broken connections that follow
+            self.beats.report(message)
         self.kill()
         return EXIT_RANK_FAILED
 

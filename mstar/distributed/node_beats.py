@@ -6,7 +6,8 @@ the other ranks would wait in their collectives until the groups' timeouts. So e
 counts up a key of its own in the TCPStore (hosted by rank 0 on node 0) every `interval_s`, and reads
 the counters of the nodes it depends on: node 0 watches every other node, every other node watches node
 0. A counter that does not move for `timeout_s`, a store that fails, or one that stops answering for
-that long, means the node is gone; the watcher then ends its own ranks (worker.py, launch.py).
+that long, means the node is gone; so does a failure the node reported itself (`report`, naming the
+rank that died). The watcher then ends its own ranks (worker.py, launch.py).
 
 A node counts as watched from its first beat: until then the rendezvous timeout covers it. The beats
 run on a store connection of their own: a TCPStore client runs one operation at a time, and the waits
@@ -15,6 +16,7 @@ of init_process_group (for the slowest rank, minutes on a large checkpoint) woul
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +27,11 @@ import torch.distributed as dist
 
 def alive_key(node_rank: int) -> str:
     return f"mstar/alive/{node_rank}"
+
+
+def failed_key(node_rank: int) -> str:
+    """Set by a node's launcher to why it is ending its ranks, so that the nodes watching it can say."""
+    return f"mstar/failed/{node_rank}"
 
 
 def stopped_key(node_rank: int) -> str:
@@ -59,6 +66,18 @@ class NodeBeats:
     def stop(self) -> None:
         self._stop.set()
 
+    def report(self, message: str, wait_s: float = 1.0) -> None:
+        """Tell the nodes watching this one why it ends its ranks. Best effort, for at most `wait_s`: the
+        store may be gone, or hang (and its client may be held by the beat thread)."""
+
+        def send() -> None:
+            with contextlib.suppress(RuntimeError):
+                self.store.set(failed_key(self.node_rank), message)
+
+        sender = threading.Thread(target=send, name="mstar-node-report", daemon=True)
+        sender.start()
+        sender.join(wait_s)
+
     def check_store(self) -> None:
         """Called by the owner's own loop: a store that hangs (its host stopped answering) blocks the beat
         thread, which then cannot say so itself."""
@@ -81,6 +100,9 @@ class NodeBeats:
                 self.store.add(alive_key(self.node_rank), 1)
                 now = time.monotonic()
                 for node in self.watched:
+                    if self.store.check([failed_key(node)]):
+                        self._lose(f"node {node} failed: {self.store.get(failed_key(node)).decode()}")
+                        return
                     count = self.store.add(alive_key(node), 0)
                     if count == 0:
                         continue  # not started yet

@@ -389,6 +389,11 @@ class Ranks:
                     return
                 p = self.processes[rank - 1]
                 p.join(1)  # its sentinel closes as it exits; reap it for the exit status
+                # Several nodes: a follower here most often stops because a rank of another node died; that
+                # node's report reaches the beats within a beat and names the cause (its `fail` wins).
+                if self.beats is not None and self.wait_for_failure(FAILURE_ATTRIBUTION_S +
+                                                                    self.setup.timeouts.heartbeat_s):
+                    return
                 self.fail(f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}")
                 return
 
