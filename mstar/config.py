@@ -496,6 +496,21 @@ class Environment(BaseModel):
     fault_inject: str | None = Field(None, alias="MSTAR_FAULT_INJECT")
     # API keys (comma-separated), accepted besides server.api_keys and --api-key; kept out of the process list.
     api_keys: Annotated[tuple[str, ...], BeforeValidator(_to_env_api_keys)] = Field((), alias="MSTAR_API_KEY")
+    # torchrun's rendezvous, as job schedulers set it (mstar/distributed/rendezvous.py parses and checks
+    # them; mstar-serve's --nnodes, --node-rank, ... flags win over them).
+    master_addr: str | None = Field(None, alias="MASTER_ADDR")
+    master_port: str | None = Field(None, alias="MASTER_PORT")
+    nnodes: str | None = Field(None, alias="NNODES")
+    world_size: str | None = Field(None, alias="WORLD_SIZE")
+    local_world_size: str | None = Field(None, alias="LOCAL_WORLD_SIZE")
+    node_rank: str | None = Field(None, alias="NODE_RANK")
+    group_rank: str | None = Field(None, alias="GROUP_RANK")
+
+    def rendezvous(self) -> dict[str, str]:
+        """torchrun's variables that are set, by their names (what `resolve_rendezvous` reads)."""
+        names = ("master_addr", "master_port", "nnodes", "world_size", "local_world_size", "node_rank", "group_rank")
+        fields = type(self).model_fields
+        return {fields[name].alias: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
