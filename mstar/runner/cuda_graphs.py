@@ -71,8 +71,9 @@ def capture_blockers(serving: ServingModel) -> list[str]:
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         if isinstance(attn, GatedMLA) and attn not in getattr(serving.ops, "mla_layers", ()):
-            problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and a 64-wide rope "
-                            f"part; the model is {param.dtype} with rope {attn.rope})")
+            problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and latent and rope parts "
+                            f"that are powers of two >= 16; the model is {param.dtype} with latent "
+                            f"{attn.kv_lora_rank} and rope {attn.rope})")
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is not None and moe not in experts:
             problems.append(f"the routed experts of layer {i} run the torch loop (the MXFP4 kernel needs a bf16 "

@@ -203,8 +203,11 @@ class GpuMixerOps(TorchMixerOps):
 
 def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the Triton MLA kernels run this layer; else the torch path (not graph-capturable).
-    They are built for bf16 and K3's latent row: 64 k_pe columns after the latent (512 in K3)."""
-    return dtype == torch.bfloat16 and attn.rope == 64 and mla_attention.supported(device)
+    They take bf16 rows of [latent | k_pe] whose two parts are powers of two >= 16 (tl.arange widths):
+    K3's 512 + 64, the mini's 64 + 16."""
+    widths = (attn.kv_lora_rank, attn.rope)
+    return (dtype == torch.bfloat16 and all(w >= 16 and w & (w - 1) == 0 for w in widths)
+            and mla_attention.supported(device))
 
 
 class GpuLayerOps(LayerOps):
