@@ -147,11 +147,12 @@ class Scheduler:
         # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens. A request that processes
         # its logits gets no drafts (logits_processing.py: its token counts hold for one position only), nor
         # does one with a grammar (structured_output.py: its mask is computed for one position only).
+        # Tokens in flight count as emitted, a verify block in flight as keeping all its drafts (the most it can).
         undrafted = request.params.processes_logits or request.params.grammar is not None
-        room = 0 if undrafted else request.params.max_tokens - len(request.output_ids) - 1
+        room = 0 if undrafted else request.params.max_tokens - request.num_generated - request.unresolved - 1
         anchor = request.token_at(request.num_computed)
         return SeqStep(request.request_id, request.num_computed, (anchor,), sample=True, verify=True,
-                       num_drafts=max(0, min(drafts, room)))
+                       num_drafts=max(0, min(drafts, room)), lag=request.unresolved)
 
     def _admit(self, seqs: list[SeqStep]) -> bool:
         decl = StepDecl(tuple(seqs))
@@ -166,6 +167,7 @@ class Scheduler:
             r.release(request.request_id)
         self.running.remove(request)
         request.num_computed = 0
+        request.unresolved = 0  # its recompute starts from the host's tokens
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

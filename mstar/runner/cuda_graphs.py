@@ -249,11 +249,14 @@ class DecodeGraphs(StepGraphs):
     def size_of(self, plan: BatchPlan) -> int:
         return len(plan.seq_starts) - 1
 
-    def _layout(self, slots: tuple[int, ...], pending: list[int]) -> kda_fla.BlockLayout:
-        """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence."""
+    def _layout(self, slots: tuple[int, ...], pending: list[int],
+                exact: torch.Tensor | None = None) -> kda_fla.BlockLayout:
+        """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence (`exact`: the
+        pending prefixes on the device, `pending` their bounds; `BlockLayout.build`)."""
         r, max_block = self.rows_per_seq, self.serving.pool.prefix_x.shape[2]
         return kda_fla.BlockLayout.build(tuple(range(0, len(slots) * r + 1, r)), slots, pending, (True,) * len(slots),
-                                         max_block, self.kda_slots.device, capacity=r + max_block)
+                                         max_block, self.kda_slots.device, capacity=r + max_block,
+                                         exact_pending=exact)
 
     def bucket_plan(self, bucket: int) -> BatchPlan:
         r, n = self.rows_per_seq, bucket * self.rows_per_seq
@@ -278,11 +281,18 @@ class DecodeGraphs(StepGraphs):
     def _stage_layout(self, bucket: int, plan: BatchPlan | None) -> None:
         if self.rows_per_seq == 1:
             return
-        # the pending prefixes of this step (host bookkeeping), padding on the sink
-        slots = plan.host_slots() if plan is not None else ()
-        slots += (SINK,) * (bucket - len(slots))
+        # the pending prefixes of this step (host bookkeeping, or on the device while the verify step before
+        # runs), padding on the sink
         pool = self.serving.pool
-        self.layouts[bucket].copy_(self._layout(slots, [pool.prefix_len[s] for s in slots]))
+        slots, pending, exact = (), [], None
+        if plan is not None:
+            slots = plan.host_slots()
+            pending, exact = plan.pending_bounds(pool)
+        padding = bucket - len(slots)
+        if exact is not None:
+            exact = torch.cat([exact, exact.new_zeros(padding)])
+        slots += (SINK,) * padding
+        self.layouts[bucket].copy_(self._layout(slots, pending + [pool.prefix_len[SINK]] * padding, exact))
 
 
 def verify_graphs(serving: ServingModel, schedule: DraftSchedule, *, max_batch: int, max_seq_len: int,
