@@ -13,7 +13,10 @@ Waiting requests are admitted strictly first come, first served.
 With async scheduling (core.py) the next step is declared while the last one still runs: a
 request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
 request whose in-flight tokens reach max_tokens (`sampling_done`) is not scheduled again; it only
-holds its resources until its last token reaches the host and it finishes. Without steps in flight
+holds its resources until its last token reaches the host and it finishes. After a verify block in
+flight, a request's next rows sit up to that block's draft count further on than the host knows
+(`SeqStep.lag`, `Request.unresolved`): admission reserves room for the most, and its drafts count
+the block as keeping all of its own. Without steps in flight
 (synchronous mode) neither case arises and the rules above are all there is.
 """
 

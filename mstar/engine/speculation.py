@@ -13,6 +13,8 @@ length. With async scheduling the next step is planned before the host knows how
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from mstar.engine.request import Request
@@ -52,8 +54,8 @@ class Speculation:
         if not rows:
             return {}
         device = input_ids.device
-        first = [sum(s.num_tokens for s in decl.seqs[:b]) for b in rows]
-        anchors = input_ids[to_device(first, torch.long, device)]
+        first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))  # each sequence's row
+        anchors = input_ids[to_device([first[b] for b in rows], torch.long, device)]
         starts = to_device([decl.seqs[b].num_computed for b in rows], torch.long, device)
         if advance is not None:
             starts = starts + advance[to_device(rows, torch.long, device)]
