@@ -245,9 +245,10 @@ class ModelKwargs(_Section):
     # when the model's steps cannot be captured (engine/cuda_graphs.py): set it false there.
     cuda_graphs: bool = True
     # Plan and launch each step while the one before runs on the device (engine/core.py): the host's
-    # scheduling, detokenizing and stop checks hide behind the GPU. Speculative steps run synchronously
-    # either way; false: every step finishes before the next is planned (for comparison). Unset: on for
-    # CUDA devices (on a CPU every op runs at once, so nothing would overlap).
+    # scheduling, detokenizing and stop checks hide behind the GPU, speculative steps included (the next
+    # verify step is planned from the device's accepted lengths); false: every step finishes before the
+    # next is planned (for comparison). Unset: on for CUDA devices (on a CPU every op runs at once, so
+    # nothing would overlap).
     async_scheduling: bool | None = None
     # Expert-parallel groups among the tp_size ranks (>= 1; must divide tp_size and the checkpoint's
     # num_experts). Group g of tp_size / moe_ep_size consecutive ranks owns experts g*E/ep .. (g+1)*E/ep - 1,

@@ -38,6 +38,7 @@ run() {  # run NAME CMD...: record pass/fail and wall time
 
 want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py tests/models/kimi_k3/test_gpu_real_dims.py tests/models/kimi_k3/test_packed_experts.py \
     tests/runner/test_gpu_cuda_graphs.py tests/engine/test_gpu_async_scheduling.py tests/speculative/test_gpu_draft_graphs.py \
+    tests/training/test_gpu_mini_pair.py \
     $(ls tests/kernels/test_kernel_*.py 2>/dev/null)
 want served && run gpu-served-gate python3 -m pytest -q -p no:cacheprovider tests/serve/test_gpu_serving.py
 # One TP8 rank of pruned75 (93 layers, random weights) on this GPU: decode (CUDA graphs), verify and
@@ -46,11 +47,12 @@ want emulate && run emulate-pruned75-rank python3 -m mstar.tools.emulate_rank --
 want benches && for bench in benchmarks/kernels/bench_*.py; do
     [ -e "$bench" ] && run "$(basename "$bench" .py)" python3 "$bench"
 done
-# The trained mini pair served over HTTP at DSpark k=0 and 7 (bf16; MXFP4 experts through the Triton
-# kernel; KDA and MLA on the torch path: without fla-core, whose per-shape autotune costs minutes).
-want mini && run mini-pair-sweep env PYTHONPATH="$BASE_PYTHONPATH" KS="${MINI_KS:-0 7}" \
+# The trained mini pair served over HTTP at DSpark k=0 and 7 (bf16, CUDA graphs: MLA, KDA (fla-core) and the
+# MXFP4 experts all take their kernels at the mini's dims; tests/training/test_gpu_mini_pair.py checks it).
+want mini && run mini-pair-sweep env KS="${MINI_KS:-0 7}" \
     LEVELS="${MINI_LEVELS:-1,4,16,64}" OUTPUT_LEN=48 REQUESTS=2 PROMPTS=mstar/training/heldout_prompts.json \
-    bash scripts/bench_sweep.sh configs/kimi_k3_mini.yaml "$OUT/mini_pair" device=cuda dtype=bfloat16
+    bash scripts/bench_sweep.sh configs/kimi_k3_mini.yaml "$OUT/mini_pair" device=cuda dtype=bfloat16 \
+    model_kwargs.cuda_graphs=true
 
 echo
 echo "== summary =="

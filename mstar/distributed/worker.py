@@ -490,9 +490,10 @@ class LeaderExecutor:
     """Rank 0's step executor: sends each step to the followers, then runs it here (through `inner`).
 
     With async scheduling (engine/core.py) a decode step's input ids are the tokens the step in flight
-    samples, gathered on the device; sending them to the followers copies them to the host, which waits
-    for that step to end. The overlap left on rank 0 is its work on one step's outputs while the next
-    runs; the followers replay what they receive, in order, either way."""
+    samples, gathered on the device (and a verify step's positions shift by what the one in flight
+    keeps); sending them to the followers copies them to the host, which waits for that step to end.
+    The overlap left on rank 0 is its work on one step's outputs while the next runs; the followers
+    replay what they receive, in order, either way."""
 
     def __init__(self, inner: StepExecutor, pool: RecurrentStatePool, ranks: Ranks, channel: ControlChannel):
         self.inner = inner
@@ -503,9 +504,11 @@ class LeaderExecutor:
     @torch.no_grad()
     def execute(self, step: ModelStep) -> StepOutput:
         self.ranks.check()
-        prefix_lens = tuple(self.pool.prefix_len[slot] for slot in step.plan.host_slots())
+        # a plan made while a verify step runs shifts its rows by what that step keeps, on the device:
+        # the followers get the settled lengths (reading them waits for the step, as the input ids do)
+        prefix_lens = tuple(step.plan.settled_pending(self.pool))
         try:
-            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers), step.slot_copies)
+            self.channel.send_step(step.plan.settled(), prefix_lens, tuple(step.tap_layers), step.slot_copies)
             return self.inner.execute(step)
         except Exception as e:
             # A broken collective is most often a rank that died: say which, once the monitor knows.

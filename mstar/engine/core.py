@@ -5,11 +5,11 @@ thread only (the async front end hands requests over through a queue).
 
 A step is launched, then finished. Launching queues all of its device work: drafts, forward, the
 choice of each row's token (sampled or verified), the finite check and logprobs, and one copy of
-those results to the host (step_results.py, transfer.py); nothing in it waits for the GPU. A step
-without verify rows is committed at launch, since its commit (lengths, KDA prefixes) does not
-depend on which tokens come out. Finishing waits for the results (the step's only device-to-host
-synchronization), commits a verify step with what verification kept, and appends, detokenizes
-and applies the stop conditions.
+those results to the host (step_results.py, transfer.py); nothing in it waits for the GPU. What the
+launch knows is committed there: every row of a prefill chunk or decode row, and a verify block's
+anchor row (its drafts are kept or not by verification, on the device). Finishing waits for the
+results (the step's only device-to-host synchronization), adds the drafts each verify block kept
+(`_settle`), and appends, detokenizes and applies the stop conditions.
 
 Async scheduling (`model_kwargs.async_scheduling`, by default on CUDA devices): `step()` schedules and launches
 step N+1 *before* it finishes step N, so the GPU runs N+1 while the host turns N's tokens into
@@ -20,6 +20,19 @@ tokens into N+1's input ids. A request that turns out to stop at N (stop id or s
 non-finite row) has one extra row in N+1, whose token is dropped; requests whose in-flight tokens
 reach max_tokens are not scheduled again. Each `step()` therefore returns the outputs of the step
 before the one it launched; seeds, logprobs and stops are those of the synchronous loop.
+
+Speculative steps overlap the same way. When N holds a request's verify block, the host knows its
+newest token (the correction or bonus) and how many drafts N keeps only when N finishes, so N+1's
+block for the request sits 0..k_N positions past what the host knows (`SeqStep.lag`). Its plan
+takes that shift on the device from N's verdict (`BatchPlan.advance`): the anchor token, the KV
+slots and context lengths (latent_kv.py), the KDA pending prefix (models/kimi_k3/serving.py), the
+draft's positions and its context rows (speculative/proposer.py); admission reserves room for the
+furthest. So the draft and target of N+1 are queued while the host still turns N's results into
+outputs. Each request's drafts are those of the synchronous loop (with a fixed draft count; a
+schedule that changes k with the batch size sees the one extra row of a request stopping at N),
+so are its greedy and seeded outputs. N finishes before N+1 is declared (`_needs_verdicts`) where
+N+1 might not be verify rows alone (a request waits or prefills: prefill layouts read lengths on the
+host) or where the room left before max_tokens, which depends on N's verdict, could cut drafts.
 
 Resources freed while a step is in flight (a request finished at N or aborted, while N+1, which
 has a row for it, is queued) are safe to hand out at once: only a later launch can reuse a page or
@@ -37,12 +50,12 @@ The KDA slot copies this makes travel with the next step to tensor-parallel foll
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
 - a step holding a request with a grammar (structured_output.py): the mask of its next step is
   computed on the host from the matcher, which needs this step's token;
-- every step when speculation is on: the next step's drafts are proposed on the host from the
-  accepted tokens of a verify step, and its commit needs the accepted lengths;
+- a verify step whose verdict the next step cannot take on the device (above);
 - `async_scheduling=False`.
-Tensor-parallel rank 0 overlaps too, but sending a step to the followers copies its input ids to
-the host (mstar/distributed/control.py), which waits for the step in flight to end: what overlaps
-there is the host's work on step N's outputs with step N+1.
+Tensor-parallel rank 0 overlaps too, but sending a step to the followers copies its input ids (and a
+verify step's shifted lengths) to the host (mstar/distributed/control.py), which waits for the step
+in flight to end: what overlaps there is the host's work on step N's outputs with step N+1. The torch
+mixers (CPU, or a GPU without the kernels) read a plan's shift back too.
 """
 
 from __future__ import annotations
@@ -164,11 +177,10 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self._arrivals = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
-        # Async scheduling overlaps steps without speculation (module doc); `_in_flight` is the step
-        # launched and not yet finished.
-        overlap = mk.async_scheduling if mk.async_scheduling is not None else self.device.type == "cuda"
-        self._overlap = overlap and self.spec is None
+        # Async scheduling (module doc); `_in_flight` is the step launched and not yet finished.
+        self._overlap = mk.async_scheduling if mk.async_scheduling is not None else self.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
+        self._launches = itertools.count()
         # An id outside the model's vocabulary is never sampled, so it stops nothing (a test model cut to a
         # small tokenizer keeps the checkpoint's EOS id); the grammar engine refuses such ids.
         self.model_stop_ids = frozenset(t for t in (*tokenizer.stop_ids, cfg.eos_token_id) if t < cfg.vocab_size)
@@ -246,6 +258,9 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step and return the outputs ready now. With async scheduling that is: launch step
         N+1, then finish step N (whose outputs these are); otherwise launch a step and finish it."""
+        if self._needs_verdicts():
+            previous, self._in_flight = self._in_flight, None
+            self._finish_step(previous)
         decl = self.scheduler.schedule()
         if decl is None and self._in_flight is None:
             return self.drain_outputs()
@@ -257,43 +272,77 @@ class EngineCore:
                 self._finish_step(previous)
             if launched is not None:
                 # a grammar's mask for the next step needs this step's tokens: no overlap (module doc)
-                if self._overlap and launched.committed and all(r.matcher is None for r in launched.requests):
+                if self._overlap and all(r.matcher is None for r in launched.requests):
                     self._in_flight = launched
                 else:
                     self._finish_step(launched)
         return self.drain_outputs()
+
+    def _needs_verdicts(self) -> bool:
+        """Whether the step in flight must finish before the next one is declared: some verify block of it
+        has a verdict (the drafts it keeps) that the next step would take on the device, and that step might
+        not be one of verify rows alone (a waiting or prefilling request: prefill layouts read lengths on the
+        host), or a request's drafts in it might depend on the verdict (near max_tokens, the room left
+        decides them; away from it, they are those of the synchronous loop)."""
+        step = self._in_flight
+        if step is None:
+            return False
+        unresolved = [r for r in step.token_row if r.unresolved and r.last_launch == step.number and not r.finished]
+        if not unresolved:
+            return False
+        scheduler = self.scheduler
+        if scheduler.waiting or any(not r.is_decoding for r in scheduler.running):
+            return True
+        most = self.spec.schedule.max_drafts
+        return any(r.num_generated + r.unresolved + 1 + most > r.params.max_tokens for r in unresolved)
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         return outputs
 
     def _launch(self, decl: StepDecl) -> LaunchedStep:
-        """Queue a step's device work: drafts, forward, token choice, and the copy of its results.
-        A step without verify rows is committed here: its commit needs no token values."""
+        """Queue a step's device work: drafts, forward, token choice, and the copy of its results; commit
+        what is known at launch (every row of a step without verify rows, a verify block's anchor row)."""
         requests = tuple(self.requests[s.request_id] for s in decl.seqs)
         now = time.perf_counter()
         for request in requests:
             if request.scheduled_at is None:
                 request.scheduled_at = now
-        drafts = self.spec.propose(decl, self.requests) if self.spec else {}
-        plan = self._plan(decl, requests, drafts)
+        plan = self._plan(decl, requests)
+        drafts = self.spec.propose(decl, self.requests, plan.input_ids, plan.advance) if self.spec else {}
+        if drafts:  # each block's drafts follow its anchor
+            rows = [plan.seq_starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
+            values = torch.cat([drafts[b].tokens.to(self.device) for b in sorted(drafts)])
+            plan.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
         logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else (),
                                                        slot_copies=tuple(self.pool.take_copies())))
-        launched = self._choose_tokens(decl, requests, drafts, plan, logits, taps)
-        if launched.committed:
-            self._commit(decl, requests, launched)
-            for request in launched.token_row:
-                request.num_inflight += 1
+        launched = self._choose_tokens(next(self._launches), decl, requests, drafts, plan, logits)
+        self._commit_launched(decl, requests, taps)
+        for request in launched.token_row:
+            request.num_inflight += 1
+            request.last_launch = launched.number
+        for s, request in zip(decl.seqs, requests, strict=True):
+            if s.verify:
+                request.unresolved = s.num_drafts
         return launched
 
+    def _commit_launched(self, decl: StepDecl, requests: tuple[Request, ...], taps: torch.Tensor | None) -> None:
+        """Commit what the step's launch already knows: every row, but of a verify block only its anchor (the
+        drafts it keeps are added when its results arrive, `_settle`); the draft's context rows of every row."""
+        known = StepDecl(tuple(replace(s, accepted=1) if s.verify else s for s in decl.seqs))
+        self.scheduler.commit(known)
+        if self.spec:
+            self.spec.write_context(decl, taps)
+        for s, request in zip(known.seqs, requests, strict=True):
+            request.num_computed = s.committed_end
+
     def _finish_step(self, step: LaunchedStep) -> None:
-        """Wait for a step's results; commit it if it holds verify rows (what verification kept), then
-        append each request's new tokens, stopping where a stop condition says.
+        """Wait for a step's results; settle its verify blocks (what verification kept), then append each
+        request's new tokens, stopping where a stop condition says.
 
         Requests that finished since the launch (a stop in the step before, an abort) are skipped:
         their rows ran, but nothing of them is reported and what they held is already released."""
         results = step.fetch()
-        seqs = list(step.decl.seqs)
         new_tokens: list[tuple[Request, list[int], list[TokenLogprob] | None]] = []
         poisoned: list[Request] = []
         for b, (s, request) in enumerate(zip(step.decl.seqs, step.requests, strict=True)):
@@ -303,21 +352,20 @@ class EngineCore:
             rows = results[first : first + n]
             if request in step.token_row:
                 request.num_inflight -= 1
-            if not all(r.finite for r in rows):
+            finite = all(r.finite for r in rows)
+            if s.verify:
+                accepted = rows[0].accepted if finite else 0
+                if finite:
+                    self.spec.record(s.num_drafts, accepted)
+                self._settle(step, b, accepted)
+                rows = rows[: accepted + 1]
+            if not finite:
                 # Never sample garbage: this request ends with an error; the others go on.
                 poisoned.append(request)
-                seqs[b] = replace(s, accepted=0) if s.verify else s
                 continue
-            if s.verify:
-                accepted = rows[0].accepted
-                self.spec.record(s.num_drafts, accepted)
-                seqs[b] = replace(s, accepted=accepted + 1)
-                rows = rows[: accepted + 1]
             k = request.params.logprobs
             new_tokens.append((request, [r.token for r in rows], [r.token_logprob(k) for r in rows]
                                if k is not None else None))
-        if not step.committed:
-            self._commit(StepDecl(tuple(seqs)), step.requests, step)
         for request, tokens, logprobs in new_tokens:
             if not request.finished:
                 self._append(request, tokens, logprobs)
@@ -327,25 +375,38 @@ class EngineCore:
         for request in poisoned:
             self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
 
-    def _commit(self, decl: StepDecl, requests: tuple[Request, ...], step: LaunchedStep) -> None:
-        self.scheduler.commit(decl)
-        if self.spec:
-            self.spec.write_context(decl, step.taps, step.plan.seq_starts)
-        for s, request in zip(decl.seqs, requests, strict=True):
-            request.num_computed = s.committed_end
+    def _settle(self, step: LaunchedStep, b: int, accepted: int) -> None:
+        """Sequence b of `step` is a verify block that kept `accepted` drafts: its request's length grows by
+        them. Its resources take the verdict too, unless a later step with a row of the request was launched
+        since: that step took the verdict on the device (its plan's `advance`) and set the resources up for
+        its own rows; its own settling then gives them their lengths. A request that finished or was
+        preempted since the launch holds nothing of this step any more."""
+        s, request = step.decl.seqs[b], step.requests[b]
+        if request.finished or request.num_preemptions != step.preemptions[b]:
+            return
+        request.num_computed += accepted
+        if request.last_launch == step.number:
+            start = request.num_computed - accepted - 1
+            self.scheduler.commit(StepDecl((replace(s, num_computed=start, lag=0, accepted=accepted + 1),)))
+            request.unresolved = 0
 
-    def _plan(self, decl: StepDecl, requests: tuple[Request, ...], drafts: dict[int, DraftProposal]) -> BatchPlan:
-        """Rows of all requests concatenated; verify rows feed their anchor then their drafts. Token
-        ids that exist only on the device (drafts, and tokens the step in flight samples) are filled
-        in there, so planning never waits for the GPU."""
+    def _plan(self, decl: StepDecl, requests: tuple[Request, ...]) -> BatchPlan:
+        """Rows of all requests concatenated; verify rows feed their anchor then their drafts (filled in by
+        the launch). Values that exist only on the device are taken there, so planning never waits for the
+        GPU: the tokens the step in flight samples, and (`BatchPlan.advance`) how far a request's rows sit
+        past what the host knows when the step in flight holds its verify block."""
         starts, tokens, sample_rows = [0], [], []
         in_flight_rows, in_flight_src = [], []  # rows fed a token the step in flight samples, and where it is
+        lagging, lagging_src = [], []  # sequences after a verify block in flight, and where its verdict is
         for b, (s, request) in enumerate(zip(decl.seqs, requests, strict=True)):
             tokens += s.token_ids
             if s.token_ids[-1] == PLACEHOLDER:  # only a sequence's newest token can be in flight
                 tokens[-1] = 0
                 in_flight_rows.append(len(tokens) - 1)
                 in_flight_src.append(self._in_flight.token_row[request])
+            if s.lag:
+                lagging.append(b)
+                lagging_src.append(self._in_flight.token_row[request])
             tokens += [0] * s.num_drafts
             starts.append(starts[-1] + s.num_tokens)
             if s.verify:
@@ -354,26 +415,29 @@ class EngineCore:
                 sample_rows.append(starts[b + 1] - 1)
         input_ids = to_device(tokens, torch.long, self.device)
         if in_flight_rows:
-            sampled = self._in_flight.token_ids[to_device(in_flight_src, torch.long, self.device)]
+            sampled = self._in_flight.newest[to_device(in_flight_src, torch.long, self.device)]
             input_ids.index_copy_(0, to_device(in_flight_rows, torch.long, self.device), sampled)
-        if drafts:
-            rows = [starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
-            values = torch.cat([drafts[b].tokens.to(self.device) for b in sorted(drafts)])
-            input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
+        advance = None
+        if lagging:
+            advance = torch.zeros(len(decl.seqs), dtype=torch.long, device=self.device)
+            kept = self._in_flight.accepted[to_device(lagging_src, torch.long, self.device)]
+            advance.index_copy_(0, to_device(lagging, torch.long, self.device), kept)
         return BatchPlan(
             input_ids=input_ids,
             seq_starts=tuple(starts),
             num_computed=tuple(s.num_computed for s in decl.seqs),
-            kv=self.kv.plan(decl),
+            kv=self.kv.plan(decl, advance),
             kda_slots=self.pool.plan(decl),
             slot_ids=tuple(self.pool.slots[s.request_id] for s in decl.seqs),
             sample_rows=to_device(sample_rows, torch.long, self.device),
             verify=tuple(s.verify for s in decl.seqs),
             decode=all(s.num_tokens == 1 and not s.verify for s in decl.seqs) and not self.pool.has_pending(decl),
+            advance=advance,
+            max_advance=tuple(s.lag for s in decl.seqs) if lagging else (),
         )
 
-    def _choose_tokens(self, decl: StepDecl, requests: tuple[Request, ...], drafts: dict[int, DraftProposal],
-                       plan: BatchPlan, logits: torch.Tensor, taps: torch.Tensor | None) -> LaunchedStep:
+    def _choose_tokens(self, number: int, decl: StepDecl, requests: tuple[Request, ...],
+                       drafts: dict[int, DraftProposal], plan: BatchPlan, logits: torch.Tensor) -> LaunchedStep:
         """Queue the choice of every logits row's token (sampled, or verified against the drafts), the
         finite check and the logprobs, packed for one copy to the host (step_results.py). Nothing here
         reads a device value: rows with non-finite logits are sampled too, and the host drops them."""
@@ -423,9 +487,12 @@ class EngineCore:
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
         logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
         results = HostCopy(pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs))
-        return LaunchedStep(decl, requests, plan, taps, tuple(rows), tokens, results,
-                            committed=not verifying,
-                            token_row={requests[b]: rows[b][0] for b in sampled} if not verifying else {})
+        chosen = [b for b in range(len(decl.seqs)) if rows[b][1]]
+        first = to_device([rows[b][0] for b in chosen], torch.long, device)
+        kept = accepted[first]
+        return LaunchedStep(number, decl, requests, tuple(r.num_preemptions for r in requests), tuple(rows), results,
+                            newest=tokens[first + kept], accepted=kept,
+                            token_row={requests[b]: i for i, b in enumerate(chosen)})
 
     @staticmethod
     def _histories(decl: StepDecl, requests: tuple[Request, ...], plan: BatchPlan, rows: list[tuple[int, int]],

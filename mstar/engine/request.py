@@ -45,6 +45,11 @@ class Request:
     # Tokens sampled by launched steps that have not reached the host yet (async scheduling: at most
     # the step in flight's, plus the next one's while it is being launched). They follow output_ids.
     num_inflight: int = 0
+    # Drafts of its newest launched verify block whose verdict (how many it keeps) has not reached the host:
+    # num_computed counts that block's anchor row only, and a step planned meanwhile has rows that sit up to
+    # this many positions further on (SeqStep.lag). 0: num_computed is exact.
+    unresolved: int = 0
+    last_launch: int = -1  # the number of the newest launched step with a row of it (core.py)
     # time.perf_counter() at its milestones, for the server's queue/prefill/decode time metrics
     queued_at: float = 0.0
     scheduled_at: float | None = None

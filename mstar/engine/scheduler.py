@@ -21,7 +21,10 @@ requests share stay theirs), so its recompute resumes from them where they are s
 With async scheduling (core.py) the next step is declared while the last one still runs: a
 request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
 request whose in-flight tokens reach max_tokens (`sampling_done`) is not scheduled again; it only
-holds its resources until its last token reaches the host and it finishes. Without steps in flight
+holds its resources until its last token reaches the host and it finishes. After a verify block in
+flight, a request's next rows sit up to that block's draft count further on than the host knows
+(`SeqStep.lag`, `Request.unresolved`): admission reserves room for the most, and its drafts count
+the block as keeping all of its own. Without steps in flight
 (synchronous mode) neither case arises and the rules above are all there is.
 """
 
@@ -185,11 +188,12 @@ class Scheduler:
         # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens. A request that processes
         # its logits gets no drafts (logits_processing.py: its token counts hold for one position only), nor
         # does one with a grammar (structured_output.py: its mask is computed for one position only).
+        # Tokens in flight count as emitted, a verify block in flight as keeping all its drafts (the most it can).
         undrafted = request.params.processes_logits or request.params.grammar is not None
-        room = 0 if undrafted else request.params.max_tokens - len(request.output_ids) - 1
+        room = 0 if undrafted else request.params.max_tokens - request.num_generated - request.unresolved - 1
         anchor = request.token_at(request.num_computed)
         return SeqStep(request.request_id, request.num_computed, (anchor,), sample=True, verify=True,
-                       num_drafts=max(0, min(drafts, room)))
+                       num_drafts=max(0, min(drafts, room)), lag=request.unresolved)
 
     def _admit(self, seqs: list[SeqStep]) -> bool:
         decl = StepDecl(tuple(seqs))
@@ -205,6 +209,7 @@ class Scheduler:
             r.release(request.request_id)
         self.running.remove(request)
         request.num_computed = 0
+        request.unresolved = 0  # its recompute starts from the host's tokens
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -3,13 +3,17 @@
 Before the target runs, the drafts of every verify row are proposed together (one draft forward)
 from the draft's context cache and each row's anchor (the last emitted token). The target then
 runs [anchor, d_1..d_k] for every verify row; `verify` keeps the drafts the target agrees with
-(greedy, or lossless rejection sampling) and adds the correction or bonus token. Commit keeps only
-the anchor and accepted rows: the target KV is trimmed by length, the KDA block stays a pending
-prefix of that length, and the draft's context gets rows for exactly those positions (written from
-the target's taps).
+(greedy, or lossless rejection sampling) and adds the correction or bonus token, all on the device.
+The draft's context gets rows for every row of the block (written from the target's taps at launch;
+those verification rejects are overwritten before they are read). Commit keeps only the anchor and
+accepted rows: the target KV is trimmed by length, the KDA block stays a pending prefix of that
+length. With async scheduling the next step is planned before the host knows how many were kept
+(engine/core.py): its positions and pending prefixes then shift on the device (`BatchPlan.advance`).
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 
@@ -39,15 +43,24 @@ class Speculation:
         self.drafted_by_position = [0] * k
         self.accepted_by_position = [0] * k
 
-    def propose(self, decl: StepDecl, requests: dict[str, Request]) -> dict[int, DraftProposal]:
+    def propose(self, decl: StepDecl, requests: dict[str, Request], input_ids: torch.Tensor,
+                advance: torch.Tensor | None) -> dict[int, DraftProposal]:
         """Drafts for every verify row of the step, keyed by row index in `decl`: one draft forward for
-        all of them (per-request forwards would cost ~100 small kernel launches each)."""
-        self.draft_plan = self.proposer.kv.plan(decl)
+        all of them (per-request forwards would cost ~100 small kernel launches each). `input_ids` [N] are the
+        step's planned input ids (each anchor at its sequence's first row; on the device, where a token
+        still in flight was gathered), `advance` the plan's (`BatchPlan.advance`)."""
+        self.draft_plan = self.proposer.kv.plan(decl, advance)
         rows = [b for b, s in enumerate(decl.seqs) if s.verify and s.num_drafts]
         if not rows:
             return {}
+        device = input_ids.device
+        first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))  # each sequence's row
+        anchors = input_ids[to_device([first[b] for b in rows], torch.long, device)]
+        starts = to_device([decl.seqs[b].num_computed for b in rows], torch.long, device)
+        if advance is not None:
+            starts = starts + advance[to_device(rows, torch.long, device)]
         drafting = [requests[decl.seqs[b].request_id] for b in rows]
-        proposals = self.proposer.propose(decl, self.draft_plan, rows, [r.params for r in drafting],
+        proposals = self.proposer.propose(decl, self.draft_plan, rows, anchors, starts, [r.params for r in drafting],
                                           [r.generator for r in drafting])
         return dict(zip(rows, proposals, strict=True))
 
@@ -80,5 +93,6 @@ class Speculation:
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
 
-    def write_context(self, decl: StepDecl, taps: torch.Tensor, seq_starts: tuple[int, ...]) -> None:
-        self.proposer.write_context(decl, self.draft_plan, taps, seq_starts)
+    def write_context(self, decl: StepDecl, taps: torch.Tensor) -> None:
+        """The draft context rows of every row of the step just launched (proposer.write_context)."""
+        self.proposer.write_context(decl, self.draft_plan, taps)

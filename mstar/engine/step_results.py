@@ -21,7 +21,6 @@ import torch
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.request import Request
 from mstar.engine.sampler import SampleResult
-from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.resources.step import StepDecl
 from mstar.resources.transfer import HostCopy
 
@@ -64,18 +63,20 @@ def unpack(host: torch.Tensor) -> list[RowResult]:
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is queued: what the host needs to finish it when its results arrive."""
+    """A step whose device work is queued: what the host needs to finish it when its results arrive, and
+    what the next step, planned before that, takes from it on the device."""
 
+    number: int  # launch order
     decl: StepDecl
     requests: tuple[Request, ...]  # per sequence of `decl`
-    plan: BatchPlan
-    taps: torch.Tensor | None
+    preemptions: tuple[int, ...]  # each request's num_preemptions at launch (a later one voids its commit)
     rows: tuple[tuple[int, int], ...]  # per sequence: (first logits row, logits rows)
-    token_ids: torch.Tensor  # [R] on the device: the token chosen at each logits row
     results: HostCopy  # the `pack`ed results on their way to the host
-    committed: bool  # committed at launch (no verify rows: nothing in the commit depends on the tokens)
-    # sampled sequences' logits rows by request: where the next step finds a token still in flight
-    token_row: dict[Request, int] = field(default_factory=dict)
+    # Per sequence with logits rows, in `token_row` order, on the device: its newest token (the sampled one,
+    # or a verify block's correction or bonus) and the drafts its verify block kept (0 for sampled rows).
+    newest: torch.Tensor
+    accepted: torch.Tensor
+    token_row: dict[Request, int] = field(default_factory=dict)  # where a request's entries of those are
 
     def fetch(self) -> list[RowResult]:
         """The step's results on the host: its one device-to-host wait."""

@@ -140,6 +140,15 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b
     return o.view(B, H, K)
 
 
+def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as a long tensor on `device`, through pinned memory: the copy is queued, never waited for
+    (a pageable copy would block the host until the GPU's queue drains; resources/transfer.py does the same
+    for the engine, which kernels do not import)."""
+    if torch.device(device).type != "cuda":
+        return torch.tensor(values, dtype=torch.long, device=device)
+    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """Where each sequence's [accepted pending prefix ; rows] sit in one step's combined rows, as device
@@ -159,12 +168,18 @@ class BlockLayout:
 
     @classmethod
     def build(cls, seq_starts: tuple[int, ...], slots: tuple[int, ...], pending: list[int], verify: tuple[bool, ...],
-              max_block: int, device: torch.device, *, capacity: int | None = None) -> BlockLayout:
+              max_block: int, device: torch.device, *, capacity: int | None = None,
+              exact_pending: torch.Tensor | None = None) -> BlockLayout:
         """The compact layout; or, with `capacity` (rows per sequence, at least max_block + its rows), one
         whose sizes depend only on the sequence and row counts, as a captured step needs: sequence b owns
         rows b * capacity onwards, and every sequence lists max_block prefix rows, those past its
-        pending prefix landing on unused rows of its own segment."""
+        pending prefix landing on unused rows of its own segment.
+
+        `exact_pending` [B] (on the device): the pending prefixes are known only there (a verify step in
+        flight decides them), and `pending` holds upper bounds: each sequence's segment and listed prefix
+        rows are sized by its bound, and where its rows start inside them is computed on the device."""
         starts, ends, fold, row_seq, x_dest, prefix_dest, prefix_src, keep_dest, keep_src = ([] for _ in range(9))
+        x_seq, x_j, pre_seq, pre_j, lengths = [], [], [], [], []  # what the device needs to place exact prefixes
         first = 0
         for b, slot in enumerate(slots):
             n, p = seq_starts[b + 1] - seq_starts[b], pending[b]
@@ -176,6 +191,11 @@ class BlockLayout:
             listed = p if capacity is None else max_block
             prefix_dest += [first + j if j < p else first + n + j for j in range(listed)]
             prefix_src += range(slot * max_block, slot * max_block + listed)
+            x_seq += [b] * n
+            x_j += range(n)
+            pre_seq += [b] * listed
+            pre_j += range(listed)
+            lengths.append(n)
             if is_verify:  # its inputs become the slot's next pending prefix
                 keep_dest += range(slot * max_block, slot * max_block + n)
                 keep_src += range(seq_starts[b], seq_starts[b + 1])
@@ -184,9 +204,18 @@ class BlockLayout:
                 raise ValueError(f"sequence {b}: {p} prefix + {n} rows do not fit a capacity of {capacity}")
             row_seq += [b] * size
             first += size
-        index = {"dtype": torch.long, "device": device}
-        as_t = (torch.tensor(v, **index) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
-                                                    prefix_src, keep_dest, keep_src))
+        as_t = [_index_tensor(v, device) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
+                                                   prefix_src, keep_dest, keep_src)]
+        if exact_pending is not None:
+            p = exact_pending.to(device=device, dtype=torch.long)
+            starts_t, n = as_t[1], _index_tensor(lengths, device)
+            folded = n * _index_tensor([0 if verify and verify[b] else 1 for b in range(len(slots))], device)
+            as_t[2] = starts_t + p + n  # ends
+            as_t[3] = p + folded  # fold
+            x_seq_t, pre_seq_t = _index_tensor(x_seq, device), _index_tensor(pre_seq, device)
+            as_t[5] = starts_t[x_seq_t] + p[x_seq_t] + _index_tensor(x_j, device)  # x_dest
+            j = _index_tensor(pre_j, device)
+            as_t[6] = starts_t[pre_seq_t] + torch.where(j < p[pre_seq_t], j, n[pre_seq_t] + j)  # prefix_dest
         return cls(first, *as_t)
 
     def copy_(self, other: BlockLayout) -> None:

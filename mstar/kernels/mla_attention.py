@@ -136,13 +136,13 @@ def gather_rows(cache: Tensor, pages: Tensor, length: int) -> Tensor:
 
 
 def paged_mla_decode_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens: Tensor,
-                               scale: float) -> Tensor:
+                               scale: float, *, rope_dim: int = 64) -> Tensor:
     """q_abs [B, H, W] (one query per sequence, at position context_lens[b] - 1) -> o_lat [B, H, latent].
 
-    latent = W - 64 (the k_pe width of K3). Computed in q_abs's dtype; a context of 0 gives zeros.
+    latent = W - rope_dim (K3: 64, the k_pe width). Computed in q_abs's dtype; a context of 0 gives zeros.
     """
     return paged_mla_prefill_reference(
-        q_abs, cache, page_table, torch.arange(q_abs.shape[0] + 1), context_lens, scale)
+        q_abs, cache, page_table, torch.arange(q_abs.shape[0] + 1), context_lens, scale, rope_dim=rope_dim)
 
 
 def paged_mla_prefill_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor,

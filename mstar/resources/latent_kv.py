@@ -86,18 +86,26 @@ class PagedLatentKV:
             self.published[request_id] = 0
 
     # --- plan / commit / release --------------------------------------------------------------
-    def plan(self, decl: StepDecl) -> LatentKVPlan:
-        """The step's addressing, copied to the device without waiting for a step in flight."""
+    def plan(self, decl: StepDecl, advance: torch.Tensor | None = None) -> LatentKVPlan:
+        """The step's addressing, copied to the device without waiting for a step in flight.
+
+        `advance` [B] (on the device; None: all zero) shifts sequence b's rows advance[b] positions on
+        (`SeqStep.lag`: what the verify step in flight keeps, known only there): the slots and context
+        lengths are then computed on the device from the page table, which covers the furthest shift."""
         device = self.cache.device
         max_pages = max(len(self.pages[s.request_id]) for s in decl.seqs)
-        table, slots = [], []
-        for s in decl.seqs:
-            pages = self.pages[s.request_id]
-            table.append(pages + [0] * (max_pages - len(pages)))
-            for pos in range(s.num_computed, s.end):
-                slots.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
-        lens = [s.end for s in decl.seqs]
-        return LatentKVPlan(*(to_device(x, torch.long, device) for x in (table, slots, lens)))
+        table = [self.pages[s.request_id] + [0] * (max_pages - len(self.pages[s.request_id])) for s in decl.seqs]
+        positions = [range(s.num_computed, s.num_computed + s.num_tokens) for s in decl.seqs]
+        table_t = to_device(table, torch.long, device)
+        lens_t = to_device([s.num_computed + s.num_tokens for s in decl.seqs], torch.long, device)
+        if advance is None:
+            size = self.page_size
+            slots = [table[b][pos // size] * size + pos % size for b, rows in enumerate(positions) for pos in rows]
+            return LatentKVPlan(table_t, to_device(slots, torch.long, device), lens_t)
+        row_seq = to_device([b for b, rows in enumerate(positions) for _ in rows], torch.long, device)
+        pos = to_device([p for rows in positions for p in rows], torch.long, device) + advance[row_seq]
+        slot_mapping = table_t[row_seq, pos // self.page_size] * self.page_size + pos % self.page_size
+        return LatentKVPlan(table_t, slot_mapping, lens_t + advance)
 
     def commit(self, decl: StepDecl) -> None:
         """Record the rows that survived: rejected draft rows stay in their pages, unread, and are

@@ -17,6 +17,11 @@ class SeqStep:
     A verify row (speculative decoding) feeds its anchor token followed by `num_drafts` drafted
     tokens, which the proposer fills in after admission; only the first `accepted` rows survive
     verification, and commit records just those.
+
+    `lag` > 0: the request's verify block in the step still in flight (async scheduling) drafted
+    `lag` tokens, of which it keeps a number 0..lag known only on the device, so these rows sit that
+    many positions after `num_computed` (which counts the block's anchor row, always kept). The plan
+    takes the shift on the device (`BatchPlan.advance`); admission reserves room for the most.
     """
 
     request_id: str
@@ -30,6 +35,7 @@ class SeqStep:
     # with them, and num_computed == len(prefix) * page_size); the KDA state resumes from the snapshot
     # under the last key.
     prefix: tuple[bytes, ...] = ()
+    lag: int = 0  # rows the step in flight may still add before these (see above)
 
     @property
     def num_tokens(self) -> int:
@@ -37,8 +43,8 @@ class SeqStep:
 
     @property
     def end(self) -> int:
-        """Position after the last row this step feeds (what the caches must have room for)."""
-        return self.num_computed + self.num_tokens
+        """Position after the last row this step feeds, at most (what the caches must have room for)."""
+        return self.num_computed + self.lag + self.num_tokens
 
     @property
     def committed(self) -> int:

@@ -71,8 +71,9 @@ def capture_blockers(serving: ServingModel) -> list[str]:
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         if isinstance(attn, GatedMLA) and attn not in getattr(serving.ops, "mla_layers", ()):
-            problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and a 64-wide rope "
-                            f"part; the model is {param.dtype} with rope {attn.rope})")
+            problems.append(f"MLA layer {i} takes the torch path (the kernel needs bf16 and latent and rope parts "
+                            f"that are powers of two >= 16; the model is {param.dtype} with latent "
+                            f"{attn.kv_lora_rank} and rope {attn.rope})")
         moe = getattr(layer, "block_sparse_moe", None)
         if moe is not None and moe not in experts:
             problems.append(f"the routed experts of layer {i} run the torch loop (the MXFP4 kernel needs a bf16 "
@@ -248,11 +249,14 @@ class DecodeGraphs(StepGraphs):
     def size_of(self, plan: BatchPlan) -> int:
         return len(plan.seq_starts) - 1
 
-    def _layout(self, slots: tuple[int, ...], pending: list[int]) -> kda_fla.BlockLayout:
-        """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence."""
+    def _layout(self, slots: tuple[int, ...], pending: list[int],
+                exact: torch.Tensor | None = None) -> kda_fla.BlockLayout:
+        """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence (`exact`: the
+        pending prefixes on the device, `pending` their bounds; `BlockLayout.build`)."""
         r, max_block = self.rows_per_seq, self.serving.pool.prefix_x.shape[2]
         return kda_fla.BlockLayout.build(tuple(range(0, len(slots) * r + 1, r)), slots, pending, (True,) * len(slots),
-                                         max_block, self.kda_slots.device, capacity=r + max_block)
+                                         max_block, self.kda_slots.device, capacity=r + max_block,
+                                         exact_pending=exact)
 
     def bucket_plan(self, bucket: int) -> BatchPlan:
         r, n = self.rows_per_seq, bucket * self.rows_per_seq
@@ -277,11 +281,18 @@ class DecodeGraphs(StepGraphs):
     def _stage_layout(self, bucket: int, plan: BatchPlan | None) -> None:
         if self.rows_per_seq == 1:
             return
-        # the pending prefixes of this step (host bookkeeping), padding on the sink
-        slots = plan.host_slots() if plan is not None else ()
-        slots += (SINK,) * (bucket - len(slots))
+        # the pending prefixes of this step (host bookkeeping, or on the device while the verify step before
+        # runs), padding on the sink
         pool = self.serving.pool
-        self.layouts[bucket].copy_(self._layout(slots, [pool.prefix_len[s] for s in slots]))
+        slots, pending, exact = (), [], None
+        if plan is not None:
+            slots = plan.host_slots()
+            pending, exact = plan.pending_bounds(pool)
+        padding = bucket - len(slots)
+        if exact is not None:
+            exact = torch.cat([exact, exact.new_zeros(padding)])
+        slots += (SINK,) * padding
+        self.layouts[bucket].copy_(self._layout(slots, pending + [pool.prefix_len[SINK]] * padding, exact))
 
 
 def verify_graphs(serving: ServingModel, schedule: DraftSchedule, *, max_batch: int, max_seq_len: int,

@@ -26,14 +26,19 @@ class OracleSpeculation(Speculation):
         self.error_rate = error_rate
         self.rng = rng or random.Random()
 
-    def propose(self, decl: StepDecl, requests) -> dict[int, DraftProposal]:
-        self.draft_plan = self.proposer.kv.plan(decl)
+    def propose(self, decl: StepDecl, requests, input_ids: torch.Tensor,
+                advance: torch.Tensor | None) -> dict[int, DraftProposal]:
+        """As `Speculation.propose`; the anchors' positions are read to the host (a sync, where a step in
+        flight shifts them: this stand-in needs them to look its truth up)."""
+        self.draft_plan = self.proposer.kv.plan(decl, advance)
         vocab = self.proposer.config.vocab_size
+        shift = advance.tolist() if advance is not None else [0] * len(decl.seqs)
         drafts = {}
         for b, s in enumerate(decl.seqs):
             if not (s.verify and s.num_drafts):
                 continue
-            truth = self.references[s.request_id][s.num_computed + 1 : s.num_computed + 1 + s.num_drafts]
+            start = s.num_computed + shift[b]
+            truth = self.references[s.request_id][start + 1 : start + 1 + s.num_drafts]
             tokens = torch.tensor([t if self.rng.random() >= self.error_rate else (t + 1) % vocab for t in truth])
             probs = torch.nn.functional.one_hot(tokens, vocab).float()
             drafts[b] = DraftProposal(tokens=tokens, probs=probs)

@@ -1,9 +1,9 @@
 """The DSpark draft as the engine runs it: a paged context cache per draft layer, and proposals.
 
 The draft's context rows (one [c_kv | k_pe] row per draft layer and position) are computed from the
-target's taps and written once, when the target has run that position and verification kept it:
-every prefill row, and the anchor plus accepted drafts of each verify block. Rejected rows are
-never written. The draft KV pool is admitted, committed and released with the same step
+target's taps and written when the step that ran those positions launches: every prefill row, and
+every row of a verify block, before its verification (`write_context` says why the rows it then
+rejects are never read). The draft KV pool is admitted, committed and released with the same step
 declarations as the target's KV, so both always cover the same positions.
 
 The draft has no embedding or lm_head of its own: it borrows the target's (`VocabHeads`). On one
@@ -107,17 +107,19 @@ class DSparkProposer:
 
     # --- proposals ----------------------------------------------------------------------------
     @torch.no_grad()
-    def propose(self, decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], params: Sequence[SamplingParams],
+    def propose(self, decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], anchors: torch.Tensor,
+                starts: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[DraftProposal]:
         """Drafts for the step's rows `rows` in one draft forward: row b drafts num_drafts tokens after its
-        anchor (token_ids[0], at position num_computed, over its num_computed context rows), drawn as its
+        anchor (anchors[i], on the device: it may be a token the step in flight samples) at position starts[i]
+        (on the device: the step in flight may decide it), over its starts[i] context rows, drawn as its
         request samples (greedy when `SamplingParams.greedy`) with params[i] and generators[i]."""
         seqs = [decl.seqs[b] for b in rows]
-        for s in seqs:  # each anchor needs the rows of every position before it committed to the draft KV
-            self.draft.check_block(s.token_ids[0], s.num_computed, s.num_drafts, self.kv.lengths.get(s.request_id, 0))
+        for s in seqs:  # each anchor needs the rows of every position before it written to the draft KV
+            if not s.lag and s.token_ids[0] >= 0:  # else anchor and position exist on the device only
+                self.draft.check_block(s.token_ids[0], s.num_computed, s.num_drafts,
+                                       self.kv.lengths.get(s.request_id, 0))
         device = self.kv.cache.device
-        starts = to_device([s.num_computed for s in seqs], torch.long, device)
-        anchors = to_device([s.token_ids[0] for s in seqs], torch.long, device)
         num_drafts = tuple(s.num_drafts for s in seqs)
         table = plan.page_table[to_device(list(rows), torch.long, device)]
         sampling = [
@@ -133,7 +135,7 @@ class DSparkProposer:
             blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table, row_slots, self.kv.page_size)
             hidden = paged.paged_blocks_hidden(self.draft, self.kv.cache, blocks, self.heads.embed)
             return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling)
-        context_len = max(s.num_computed for s in seqs)
+        context_len = max(s.num_computed + s.lag for s in seqs)
         blocks = BlockBatch(anchors=anchors, starts=starts, num_drafts=num_drafts,
                             context=PagedContext(self.kv, table, starts, context_len), context_len=context_len)
         return self.draft.propose_blocks(blocks, self.heads.embed, self.heads.lm_head, sampling)
@@ -165,17 +167,17 @@ class DSparkProposer:
         return plan.slot_mapping[to_device(index, torch.long, plan.slot_mapping.device)].view(len(rows), k_max)
 
     @torch.no_grad()
-    def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor,
-                      seq_starts: tuple[int, ...]) -> None:
-        """Write the draft context rows of every committed row of the step (from the target's taps)."""
-        slot_offset = 0
-        for b, s in enumerate(decl.seqs):
-            keep = s.committed
-            if keep:
-                rows = slice(seq_starts[b], seq_starts[b] + keep)
-                positions = torch.arange(s.num_computed, s.num_computed + keep, device=taps.device)
-                per_layer = self.draft.context_kv(taps[rows], positions)
-                slots = plan.slot_mapping[slot_offset : slot_offset + keep]
-                for layer, layer_rows in enumerate(per_layer):
-                    self.kv.write(layer, slots, layer_rows)
-            slot_offset += s.num_tokens
+    def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor) -> None:
+        """Write the draft context rows of every row of the step (from the target's taps [N, ...]), at the
+        positions `plan` gives them (on the device: a verify step in flight may shift them), when it launches.
+
+        A verify block's rows are all written, before verification: the rows it rejects sit at positions from
+        the next anchor's on, which the next block writes (its own rows, models/dspark/paged.py) or hides (the
+        gathered context) before anything reads them, and the step after writes them again."""
+        counts = [s.num_tokens for s in decl.seqs]
+        device = taps.device
+        row_seq = to_device([b for b, n in enumerate(counts) for _ in range(n)], torch.long, device)
+        behind = to_device([n - j for n in counts for j in range(n)], torch.long, device)  # rows to the block's end
+        positions = plan.context_lens[row_seq] - behind
+        for layer, rows in enumerate(self.draft.context_kv(taps, positions)):
+            self.kv.write(layer, plan.slot_mapping, rows)

@@ -6,8 +6,8 @@ Inferact-layout draft (5 MLA layers over target taps, SwiGLU, Markov head; the c
 models/dspark/fixtures) with whole-vocabulary embed/lm_head heads of its own (worker.py says why
 rank 0 holds them), random bf16 weights, on the same GPU. One draft step is
 
-- `write_context`: the draft context rows of the previous step's committed tokens (1 + the accepted
-  drafts per sequence, from the target's taps) into the draft's paged KV;
+- `write_context`: the draft context rows of the previous step's verify blocks (all k + 1 rows per
+  sequence, from the target's taps, written at its launch before verification) into the draft's paged KV;
 - `propose`: B blocks of k drafts after `--context` cached rows, one batched forward, greedy.
 
 As served: on a GPU the paged MLA kernel runs the blocks' attention (models/dspark/paged.py) and the
@@ -104,7 +104,7 @@ class DraftStep:
     batch: int
     drafts: int
     context: int
-    committed: int  # context rows written per sequence (the anchor and the accepted drafts)
+    committed: int  # context rows written per sequence (the previous verify block's k + 1 rows)
     generator: torch.Generator
 
     def __post_init__(self):

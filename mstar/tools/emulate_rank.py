@@ -459,8 +459,7 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
 
 
 def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: int, warmup: int,
-            graph_seq_len: int | None, acceptance: tuple[float, ...] = DEFAULT_ACCEPTANCE
-            ) -> tuple[list[Result], dict[str, Callable[[], object]]]:
+            graph_seq_len: int | None) -> tuple[list[Result], dict[str, Callable[[], object]]]:
     """Time every step, through CUDA graphs captured for `graph_seq_len` tokens where one takes it (None:
     all eager); also return, for the profile, the first and last step of each kind as run, by label."""
     serving, device = emulation.serving, emulation.device
@@ -468,7 +467,7 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
     results, fns = [], {}
     for step in steps:
         if step.kind == "draft":
-            results.append(measure_draft(emulation, step, reps=reps, warmup=warmup, acceptance=acceptance))
+            results.append(measure_draft(emulation, step, reps=reps, warmup=warmup))
             continue
         plan = emulation.plan_for(step)
         step_graphs = graphs.get(step.name)
@@ -493,10 +492,10 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
     return results, fns
 
 
-def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int,
-                  acceptance: tuple[float, ...]) -> Result:
+def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int) -> Result:
     """The draft's work of one speculative step (emulate_draft.py), eagerly as served: the context rows of the
-    tokens the previous step committed (its expected count, rounded) and B blocks of k drafts."""
+    previous step's verify blocks (all k + 1 rows of each, written before its verification) and B blocks of k
+    drafts."""
     if emulation.draft is None:
         if emulation.device.type == "cuda":
             emulation.target_peak = torch.cuda.max_memory_allocated(emulation.device)
@@ -504,7 +503,7 @@ def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int,
         dtype = next(emulation.serving.model.parameters()).dtype
         emulation.draft = build_draft(emulation.draft_config, dtype, emulation.device, emulation.generator)
     draft, embed, lm_head = emulation.draft
-    committed = round(tokens_per_step(acceptance, step.rows))
+    committed = step.rows + 1  # the engine writes a block's rows at launch, before it knows which it keeps
     kv = draft_kv(draft.config, step.batch, step.rows, step.context, emulation.page_size, draft.dtype,
                   emulation.device, emulation.generator)
     fn = DraftStep(draft, embed, lm_head, kv, step.batch, step.rows, step.context, committed, emulation.generator)
@@ -739,7 +738,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     if args.draft_config is not None:
         emulation.draft_config = load_dspark_config(args.draft_config)
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
-                                graph_seq_len=graph_seq_len, acceptance=args.acceptance)
+                                graph_seq_len=graph_seq_len)
     speculative = speculative_rows(results, args.acceptance)
     profile_md = profile_steps(profiled, device, sequence_dir=args.out / "kernels" if args.out else None) \
         if args.profile else ""

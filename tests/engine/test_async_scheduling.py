@@ -162,7 +162,7 @@ def test_abort_while_a_step_is_in_flight(tiny_model, tokenizer, mixed_jobs):
 
 
 def test_speculation_runs_the_same_with_async_scheduling_on(tiny_model, tokenizer, draft, mixed_jobs):
-    """Speculative steps run synchronously whatever the setting: the same outputs either way."""
+    """Speculative steps overlap too (tests/engine/test_async_speculation.py): the same outputs either way."""
     results = {}
     for overlap in (False, True):
         engine = make_engine(tiny_model, tokenizer, overlap=overlap, draft=draft)

@@ -49,14 +49,15 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def step_against_torch(attn, pool, lengths, verify, slots):
+def step_against_torch(attn, pool, lengths, verify, slots, **shift):
     """A step of sequences with `lengths` rows on `slots`, random rows x, and what the torch mixer makes of
-    it on a copy of the pool: (plan, x, the copy after the step, the torch output)."""
+    it on a copy of the pool: (plan, x, the copy after the step, the torch output). `shift`: the plan's
+    advance and max_advance."""
     starts = [0]
     for n in lengths:
         starts.append(starts[-1] + n)
     plan = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=(0,) * len(lengths), kv=None,
-                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots)
+                     kda_slots=torch.tensor(slots), sample_rows=None, verify=verify, slot_ids=slots, **shift)
     ref = copy.deepcopy(pool)
     x = torch.randn(starts[-1], HIDDEN)
     return plan, x, ref, TorchMixerOps().kda(attn, 0, x, plan, ref)
@@ -110,6 +111,35 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
                                        pool.prefix_x.shape[2], x.device)
     y = GpuMixerOps(fused=stacked).kda(attn, 0, x, replace(plan, kda_layout=layout), pool)
+    assert rel(y, expect) < 1e-5, rel(y, expect)
+    for name in ("state", "conv", "prefix_x"):
+        assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+@pytest.mark.parametrize("capacity", [None, 12], ids=["eager", "captured"])
+def test_pending_prefixes_known_only_on_the_device_match_torch(stacked, capacity):
+    """A step planned while the verify step before it runs (async scheduling): each slot's pending prefix is
+    its prefix_len (the anchor row) plus the drafts that step keeps, `advance`, on the device only, at most
+    `max_advance`. The layout is sized by those bounds and places the rows on the device, compact (an eager
+    step) or at a fixed capacity (a captured one); the step ends as the torch mixer (which reads advance back)
+    leaves it: outputs, states, windows and the next pending prefixes."""
+    attn, pool = layer_and_pool()
+    lengths = [4, 4, 1, 4]
+    verify = (True, True, False, True)
+    slots = (5, 2, 6, 4)
+    for slot in (5, 2, 4):
+        pool.prefix_len[slot] = 1
+    advance, bounds = torch.tensor([2, 0, 0, 3]), (3, 3, 0, 3)
+    plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots, advance=advance,
+                                              max_advance=bounds)
+    if capacity is not None:
+        pending, exact = plan.pending_bounds(pool)
+        assert pending == [4, 4, 0, 4] and exact.tolist() == [3, 1, 0, 4]
+        plan = replace(plan, kda_layout=kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, verify,
+                                                                  pool.prefix_x.shape[2], x.device,
+                                                                  capacity=capacity, exact_pending=exact))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name

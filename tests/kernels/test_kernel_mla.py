@@ -261,6 +261,41 @@ def test_prefill_rows_equal_decode_rows():
     torch.testing.assert_close(block[[3, 5]], last, rtol=1e-3, atol=1e-3)
 
 
+MINI_LATENT, MINI_ROPE = 64, 16  # kimi_k3_mini's MLA rows (kv_lora_rank 64, qk_rope_head_dim 16), 4 heads
+
+
+@tiny
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_small_row_widths_tiny(num_splits):
+    """Rows narrower than K3's ([64 | 16], the mini's): decode, causal verify blocks and non-causal draft blocks
+    all equal the references at that rope width (gpu_ops.mla_kernel_fits lets these layers take the kernel)."""
+    device = tiny_device()
+    dtype = torch.float32 if INTERPRET else torch.float16
+    width, heads, up = MINI_LATENT + MINI_ROPE, 4, torch.float64 if INTERPRET else torch.float32
+    lens = [1, 17, 40, int(torch.randint(1, 41, ()).item())]
+    table, num_pages = make_pages(lens, 16, device=device)
+    cache = torch.randn(num_pages, 16, width, device=device).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    cfg = mla.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
+
+    q = torch.randn(len(lens), heads, width, device=device).to(dtype)
+    out = poisoned((len(lens), heads, MINI_LATENT), dtype, device)
+    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, min_split_tokens=16, config=cfg)
+    ref = mla.paged_mla_decode_reference(q.to(up), cache.to(up), table, ctx, SCALE, rope_dim=MINI_ROPE)
+    assert torch.isfinite(out).all() and rel_err(out, ref) <= tolerance(dtype)
+
+    q_lens = [1, 4, 4, 1]
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), heads, width, device=device).to(dtype)
+    for causal in (True, False):
+        out = poisoned((sum(q_lens), heads, MINI_LATENT), dtype, device)
+        mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens), num_splits=num_splits,
+                              min_split_tokens=16, config=cfg, causal=causal)
+        ref = mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu.cpu(), ctx, SCALE,
+                                              rope_dim=MINI_ROPE, causal=causal)
+        assert torch.isfinite(out).all() and rel_err(out, ref) <= tolerance(dtype), f"causal={causal}"
+
+
 def test_bad_arguments_say_what_is_wrong():
     if mla.triton is None:
         pytest.skip("triton missing")

@@ -51,8 +51,7 @@ def filled_proposer(draft, target, lengths: dict[str, int]) -> DSparkProposer:
     proposer.admit(decl)
     plan = proposer.kv.plan(decl)
     taps = torch.randn(decl.num_tokens, draft.config.context_input_size)
-    starts = tuple(sum(list(lengths.values())[:i]) for i in range(len(lengths)))
-    proposer.write_context(decl, plan, taps, starts)
+    proposer.write_context(decl, plan, taps)
     proposer.commit(decl)
     return proposer
 
@@ -105,13 +104,18 @@ def verify_step(batch) -> tuple[StepDecl, dict]:
     return StepDecl(tuple(seqs)), requests
 
 
+def input_ids_of(decl: StepDecl) -> torch.Tensor:
+    """The step's input ids as the engine plans them before drafting: each sequence's tokens, 0 for its drafts."""
+    return torch.tensor([t for s in decl.seqs for t in s.token_ids + (0,) * s.num_drafts])
+
+
 def batched_and_alone(draft, target, batch, paged=False):
     proposer = filled_proposer(draft, target, {r: n for r, (n, _, _, _) in batch.items()})
     proposer.paged = paged  # the GPU path (paged MLA kernel over the draft KV), here under Triton's interpreter
     decl, requests = verify_step(batch)
     proposer.admit(decl)
     speculation = Speculation(proposer, DraftSchedule.from_config(7))
-    drafts = speculation.propose(decl, requests)
+    drafts = speculation.propose(decl, requests, input_ids_of(decl), None)
     want = {b: alone(proposer, s, batch[s.request_id][3], generator_of(batch[s.request_id][3]))
             for b, s in enumerate(decl.seqs) if s.verify}
     return decl, drafts, want
@@ -144,11 +148,12 @@ def test_batched_proposals_check_their_arguments(draft, tiny_model):
     proposer = filled_proposer(draft, tiny_model, {r: n for r, (n, _, _, _) in batch.items()})
     decl, _ = verify_step({**batch, "nucleus": (23, draft.config.vocab_size, 5, NUCLEUS)})
     proposer.admit(decl)
+    anchors, starts = torch.tensor([s.token_ids[0] for s in decl.seqs[:2]]), torch.tensor([23, 1])
     with pytest.raises(ValueError, match="anchor_token"):
-        proposer.propose(decl, proposer.kv.plan(decl), [0, 1], [GREEDY, NUCLEUS], [None, None])
+        proposer.propose(decl, proposer.kv.plan(decl), [0, 1], anchors, starts, [GREEDY, NUCLEUS], [None, None])
     ahead = StepDecl(tuple(replace(s, num_computed=s.num_computed + 1) if s.verify else s for s in decl.seqs))
     with pytest.raises(ValueError, match="anchor_pos"):  # a position whose context rows were never committed
-        proposer.propose(ahead, proposer.kv.plan(decl), [0, 1], [GREEDY, NUCLEUS], [None, None])
+        proposer.propose(ahead, proposer.kv.plan(decl), [0, 1], anchors, starts, [GREEDY, NUCLEUS], [None, None])
     with pytest.raises(ValueError, match="one anchor and one start per block"):
         BlockBatch(torch.tensor([1, 2]), torch.tensor([3]), (2, 2), [], 3)
     with pytest.raises(ValueError, match="sampled draft is one block"):
@@ -170,14 +175,14 @@ def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir, paged):
     real_propose = engine.spec.propose
     checked = []
 
-    def check(decl, requests):
+    def check(decl, requests, input_ids, advance):
         replays = {}  # each sampled request's generator, copied before the batched draft draws from it
         for s in decl.seqs:
             generator = requests[s.request_id].generator
             if s.verify and generator is not None:
                 replays[s.request_id] = torch.Generator(generator.device)
                 replays[s.request_id].set_state(generator.get_state())
-        drafts = real_propose(decl, requests)
+        drafts = real_propose(decl, requests, input_ids, advance)
         for b, proposal in drafts.items():
             s = decl.seqs[b]
             want = alone(engine.spec.proposer, s, requests[s.request_id].params, replays.get(s.request_id))

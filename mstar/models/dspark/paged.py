@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from mstar.kernels import mla_attention
+from mstar.resources.transfer import to_device
 
 from .model import DSparkMLA, Embed, K3DSparkModel
 
@@ -54,10 +55,11 @@ class PagedBlocks:
         sent to the sink here)."""
         k_max = max(num_drafts)
         device = anchors.device
-        real = torch.arange(k_max, device=device)[None, :] < torch.tensor(num_drafts, device=device)[:, None]
+        counts = to_device(list(num_drafts), starts.dtype, device)  # queued: the host waits for no step in flight
+        real = torch.arange(k_max, device=device)[None, :] < counts[:, None]
         sink = torch.arange(k_max, device=device) % page_size + SINK * page_size
         slots = torch.where(real, row_slots, sink[None, :]).flatten()
-        lens = starts + torch.tensor(num_drafts, dtype=starts.dtype, device=device)
+        lens = starts + counts
         cu = torch.arange(0, len(num_drafts) * k_max + 1, k_max, device=device)
         return cls(anchors, starts, page_table, slots, lens, cu, k_max)
 

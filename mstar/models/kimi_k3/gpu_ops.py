@@ -95,10 +95,11 @@ class GpuMixerOps(TorchMixerOps):
     def _kda_varlen(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
                     pool: RecurrentStatePool, w: kda_fla.KDAWeights) -> torch.Tensor:
         """Any step (long prompts among verify blocks): each accepted pending prefix is folded into its
-        checkpoint first, then the step's rows run; a verify block's inputs wait as the next pending prefix."""
+        checkpoint first, then the step's rows run; a verify block's inputs wait as the next pending prefix.
+        Its lengths come from the host (a plan's `advance` is read back: it waits for the step in flight)."""
         slots = plan.host_slots()
         conv, state, prefix_x = pool.conv[layer], pool.state[layer], pool.prefix_x[layer]
-        pending = [pool.prefix_len[s] for s in slots]
+        pending = plan.settled_pending(pool)
         with_prefix = [b for b, n in enumerate(pending) if n]
         if with_prefix:
             rows = torch.cat([prefix_x[slots[b], : pending[b]] for b in with_prefix])
@@ -160,12 +161,12 @@ class GpuMixerOps(TorchMixerOps):
         it; decided once per step for all its KDA layers."""
         if self._layout is None or self._layout[0] is not plan:
             slots = plan.host_slots()
-            pending = [pool.prefix_len[s] for s in slots]
+            pending, exact = plan.pending_bounds(pool)  # bounds, where a verify step in flight decides them
             longest = max(pending[b] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(slots)))
             layout = None
             if longest <= kda_fla.RECURRENT_MAX_ROWS:
                 layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, plan.verify,
-                                                   pool.prefix_x.shape[2], device)
+                                                   pool.prefix_x.shape[2], device, exact_pending=exact)
             self._layout = plan, layout
         return self._layout[1]
 
@@ -210,8 +211,11 @@ class GpuMixerOps(TorchMixerOps):
 
 def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the Triton MLA kernels run this layer; else the torch path (not graph-capturable).
-    They are built for bf16 and K3's latent row: 64 k_pe columns after the latent (512 in K3)."""
-    return dtype == torch.bfloat16 and attn.rope == 64 and mla_attention.supported(device)
+    They take bf16 rows of [latent | k_pe] whose two parts are powers of two >= 16 (tl.arange widths):
+    K3's 512 + 64, the mini's 64 + 16."""
+    widths = (attn.kv_lora_rank, attn.rope)
+    return (dtype == torch.bfloat16 and all(w >= 16 and w & (w - 1) == 0 for w in widths)
+            and mla_attention.supported(device))
 
 
 class GpuLayerOps(LayerOps):

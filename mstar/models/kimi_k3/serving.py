@@ -13,12 +13,13 @@ backend, chosen in backend.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
+from mstar.resources.transfer import to_device
 
 from .kda import KDAState, KimiDeltaAttention
 from .layer_ops import REFERENCE_OPS, LayerOps
@@ -50,24 +51,55 @@ class BatchPlan:
     # Set on a captured prefill step, whose lengths exist only on the device (in cu_seqlens and the KDA
     # layout): the most rows any sequence may have, which sizes the kernels. No mixer reads seq_starts then.
     max_query_len: int | None = None
+    # Planned while a verify step is in flight (async scheduling): sequence b's rows sit advance[b] positions
+    # after num_computed[b] and its KDA slot's pending prefix is advance[b] rows longer than the pool's
+    # prefix_len says, advance[b] (<= max_advance[b]) being what that step keeps, on the device only. The
+    # kv plan already holds the shifted slots and lengths; None: num_computed and prefix_len are exact.
+    advance: torch.Tensor | None = None
+    max_advance: tuple[int, ...] = ()
 
     def host_slots(self) -> tuple[int, ...]:
         """The KDA slots on the host (`slot_ids`; hand-built plans without them read the tensor)."""
         return self.slot_ids or tuple(self.kda_slots.tolist())
 
+    def pending_bounds(self, pool: RecurrentStatePool) -> tuple[list[int], torch.Tensor | None]:
+        """Each sequence's pending KDA prefix: (rows on the host, exact where `advance` is None, else the most
+        there can be; the exact rows on the device when they are known only there, else None)."""
+        known = [pool.prefix_len[slot] for slot in self.host_slots()]
+        if self.advance is None:
+            return known, None
+        bounds = [n + a for n, a in zip(known, self.max_advance, strict=True)]
+        return bounds, to_device(known, torch.long, self.advance.device) + self.advance
+
+    def settled(self) -> BatchPlan:
+        """The plan with `advance` read into num_computed (a host read: it waits for the step in flight), for
+        the paths that take lengths from the host: the torch mixers, a tensor-parallel follower."""
+        if self.advance is None:
+            return self
+        extra = self.advance.tolist()
+        return replace(self, num_computed=tuple(n + a for n, a in zip(self.num_computed, extra, strict=True)),
+                       advance=None, max_advance=())
+
+    def settled_pending(self, pool: RecurrentStatePool) -> list[int]:
+        """Each sequence's exact pending KDA prefix on the host (reading `advance`, like `settled`)."""
+        known, exact = self.pending_bounds(pool)
+        return known if exact is None else exact.tolist()
+
 
 class TorchMixerOps:
-    """The CPU path: each sequence runs through the reference layer with its pooled state."""
+    """The CPU path: each sequence runs through the reference layer with its pooled state (lengths from the
+    host: a plan's `advance` is read back, which on a GPU waits for the step in flight)."""
 
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
             pool: RecurrentStatePool) -> torch.Tensor:
         """Replay each slot's accepted pending prefix from its checkpoint, then run the new rows:
         folded into the state, or (verify rows) kept as the next pending prefix."""
         y = torch.empty_like(x)
+        pending_rows = plan.settled_pending(pool)
         for b, slot in enumerate(plan.host_slots()):
             rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
             state = KDAState(recurrent=pool.state[layer, slot], conv=pool.conv[layer, slot])
-            pending = pool.prefix_len[slot]
+            pending = pending_rows[b]
             if pending:
                 _, state = attn(pool.prefix_x[layer, slot, :pending], state)
             if plan.verify and plan.verify[b]:
@@ -82,7 +114,7 @@ class TorchMixerOps:
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
         y = torch.empty_like(x)
         rank = attn.kv_lora_rank
-        for b, cached in enumerate(plan.num_computed):
+        for b, cached in enumerate(plan.settled().num_computed):
             rows = slice(plan.seq_starts[b], plan.seq_starts[b + 1])
             cache = MLACache.from_rows(kv.rows(layer, plan.kv.page_table[b], cached).to(x.dtype), rank)
             y[rows], new = attn(x[rows], cache, absorbed=True)
