@@ -119,8 +119,6 @@ def _chat_prompt_fields(props: dict, model_name: str) -> None:
     """What renders a conversation (chat completions and /tokenize), as the server checks it."""
     props["model"] = _nullable({"type": "string", "enum": [model_name]})
     props["messages"]["minItems"] = 1
-    # Structured outputs are not supported yet: only the tool choices that need no grammar.
-    props["tool_choice"] = _nullable({"enum": ["none", "auto"]})
     props["reasoning_effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
     props["chat_template"] = {"type": "null", "default": None, "description": "Refused: K3's own format only"}
 

@@ -13,6 +13,7 @@ import uuid
 
 from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.structured_output import Grammar
 from mstar.server.errors import APIError, echo, from_param_error
 from mstar.server.generation import ChoiceSpec
 from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, ResponseFormat, SamplingFields, json_equal
@@ -116,8 +117,10 @@ def resolve_max_tokens(
 
 
 def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
-                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None) -> SamplingParams:
-    """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later)."""
+                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None,
+                tool_calls: Grammar | None = None) -> SamplingParams:
+    """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later);
+    `tool_calls` is the grammar of a forced tool_choice (structured_outputs.forced_tool_calls)."""
     optional = {
         name: getattr(req, name)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -134,7 +137,7 @@ def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, engine),
-            grammar=request_grammar(req, response_format),
+            grammar=request_grammar(req, response_format, tool_calls),
         )
     except ParamError as err:
         raise from_param_error(err, renames) from None
