@@ -56,7 +56,9 @@ from mstar.server.sampling import (
     check_prompt_ids,
     check_stop_token_ids,
     check_supported,
+    check_text_fits,
     choices_for_prompt,
+    conversation_chars,
     new_request_id,
     resolve_max_tokens,
     truncate_prompt,
@@ -267,6 +269,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     # before the prompt is rendered: what is wrong with the fields is found without tokenizing
     params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format,
                          tool_calls=_forced_tool_calls(req))
+    check_text_fits(conversation_chars([m.for_template() for m in req.messages]), engine, "messages",
+                    truncated=req.truncate_prompt_tokens is not None)
     # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
     prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
     check_prompt_ids(prompt_ids, engine, "messages")

@@ -23,6 +23,7 @@ response.output_text.delta, .done and response.content_part.done; response.funct
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -44,7 +45,14 @@ from mstar.server.generation import GenerationRun
 from mstar.server.output_segments import AlignedSegmenter
 from mstar.server.protocol import Int, parse_request
 from mstar.server.request_log import log_request
-from mstar.server.sampling import check_model, check_prompt_ids, choices_for_prompt, resolve_max_tokens
+from mstar.server.sampling import (
+    check_model,
+    check_prompt_ids,
+    check_text_fits,
+    choices_for_prompt,
+    conversation_chars,
+    resolve_max_tokens,
+)
 from mstar.server.streaming import SSEResponse, sse_body
 from mstar.server.structured_outputs import forced_tool_calls
 
@@ -209,8 +217,10 @@ def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
     options: dict[str, Any] = {"tool_choice": note}
     if effort is not None:
         options["thinking_effort"] = effort
+    messages = chat_messages(req)
+    check_text_fits(conversation_chars(messages), ctx.engine, "input")
     try:
-        return encode_chat(ctx.engine.tokenizer, chat_messages(req), tools or None, **options)
+        return encode_chat(ctx.engine.tokenizer, messages, tools or None, **options)
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The input cannot be rendered for K3: {err}", param="input") from None
 
@@ -317,7 +327,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     req = parse_request(await request.body(), ResponsesRequest)
     check_model(req.model, ctx.served_model_name)
     engine = ctx.engine
-    prompt_ids = _prompt_ids(req, ctx)
+    # Off the event loop: rendering and tokenizing a large input would stall other clients' streams.
+    prompt_ids = await asyncio.to_thread(_prompt_ids, req, ctx)
     check_prompt_ids(prompt_ids, engine, "input")
     max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids), engine.max_seq_len, None,
                                     "max_output_tokens", ctx.options.max_tokens)

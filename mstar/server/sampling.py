@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from typing import Any
 
 from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
@@ -59,6 +60,30 @@ def truncate_prompt(ids: list[int], req: SamplingFields) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens."""
     n = req.truncate_prompt_tokens
     return ids if n is None else ids[-n:]
+
+
+def check_text_fits(num_chars: int, engine: EngineClient, param: str, truncated: bool = False) -> None:
+    """Refuse prompt text that cannot fit in the context before tokenizing it (tokenizing megabytes is
+    seconds of a worker thread): `num_chars` characters are at least `min_num_tokens` tokens. A prompt
+    that will be truncated (`truncate_prompt_tokens`) is not refused for its length."""
+    least = engine.tokenizer.min_num_tokens(num_chars)
+    if not truncated and least >= engine.max_seq_len:
+        raise APIError(
+            f"The prompt is {num_chars} characters, so at least {least} tokens; this model's maximum context is "
+            f"{engine.max_seq_len} tokens, which must also hold at least one generated token. Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def conversation_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the text a conversation's messages carry (what `check_text_fits` bounds)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text") for p in content or ()]
+        total += sum(len(part) for part in parts if isinstance(part, str))
+    return total
 
 
 def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:

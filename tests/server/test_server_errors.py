@@ -100,6 +100,9 @@ BAD_REQUESTS = [
      "messages", "text-only"),
     (CHAT, {"messages": [{"role": "tool", "content": "result"}]}, "messages", "no tool name"),
     (CHAT, {"messages": [{"role": "user", "content": long_text()}]}, "messages", "maximum context"),
+    # refused on its characters, before tokenizing (a token holds at most max_token_bytes of them)
+    (CHAT, {"messages": [{"role": "user", "content": "a" * 10**6}]}, "messages", "characters"),
+    (COMPLETIONS, {"prompt": ["hi", "a" * 10**6]}, "prompt[1]", "characters"),
     (CHAT, {"messages": HI, "model": "other"}, "model", "does not exist"),
     (CHAT, {"messages": HI, "max_tokens": 0}, "max_tokens", ">= 1"),
     (CHAT, {"messages": HI, "max_completion_tokens": MAX_SEQ_LEN}, "max_completion_tokens", "does not fit"),
