@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.kernels.gpu_delay import delay
+from mstar.kernels.gpu_delay import calibrate, delay
 
 from .communicator import Communicator
 
@@ -64,6 +64,7 @@ class ModeledCommunicator(Communicator):
         super().__init__(rank, world_size)
         self.cost = cost
         self.counters = torch.zeros(3, dtype=torch.int64, device=device)  # calls, bytes, ns
+        self.delay_overhead_ns = calibrate(device)  # what each wait's own kernel costs: subtracted from it
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         self._charge(x.numel() * x.element_size())

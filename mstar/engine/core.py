@@ -158,7 +158,9 @@ class EngineCore:
         overlap = mk.async_scheduling if mk.async_scheduling is not None else self.device.type == "cuda"
         self._overlap = overlap and self.spec is None
         self._in_flight: LaunchedStep | None = None
-        self.model_stop_ids = frozenset(tokenizer.stop_ids) | {cfg.eos_token_id}
+        # An id outside the model's vocabulary is never sampled, so it stops nothing (a test model cut to a
+        # small tokenizer keeps the checkpoint's EOS id); the grammar engine refuses such ids.
+        self.model_stop_ids = frozenset(t for t in (*tokenizer.stop_ids, cfg.eos_token_id) if t < cfg.vocab_size)
         self.grammars = GrammarCompiler(tokenizer.encoding, cfg.vocab_size, tuple(sorted(self.model_stop_ids)))
         self.profiler = StepProfiler.from_window(env.torch_profile, self.device)
 

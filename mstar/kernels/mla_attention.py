@@ -72,18 +72,21 @@ def default_config(num_heads: int, page_size: int, *, multi_query: bool) -> Kern
     return cfg
 
 
-def num_splits_for(batch: int, num_heads: int, max_context: int, *, num_sms: int = 132,
+def num_splits_for(batch: int, num_heads: int, max_context: int, *, query_rows: int = 1, num_sms: int = 132,
                    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS, max_splits: int = 128) -> int:
-    """Splits per sequence for a decode capture bucket of `batch` rows whose contexts reach `max_context`.
+    """Splits per sequence for a step of `batch` sequences whose contexts reach `max_context`, each with
+    `query_rows` query tokens (1: decode; k+1: a verify block, whose few programs would otherwise each walk
+    the whole context alone).
 
     Pieces never shorter than `min_split_tokens` of `max_context`; all of them when they fit in one wave;
     otherwise the fewest that reach nearly the best wave efficiency (a partial last wave idles SMs).
     Shorter contexts at run time use fewer of the splits (a piece never drops below `min_split_tokens`).
     """
-    if batch <= 0 or num_heads <= 0 or max_context <= 0:
-        raise ValueError(f"batch={batch}, num_heads={num_heads} and max_context={max_context} must be positive")
-    block_m = default_config(num_heads, 64, multi_query=False).block_m
-    programs = batch * -(-num_heads // block_m)
+    if batch <= 0 or num_heads <= 0 or max_context <= 0 or query_rows <= 0:
+        raise ValueError(f"batch={batch}, num_heads={num_heads}, max_context={max_context} and "
+                         f"query_rows={query_rows} must be positive")
+    block_m = default_config(num_heads, 64, multi_query=query_rows > 1).block_m
+    programs = batch * -(-(query_rows * num_heads) // block_m)
     # A 16-row program holds ~92 KB of shared memory and <= 255 registers x 128 threads: two share an SM
     # (ptxas for sm_90); the 32- and 64-row programs take 112-144 KB, one per SM.
     slots = num_sms * (2 if block_m <= 16 else 1)

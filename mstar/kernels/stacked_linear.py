@@ -13,7 +13,7 @@ themselves (a reference forward) reads the same numbers, and stacking them again
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +57,7 @@ class StackedLinear:
         self.widths = [w.shape[0] for w in weights]
         self.weight = stack_rows(weights)
 
-    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Each projection of x, as column blocks (views) of one GEMM's output."""
-        return list(F.linear(x, self.weight).split(self.widths, dim=-1))
+    def __call__(self, x: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
+                 ) -> list[torch.Tensor]:
+        """Each projection of x, as column blocks (views) of one GEMM's output; `gemm(x, weight)` runs it."""
+        return list(gemm(x, self.weight).split(self.widths, dim=-1))

@@ -536,8 +536,22 @@ def count_kernels(fn: Callable[[], object]) -> int:
     return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
-def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, top: int = 25) -> str:
-    """Markdown: the kernels of one run of each labelled step, by total time."""
+def kernel_sequence(prof: profile) -> str:
+    """One line per GPU kernel in launch order: start (µs from the first), duration (µs), name. What a
+    layer launches, and between which kernels the GPU idles, reads off it."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if not kernels:
+        return ""
+    t0 = kernels[0].time_range.start
+    return "".join(f"{e.time_range.start - t0:10.1f} {e.time_range.end - e.time_range.start:8.2f} {e.name}\n"
+                   for e in kernels)
+
+
+def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, top: int = 25,
+                  sequence_dir: Path | None = None) -> str:
+    """Markdown: the kernels of one run of each labelled step, by total time; with `sequence_dir`, each
+    step's kernels in launch order too (`kernel_sequence`), one text file per step."""
     cuda = device.type == "cuda"
     sections = []
     for label, fn in fns.items():
@@ -545,6 +559,10 @@ def profile_steps(fns: dict[str, Callable[[], object]], device: torch.device, to
         with profile(activities=activities) as prof:
             fn()
             synchronize(device)
+        if sequence_dir is not None and cuda:
+            sequence_dir.mkdir(parents=True, exist_ok=True)
+            name = "".join(c if c.isalnum() else "_" for c in label).strip("_")
+            (sequence_dir / f"{name}.kernels.txt").write_text(kernel_sequence(prof))
         # kernels on the GPU; torch operators (self time) on the CPU
         events = [e for e in prof.key_averages()
                   if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
@@ -686,7 +704,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="accepted rows each verify sequence replays from its checkpoint first (served DSpark "
                         "steps have ~1-3; the floor does not count them)")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one run of the first and last step of each kind: top kernels by time")
+                   help="also profile one run of the first and last step of each kind: top kernels by time "
+                        "(with --out, each step's kernels in launch order too, under OUT/kernels/)")
     p.add_argument("--out", type=Path, default=None, help="write emulate_rank.md and emulate_rank.json here")
     args = p.parse_args(argv)
     args.steps = [s for s in args.steps.split(",") if s]
@@ -722,7 +741,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
                                 graph_seq_len=graph_seq_len, acceptance=args.acceptance)
     speculative = speculative_rows(results, args.acceptance)
-    profile_md = profile_steps(profiled, device) if args.profile else ""
+    profile_md = profile_steps(profiled, device, sequence_dir=args.out / "kernels" if args.out else None) \
+        if args.profile else ""
 
     header = {
         "config": args.config, "tp": args.tp, "ep": args.ep, "latent_layout": args.latent_layout, "rank": 0,
@@ -741,7 +761,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         "hbm_bytes_per_s": HBM_BYTES_PER_S, "bf16_flops_per_s": BF16_FLOPS_PER_S,
         "collective_cost": None if comm_cost is None else {"latency_s": comm_cost.latency_s,
                                                             "small_bytes": comm_cost.small_bytes,
-                                                            "bytes_per_s": comm_cost.bytes_per_s},
+                                                            "bytes_per_s": comm_cost.bytes_per_s,
+                                                            # measured, subtracted from each wait's spin
+                                                            "delay_overhead_ns": emulation.comm.delay_overhead_ns},
     }
     header["h100_fit"] = h100_fit(header["weight_bytes"], header["pool_bytes"], header["peak_memory_bytes"],
                                   shipped_pool_bytes(emulation.serving.model.config))

@@ -1,5 +1,7 @@
 """The served path (scheduler, paged latent KV, KDA state pool, batched forward) against the reference."""
 
+import copy
+import dataclasses
 import random
 
 import pytest
@@ -209,3 +211,16 @@ def test_tie_aware_comparison_still_catches_a_wrong_token(tiny_model, workload):
     wrong = expect[:1] + [int(logits.argmin())] + expect[2:]
     with pytest.raises(AssertionError, match="no near tie"):
         assert_greedy_matches(tiny_model, [(prompt, max_tokens, expect)], [wrong])
+
+
+def test_a_stop_id_outside_the_vocabulary_stops_nothing(tiny_model, tokenizer):
+    """A model cut to a small tokenizer may keep the checkpoint's EOS id; it can never be sampled, so the
+    engine (and the grammar engine, which refuses such ids) leaves it out instead of failing to start."""
+    vocab = tiny_model.config.vocab_size
+    model = copy.copy(tiny_model)  # the same weights under a config whose EOS lies outside the vocabulary
+    model.config = dataclasses.replace(tiny_model.config, eos_token_id=vocab + 162_000)
+    engine = make_engine(model, tokenizer)
+    assert engine.model_stop_ids and all(t < vocab for t in engine.model_stop_ids)
+    assert vocab + 162_000 not in engine.model_stop_ids
+    prompt = [5, 6, 7]
+    assert run_engine(engine, [(prompt, 4, None)]) == [greedy_generate(tiny_model, prompt, 4)]

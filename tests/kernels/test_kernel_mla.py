@@ -115,8 +115,13 @@ def test_num_splits_fill_the_machine_and_respect_the_minimum_piece():
             if batch >= 256:  # 256 programs already fill two per SM
                 assert s == 1
     assert mla.num_splits_for(1, 12, 32768, num_sms=132) >= 64
+    # a verify block of 8 rows x 12 heads is two 64-row programs: split its context as decode's is
+    assert mla.num_splits_for(1, 12, 1024, query_rows=8, num_sms=132) == 1024 // mla.DEFAULT_MIN_SPLIT_TOKENS
+    assert mla.num_splits_for(64, 12, 1024, query_rows=8, num_sms=132) == 1  # 128 programs: one wave already
     with pytest.raises(ValueError, match="max_context"):
         mla.num_splits_for(1, 12, 0)
+    with pytest.raises(ValueError, match="query_rows"):
+        mla.num_splits_for(1, 12, 64, query_rows=0)
 
 
 # --- tiny shapes: interpreter on CPU, or compiled on a GPU -------------------------------------------------------

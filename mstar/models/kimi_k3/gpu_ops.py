@@ -7,8 +7,10 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
-- `GpuLayerOps`: one-launch kernels for the norms, the AttnRes mix + norm, the routers' selection and the
-  dense SiTU MLPs; the routed experts of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
+- `GpuLayerOps`: every dense projection through `gemm` (the skinny GEMM kernel at the shapes and row counts
+  where its H200 table beat cuBLAS, `mstar/kernels/skinny_gemm.py`; cuBLAS elsewhere); one-launch kernels
+  for the norms, the AttnRes mix + norm, the routers' selection and the dense SiTU MLPs; the routed experts
+  of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
   Triton kernels (`mstar/kernels/moe_mxfp4.py`) over the experts' packed bytes, stacked as they are, never
   re-quantized; steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16 grouped GEMMs instead, on each
   layer's experts dequantized into one shared scratch (`mstar/kernels/moe_bf16.py`).
@@ -21,7 +23,6 @@ reference modules are only read.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels import (
@@ -33,6 +34,7 @@ from mstar.kernels import (
     moe_bf16,
     moe_mxfp4,
     router_topk,
+    skinny_gemm,
 )
 from mstar.kernels.stacked_linear import StackedLinear, rows_view
 from mstar.quant.mxfp4_linear import MXFP4Linear
@@ -131,10 +133,12 @@ class GpuMixerOps(TorchMixerOps):
         first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
         projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj, first_gate]
         if self.fused:
-            q, k, v, f_a, beta, g = self._stacked(attn, projections)(x)
+            q, k, v, f_a, beta, g = self._stacked(attn, projections)(x, self.layer_ops.gemm)
         else:
             q, k, v, f_a, beta, g = (p(x) for p in projections)
-        return q, k, v, attn.f_b_proj(f_a), beta, g if attn.use_full_rank_gate else attn.g_b_proj(g)
+        ops = self.layer_ops
+        gate = g if attn.use_full_rank_gate else ops.linear(attn.g_b_proj, g)
+        return q, k, v, ops.linear(attn.f_b_proj, f_a), beta, gate
 
     def _kda_output(self, attn: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o_proj(o_norm(o, gate)) of the recurrence's output o [N, H, K]."""
@@ -143,7 +147,7 @@ class GpuMixerOps(TorchMixerOps):
             normed = kda_decode.gated_head_norm(o, gate, attn.o_norm.weight, attn.o_norm.eps)
         else:
             normed = attn.o_norm(o, gate)
-        return attn.o_proj(normed.reshape(o.shape[0], -1))
+        return self.layer_ops.linear(attn.o_proj, normed.reshape(o.shape[0], -1))
 
     def _stacked(self, module: nn.Module, linears: list[nn.Linear]) -> StackedLinear:
         if module not in self._stacks:
@@ -185,11 +189,14 @@ class GpuMixerOps(TorchMixerOps):
         elif max(rows) == 1:
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
             mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
-        else:
+        else:  # verify blocks (and eager chunks): split the context as decode does, for the same reason
             cu = plan.cu_seqlens if plan.cu_seqlens is not None else torch.tensor(plan.seq_starts, device=x.device)
-            mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows))
+            splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + max(rows),
+                                                  query_rows=max(rows))
+            mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows),
+                                            num_splits=splits)
         o = torch.einsum("thr,hvr->thv", out, w_uv)
-        return attn.output(o, gate)
+        return attn.output(o, gate, self.layer_ops)
 
     def _mla_inputs(self, attn: GatedMLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """attn.input_projections(x); with `fused`, as one GEMM (q_a or q, kv_a, the output gate)."""
@@ -197,7 +204,7 @@ class GpuMixerOps(TorchMixerOps):
             return attn.input_projections(x)
         first = attn.q_proj if attn.q_lora_rank is None else attn.q_a_proj
         projections = [first, attn.kv_a_proj_with_mqa] + ([attn.g_proj] if attn.g_proj is not None else [])
-        q, kv_a, *gate = self._stacked(attn, projections)(x)
+        q, kv_a, *gate = self._stacked(attn, projections)(x, self.layer_ops.gemm)
         return q, kv_a, gate[0] if gate else None
 
 
@@ -215,6 +222,14 @@ class GpuLayerOps(LayerOps):
     def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
         self.experts = experts or {}
         self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
+
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
+        the skinny GEMM kernel where its measured table beat cuBLAS at this shape and row count, else cuBLAS."""
+        return skinny_gemm.linear(x, weight)
+
+    def linear(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return self.gemm(x, proj.weight) if proj.bias is None else proj(x)
 
     def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return attn_res_norm.rms_norm_rows(x, norm.weight, norm.eps)
@@ -243,8 +258,9 @@ class GpuLayerOps(LayerOps):
             return mlp(x)
         if mlp not in self._gate_up:
             self._gate_up[mlp] = stacked([mlp.gate_proj, mlp.up_proj])
-        gate_up = F.linear(x, self._gate_up[mlp].weight)
-        return mlp.down_proj(gated_mlp.situ_and_mul(gate_up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta))
+        gate_up = self.gemm(x, self._gate_up[mlp].weight)
+        return self.linear(mlp.down_proj, gated_mlp.situ_and_mul(gate_up, cfg.activation_situ_beta,
+                                                                 cfg.activation_situ_linear_beta))
 
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")

@@ -1,10 +1,10 @@
 """The token-wise operations of the decoder stack, as its forward passes call them: `LayerOps`.
 
 The reference model (model.py, moe.py, mla.py) computes each norm, AttnRes mix, routing, routed-expert
-sum and dense MLP through a `LayerOps` it is given. These are the reference's own: each calls the
-module it is handed. A serving backend (backend.py) passes a subclass whose methods run kernels over
-the same modules' weights instead; the modules are only read, so the reference is never changed by
-a backend, and any number of serving models can share one.
+sum, dense MLP and the dense projections between them through a `LayerOps` it is given. These are the
+reference's own: each calls the module it is handed. A serving backend (backend.py) passes a subclass
+whose methods run kernels over the same modules' weights instead; the modules are only read, so the
+reference is never changed by a backend, and any number of serving models can share one.
 """
 
 from __future__ import annotations
@@ -16,12 +16,18 @@ import torch
 from .attn_res import attn_res_norm
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from .mlp import GatedMLP
     from .moe import LatentMoE, Router, Routing
     from .norm import RMSNorm
 
 
 class LayerOps:
+    def linear(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """proj(x): one dense projection."""
+        return proj(x)
+
     def norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
         return norm(x)
 

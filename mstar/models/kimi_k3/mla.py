@@ -177,7 +177,7 @@ class GatedMLA(nn.Module):
 
     def queries(self, q_first: Tensor, ops: LayerOps = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
         """q's first projection [T, *] -> (q_nope [T, H, nope], q_pe [T, H, rope])."""
-        q = q_first if self.q_lora_rank is None else self.q_b_proj(ops.norm(self.q_a_layernorm, q_first))
+        q = q_first if self.q_lora_rank is None else ops.linear(self.q_b_proj, ops.norm(self.q_a_layernorm, q_first))
         q = q.view(q_first.shape[0], self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :]
 
@@ -208,12 +208,12 @@ class GatedMLA(nn.Module):
         o_lat = absorbed_attention(q_abs, cache.rows(), offset, self.scale, kv_lora_rank=self.kv_lora_rank)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
-    def output(self, o: Tensor, gate: Tensor | None) -> Tensor:
+    def output(self, o: Tensor, gate: Tensor | None, ops: LayerOps = REFERENCE_OPS) -> Tensor:
         """o [T, H, v] -> y [T, D]: the sigmoid output gate g(x) (computed in at least fp32), then o_proj."""
         o = o.reshape(o.shape[0], self.num_heads * self.v_dim)
         if gate is not None:
             o = (at_least_fp32(o) * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)  # x.dtype: g(x) is in it
-        return self.o_proj(o)
+        return ops.linear(self.o_proj, o)
 
     def forward(self, x: Tensor, cache: MLACache | None = None, absorbed: bool = False) -> tuple[Tensor, MLACache]:
         """x [T, D] (after input_layernorm) -> (y [T, D], the cache extended by these T tokens).

@@ -166,13 +166,13 @@ class LatentMoE(nn.Module):
             return self.forward_sharded_latent(x, ops)
         routing = ops.route(self.gate, x)
         latent = self.config.routed_expert_hidden_size is not None
-        z = self.routed_expert_down_proj(x) if latent else x
+        z = ops.linear(self.routed_expert_down_proj, x) if latent else x
         shared = ops.mlp(self.shared_experts, x) if self.config.num_shared_experts else None
         r, shared = self.reduce_partials(ops.routed(self, z, routing), shared)
         if latent:
             if self.config.latent_moe_use_norm:
                 r = ops.norm(self.routed_expert_norm, r)
-            r = self.routed_expert_up_proj(r)
+            r = ops.linear(self.routed_expert_up_proj, r)
         if shared is not None:
             r = r + shared
         return r
@@ -184,12 +184,12 @@ class LatentMoE(nn.Module):
             raise ValueError(f"latent_shards={cfg.latent_shards} needs a communicator over as many ranks, "
                              f"got world_size={comm.world_size}")
         routing = ops.route(self.gate, x)
-        z = comm.all_gather(self.routed_expert_down_proj(x))  # [T, latent], every rank's slice in rank order
+        z = comm.all_gather(ops.linear(self.routed_expert_down_proj, x))  # [T, latent], every rank's slice in order
         r = comm.all_reduce(ops.routed(self, z, routing))
         if cfg.latent_moe_use_norm:
             r = ops.norm(self.routed_expert_norm, r)
         held = r.shape[-1] // cfg.latent_shards
-        y = self.routed_expert_up_proj(r[:, comm.rank * held : (comm.rank + 1) * held])
+        y = ops.linear(self.routed_expert_up_proj, r[:, comm.rank * held : (comm.rank + 1) * held])
         if cfg.num_shared_experts:
             y = y + ops.mlp(self.shared_experts, x)
         return comm.all_reduce(y)
