@@ -261,12 +261,17 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
                                                                      "content": _json("Version")},
                                            protected=auth, errors={})}
     ping_ok = {"description": "Healthy (an empty body)"}
-    paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth,
+    paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth and options.protect_health,
                                          errors={}) for method in ("get", "post")}
     for method in ("get", "post"):
         paths["/ping"][method]["responses"]["503"] = {"description": "The engine is not healthy"}
     paths["/health"]["get"]["responses"]["503"] = {"description": "The engine is not healthy",
                                                     "content": _json("Health")}
+    shape_errors = {414: f"The path and query string are longer than {options.max_url_bytes} bytes",
+                    431: f"The request has more than {options.max_headers} headers"}
+    for operation in (op for item in paths.values() for op in item.values()):  # every route refuses these
+        for status, description in shape_errors.items():
+            operation["responses"][str(status)] = _error(description)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "mstar", "version": "1", "description": "OpenAI-compatible API of mstar-serve"},

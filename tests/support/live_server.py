@@ -12,12 +12,13 @@ import uvicorn
 class LiveServer:
     """uvicorn serving `app` on a free loopback port, in a daemon thread; `stop` shuts it down."""
 
-    def __init__(self, app):
+    def __init__(self, app, **config):
+        """`config`: more `uvicorn.Config` arguments (e.g. `http`, a protocol class)."""
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **config)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
