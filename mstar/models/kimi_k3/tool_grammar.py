@@ -101,18 +101,19 @@ def _property_alternatives(schema: Any, definitions: dict[str, Any]) -> list[tup
     if not isinstance(schema, dict):
         return None
     types = schema.get("type")
+    if isinstance(types, str):
+        types = [types]
+    if types is not None and (not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types)):
+        return None
     if "enum" in schema or "const" in schema:
         values = schema["enum"] if "enum" in schema else [schema["const"]]
         if not isinstance(values, list):
             return None
         if types is not None:
-            allowed = {types} if isinstance(types, str) else set(types)
-            values = [v for v in values if _k3_type(v) in allowed or (isinstance(v, int) and "integer" in allowed
-                                                                     and not isinstance(v, bool))]
+            values = [v for v in values if _k3_type(v) in types or (isinstance(v, int) and "integer" in types
+                                                                   and not isinstance(v, bool))]
         return _enum_alternatives(values) or None
-    if isinstance(types, str):
-        types = [types]
-    if not isinstance(types, list) or not types or not all(isinstance(t, str) for t in types):
+    if types is None:
         return None
     if "number" in types:  # integers are numbers: one alternative covers both
         types = [t for t in types if t != "integer"]
@@ -142,7 +143,8 @@ def _argument_rules(parameters: dict[str, Any] | None, prefix: str, rules: _Rule
         return None
     properties = parameters.get("properties", {})
     required = parameters.get("required", [])
-    if not isinstance(properties, dict) or not isinstance(required, list) or set(required) - set(properties):
+    if not isinstance(properties, dict) or not isinstance(required, list) or not all(
+            isinstance(key, str) and key in properties for key in required):
         return None
     definitions = {key: parameters[key] for key in _DEFINITIONS if key in parameters}
     own = _Rules()

@@ -162,3 +162,16 @@ def test_random_walks_parse_as_calls_that_validate(tok, lltok, trial):
             assert name is None or call["function"]["name"] == name
             arguments = json.loads(call["function"]["arguments"])
             assert jsonschema_rs.is_valid(schemas[call["function"]["name"]], arguments), (tok.decode(turn), arguments)
+
+
+@pytest.mark.parametrize("parameters", [
+    {"type": "object", "properties": {"s": {"type": [{"a": 1}]}}},
+    {"type": "object", "properties": {"s": {"enum": [1], "type": 5}}},
+    {"type": "object", "properties": {"s": {"type": "string"}}, "required": [{"x": 1}]},
+    {"type": "object", "properties": {"s": {"type": "string", "pattern": "a(b"}}},
+])
+def test_a_malformed_schema_leaves_the_error_to_the_grammar_engine(lltok, parameters):
+    """What the per-argument form cannot read goes to the JSON block, whose compiler names the problem
+    (the server turns it into a 400 naming `tools`), never a crash here."""
+    grammar = forced_tool_call_grammar([_tool("f", parameters)], starts_in_think=False)
+    assert "failed to compile JSON schema" in llguidance.LLMatcher.validate_grammar(grammar, lltok)
