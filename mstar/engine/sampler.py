@@ -17,8 +17,7 @@ Greedy rows (temperature below `GREEDY_TEMPERATURE`, 1e-5, as in vLLM: stored as
 all of this and take the argmax of the raw logits (ties: lowest id). Scaling never turns finite logits
 into ±inf, whatever the temperature (kernels/temperature.py).
 
-Ties at a filter boundary are kept: tokens whose logit equals that of the last token top-k or top-p
-keeps are kept too, so a mask never depends on how the sort happened to order equal values.
+Ties at a filter boundary are kept (kernels/sampling_masks.py, the masks of stages 2-4).
 
 Seeded sampling: a request with a seed owns a `torch.Generator` (`request_generator`); each of its sampled
 tokens consumes exactly one draw of V exponentials from that generator, made for its row alone. The
@@ -43,6 +42,7 @@ import torch
 
 from mstar.engine.outputs import TokenLogprob
 from mstar.engine.params import SamplingParams
+from mstar.kernels.sampling_masks import min_p_mask, top_k_mask, top_p_mask
 from mstar.kernels.temperature import scale_by_temperature_finite
 from mstar.resources.transfer import to_device
 
@@ -58,8 +58,8 @@ def request_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Processing stages: pure functions over [B, V] fp32 logits and [B] per-row parameters.
-# The masks are True where a token is dropped.
+# Processing stages: pure functions over [B, V] fp32 logits and [B] per-row parameters. The masks
+# (True where a token is dropped) are kernels/sampling_masks.py, which the DSpark draft uses too.
 
 
 def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -67,47 +67,6 @@ def scale_by_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> tor
     (T == 0) are only shifted (their argmax is taken from the raw logits)."""
     safe = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
     return scale_by_temperature_finite(logits, safe.unsqueeze(-1))
-
-
-def top_k_mask(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int | None = None) -> torch.Tensor:
-    """Drop all but the k best tokens of each row (k == 0 or k >= V: keep all; ties with the k-th kept).
-
-    `max_top_k`, a host-side bound on the nonzero k of the batch, lets the k-th value come from
-    `torch.topk` instead of a full sort of the vocabulary.
-    """
-    vocab = logits.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    if max_top_k is not None and 0 < max_top_k < vocab:
-        best = logits.topk(max_top_k, dim=-1).values
-        kth = best.gather(-1, (k.clamp(max=max_top_k) - 1).unsqueeze(-1))
-    else:
-        best = logits.sort(dim=-1, descending=True).values
-        kth = best.gather(-1, (k - 1).unsqueeze(-1))
-    off = (k >= vocab).unsqueeze(-1)
-    return (logits < kth) & ~off
-
-
-def top_p_mask(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Keep each row's smallest best-first set of tokens with mass >= top_p (the best token always).
-
-    Works from the low end: sorted ascending, a token is dropped when the mass of it and everything
-    below it is <= 1 - top_p. Summing the small probabilities first keeps the tail mass accurate, and
-    top_p == 1 keeps everything (even probabilities that underflow to 0).
-    """
-    ascending = logits.sort(dim=-1).values
-    tail_mass = ascending.softmax(dim=-1).cumsum(dim=-1)
-    dropped = tail_mass <= (1 - top_p).unsqueeze(-1)
-    dropped[..., -1] = False  # the best token
-    # Dropped positions form a prefix of the ascending order; the first kept value is the threshold.
-    threshold = ascending.gather(-1, dropped.sum(dim=-1, keepdim=True))
-    return (logits < threshold) & (top_p < 1).unsqueeze(-1)
-
-
-def min_p_mask(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Drop tokens whose probability is below min_p times the row's best probability."""
-    probs = logits.softmax(dim=-1)
-    best = probs.amax(dim=-1, keepdim=True)
-    return probs < min_p.unsqueeze(-1) * best
 
 
 # ----------------------------------------------------------------------------------------------------

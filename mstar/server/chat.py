@@ -37,16 +37,16 @@ from starlette.responses import Response
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError
 from mstar.engine.structured_output import Grammar
-from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think, encode_chat, parse_assistant_output
+from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece, parse_assistant_output
+from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think, encode_chat
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
 from mstar.server import responses
-from mstar.server.assistant_stream import AssistantStreamParser, Piece
 from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs
-from mstar.server.output_segments import AlignedSegmenter, merge_text
+from mstar.server.output_segments import AlignedSegmenter
 from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice, parse_request
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
@@ -161,7 +161,7 @@ class _ChoiceOutput:
         self._want_logprobs = req.logprobs
         self._want_token_ids = req.return_token_ids
         self._segmenter = AlignedSegmenter(tokenizer)
-        self._parser = AssistantStreamParser(self._thinking) if req.stream else None
+        self._parser = AssistantOutputParser(self._thinking) if req.stream else None
         self._segments: list[Segment] = []
         self._tool_calls_sent = 0
         self.token_ids: list[int] = []
@@ -229,7 +229,7 @@ class _ChoiceOutput:
         self._segments += self._released(out)
 
     def whole(self) -> responses.ChatChoice:
-        parsed = parse_assistant_output(merge_text(self._segments), thinking=self._thinking)
+        parsed = parse_assistant_output(self._segments, thinking=self._thinking)
         tool_calls = [_tool_call(call) for call in parsed.tool_calls]
         content = parsed.content if parsed.content is not None or tool_calls else ""
         message = responses.AssistantMessage(
@@ -287,7 +287,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     prompt_token_ids = prompt_ids if req.return_token_ids else None
 
     def usage() -> responses.Usage:
-        return responses.Usage.of(len(prompt_ids), sum(len(o.token_ids) for o in outputs))
+        return responses.Usage.of(len(prompt_ids), sum(len(o.token_ids) for o in outputs), run.num_cached_tokens(0))
 
     def chunk(choices: list[responses.ChatChunkChoice], **fields: Any) -> responses.ChatCompletionChunk:
         return responses.ChatCompletionChunk(

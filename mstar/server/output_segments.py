@@ -22,23 +22,6 @@ from collections.abc import Sequence
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
 
 
-def merge_text(segments: list[Segment]) -> list[Segment]:
-    """Join adjacent text segments (one per token here) so that a parser sees each run once."""
-    merged: list[Segment] = []
-    run: list[str] = []
-    for segment in segments:
-        if segment.control:
-            if run:
-                merged.append(Segment("".join(run)))
-                run = []
-            merged.append(segment)
-        else:
-            run.append(segment.text)
-    if run:
-        merged.append(Segment("".join(run)))
-    return merged
-
-
 class AlignedSegmenter:
     def __init__(self, tokenizer: KimiTokenizer):
         self._tokenizer = tokenizer

@@ -36,8 +36,8 @@ from starlette.responses import JSONResponse, Response
 
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.structured_output import Grammar
+from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece
 from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat
-from mstar.server.assistant_stream import AssistantStreamParser, Piece
 from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
@@ -70,37 +70,36 @@ class ContentPart(_Strict):
     logprobs: list[Any] | None = None
 
 
-class MessageItem(_Strict):
-    type: Literal["message"] = "message"
-    role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[ContentPart]
+class _InputItem(_Strict):
+    """What every input item may carry back from an earlier response (accepted, not used)."""
+
     id: str | None = None
     status: str | None = None
 
 
-class FunctionCallItem(_Strict):
+class MessageItem(_InputItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[ContentPart]
+
+
+class FunctionCallItem(_InputItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(_Strict):
+class FunctionCallOutputItem(_InputItem):
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: str | None = None
 
 
-class ReasoningItem(_Strict):
+class ReasoningItem(_InputItem):
     type: Literal["reasoning"]
-    id: str | None = None
     summary: list[ContentPart] = Field(default_factory=list)
     content: list[ContentPart] | None = None
-    status: str | None = None
 
 
 class FunctionTool(BaseModel):
@@ -343,7 +342,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                 spec.params, 1)
     run = GenerationRun(engine, [spec], ctx.metrics, arrival, ctx.admission)
     segmenter = AlignedSegmenter(engine.tokenizer)
-    parser = AssistantStreamParser(thinking=True)
+    parser = AssistantOutputParser(thinking=True)
     items = OutputItems()
     finished: list = []
     generated = [0]
@@ -363,7 +362,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                                                                 else None, "summary": None},
             "metadata": {}, "previous_response_id": None, "store": False, "truncation": "disabled",
             "usage": None if status == "in_progress" else {
-                "input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": run.num_cached_tokens(0)},
                 "output_tokens": generated[0], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": len(prompt_ids) + generated[0]},
         }

@@ -44,7 +44,8 @@ class DraftGraphs:
         self.lens = torch.zeros(b, **long)
         self.cu = torch.arange(0, b * k + 1, k, **long)
         self.sink_slots = SINK * page_size + torch.arange(k, **long) % page_size
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[DraftProposal]]] = {}
+        # per bucket: the graph, its hidden states [bucket, k, D] (what the proposals came from) and its proposals
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor, list[DraftProposal]]] = {}
 
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
@@ -58,10 +59,10 @@ class DraftGraphs:
         return PagedBlocks(self.anchors[:bucket], self.starts[:bucket], self.page_table[:bucket],
                            self.slots[: bucket * k], self.lens[:bucket], self.cu[: bucket + 1], k)
 
-    def _step(self, bucket: int) -> list[DraftProposal]:
+    def _step(self, bucket: int) -> tuple[Tensor, list[DraftProposal]]:
         hidden = paged_blocks_hidden(self.draft, self.cache, self._blocks(bucket), self.embed)
-        return self.draft.propose_from_hidden(hidden, self.anchors[:bucket], (self.drafts,) * bucket, self.lm_head,
-                                              [DraftSampling()] * bucket)
+        return hidden, self.draft.propose_from_hidden(hidden, self.anchors[:bucket], (self.drafts,) * bucket,
+                                                      self.lm_head, [DraftSampling()] * bucket)
 
     def capture(self, pool: object | None = None) -> None:
         """Capture every bucket, largest first, into `pool` (a new one when None); a failure names the bucket."""
@@ -76,11 +77,11 @@ class DraftGraphs:
                 torch.cuda.current_stream().wait_stream(side)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    proposals = self._step(bucket)
+                    hidden, proposals = self._step(bucket)
             except Exception as e:
                 raise RuntimeError(f"capturing the draft step of {bucket} blocks of {self.drafts} drafts failed: {e}. "
                                    "Set model_kwargs.cuda_graphs=false to serve eagerly.") from e
-            self.graphs[bucket] = (graph, proposals)
+            self.graphs[bucket] = (graph, hidden, proposals)
             log.info("captured the draft step for %d blocks of %d drafts", bucket, self.drafts)
         torch.cuda.synchronize()
 
@@ -101,7 +102,7 @@ class DraftGraphs:
         self.slots[: n * self.drafts].copy_(row_slots.flatten())
         torch.add(starts, self.drafts, out=self.lens[:n])
         self._stage_padding(n, bucket)
-        graph, proposals = self.graphs[bucket]
+        graph, _, proposals = self.graphs[bucket]
         graph.replay()
         return proposals[:n]
 

@@ -36,6 +36,5 @@ class OracleSpeculation(Speculation):
             truth = self.references[s.request_id][s.num_computed + 1 : s.num_computed + 1 + s.num_drafts]
             tokens = torch.tensor([t if self.rng.random() >= self.error_rate else (t + 1) % vocab for t in truth])
             probs = torch.nn.functional.one_hot(tokens, vocab).float()
-            drafts[b] = DraftProposal(tokens=tokens, probs=probs, logits=probs, base_logits=probs,
-                                      hidden=torch.zeros(len(truth), 1), confidence=None, greedy=True)
+            drafts[b] = DraftProposal(tokens=tokens, probs=probs)
         return drafts

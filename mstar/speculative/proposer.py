@@ -121,7 +121,8 @@ class DSparkProposer:
         num_drafts = tuple(s.num_drafts for s in seqs)
         table = plan.page_table[to_device(list(rows), torch.long, device)]
         sampling = [
-            DraftSampling(0.0 if p.greedy else p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None, g)
+            DraftSampling(0.0 if p.greedy else p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None,
+                          p.min_p or None, g)
             for p, g in zip(params, generators, strict=True)
         ]
         if self.paged:

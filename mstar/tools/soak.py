@@ -45,9 +45,7 @@ import json
 import math
 import random
 import secrets
-import socket
 import sys
-import threading
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -614,37 +612,6 @@ def wait_for_pools(read, timeout_s: float = 30.0) -> dict:
 # ---- serving the config itself ----------------------------------------------------------------
 
 
-class _LoopbackServer:
-    """uvicorn on 127.0.0.1 (a free port) in a daemon thread."""
-
-    def __init__(self, app, connection_settings: dict):
-        """`connection_settings`: mstar-serve's (serve.connection_settings), so slow clients meet its limits."""
-        import uvicorn
-
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
-                                **connection_settings)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def __enter__(self) -> _LoopbackServer:
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the soak's uvicorn server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=30)
-        self._socket.close()
-
-
 def _engine_pools(engine, in_flight: int) -> dict:
     """The engine's queues and pools, and the server's admitted generations: all zero when idle."""
     s = engine.stats()
@@ -665,6 +632,7 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
     from mstar.models.kimi_k3.weights import load_model
     from mstar.serve import build_engine, connection_settings, server_options
     from mstar.server import build_app
+    from mstar.tools.live_server import LiveServer
 
     cfg = load_serve_config(config, overrides)
     api_key = secrets.token_urlsafe(16)
@@ -679,7 +647,7 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
         with torch.inference_mode():
             expected = expectations(jobs, engine.tokenizer, model, cfg.max_seq_len)
         log(f"soak: {len(jobs)} requests planned; references computed in {time.perf_counter() - started:.1f} s")
-        with _LoopbackServer(app, connection_settings(cfg)) as server:
+        with LiveServer(app, graceful_shutdown_s=5, **connection_settings(cfg)) as server:  # as mstar-serve
             started = time.perf_counter()
             outcomes, not_sent = asyncio.run(drive(server.url, jobs, expected, cfg.served_model_name,
                                                    engine.tokenizer, concurrency=concurrency, duration_s=duration_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
+from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches, random_jobs
 from live_server import start_mstar_serve
 from paths import ROOT
@@ -23,7 +24,6 @@ from mstar.distributed.loader import load_vocab_heads
 from mstar.distributed.worker import (
     LeaderExecutor,
     Timeouts,
-    apply_step,
     follower_runner,
     follower_speculative,
     pool_geometry,
@@ -69,18 +69,9 @@ SMALL_ENGINE = EngineConfig(
 
 
 def run(core: EngineCore, workload, after_step=lambda: None) -> list[list[int]]:
-    for i, (prompt, max_tokens, _) in enumerate(workload):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
-    got: dict[str, list[int]] = {}
-    steps = 0
-    while core.has_work():
-        for out in core.step():
-            assert out.error is None, out.error
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        after_step()
-        steps += 1
-        assert steps < 500
-    return [got[f"r{i}"] for i in range(len(workload))]
+    run = run_to_completion(core, numbered(workload, lambda n: SamplingParams(max_tokens=n, **GREEDY)),
+                            after_step=after_step, max_steps=500)
+    return run.numbered_tokens(len(workload))
 
 
 def test_whole_vocab_heads_are_the_checkpoints(tiny_dir, tiny_model):
@@ -110,13 +101,8 @@ def test_follower_mirrors_rank0_through_verify_steps(tiny_model, tokenizer, draf
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     assert follower.pool.prefix_x.shape[2] == 3 + 1
 
-    applied = 0
-
     def mirror():
-        nonlocal applied
-        for message in channel.messages[applied:]:
-            apply_step(follower, message, torch.device("cpu"))
-        applied = len(channel.messages)
+        channel.replay_new(follower)
         for ours, theirs in (
             (core.pool.state, follower.pool.state),
             (core.pool.conv, follower.pool.conv),

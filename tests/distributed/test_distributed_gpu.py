@@ -15,6 +15,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.distributed.comm_choice import CommConfig, CommKind, build_communicator
@@ -124,11 +125,7 @@ def test_tp2_greedy_on_cuda_equals_cpu_reference(tiny_dir, tiny_model):
             max_tokens = rng.randint(4, 16)
             jobs.append((prompt, greedy_generate(tiny_model, prompt, max_tokens)))
             core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        got: dict[str, list[int]] = {}
-        while core.has_work():
-            for out in core.step():
-                assert out.error is None, out.error
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        got = run_to_completion(core).tokens_per_request()
         for i, (prompt, expect) in enumerate(jobs):
             assert got[f"r{i}"] == expect, f"prompt of {len(prompt)} tokens"
     finally:

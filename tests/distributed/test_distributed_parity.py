@@ -5,11 +5,11 @@ rank 0 in this process driving the engine, followers spawned."""
 from __future__ import annotations
 
 import pytest
+from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.config import EngineConfig
 from mstar.distributed.worker import Timeouts, start_ranks
-from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
@@ -33,17 +33,8 @@ def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep
     core, ranks = start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=tp, ep_size=ep,
                               timeouts=TIMEOUTS, latent_sharded=latent_sharded)
     try:
-        for i, (prompt, max_tokens, _) in enumerate(workload):
-            core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        got: dict[str, list[int]] = {}
-        steps = 0
-        while core.has_work():
-            for out in core.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-                assert out.error is None, out.error
-            steps += 1
-            assert steps < 500
-        assert_greedy_matches(tiny_model, workload, [got[f"r{i}"] for i in range(len(workload))], max_tied=1)
+        got = run_to_completion(core, numbered(workload), max_steps=500).numbered_tokens(len(workload))
+        assert_greedy_matches(tiny_model, workload, got, max_tied=1)
         assert core.scheduler.num_preemptions > 0
         assert ranks.failed is None
     finally:

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from engine_run import run_to_completion
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
@@ -42,22 +43,14 @@ def make_engine(model, tokenizer, *, overlap, pages=256, slots=9, page_size=8, d
 def drive(engine, jobs, *, arrivals_per_step=1, aborts=None):
     """Add `jobs` ((request id, prompt, params)) a few per step, step until done, abort request id at
     step n for each `aborts[id] = n`; every output of every request, in order."""
-    outs: dict[str, list] = {}
-    pending, aborts, steps = list(jobs), dict(aborts or {}), 0
-    while pending or engine.has_work():
-        for _ in range(arrivals_per_step):
-            if pending:
-                engine.add_request(*pending.pop(0))
-        for request_id, at in list(aborts.items()):
-            if steps == at:
-                engine.abort_request(request_id)
-                del aborts[request_id]
-        for o in engine.step():
-            assert not (outs.get(o.request_id) and outs[o.request_id][-1].finished), "output after finish"
-            outs.setdefault(o.request_id, []).append(o)
-        steps += 1
-        assert steps < 3000, "no progress"
-    return outs
+    aborts = dict(aborts or {})
+
+    def abort_due(step):
+        for request_id in [r for r, at in aborts.items() if at == step]:
+            engine.abort_request(request_id)
+
+    return run_to_completion(engine, jobs, per_step=arrivals_per_step, before_step=abort_due, allow_errors=True,
+                             max_steps=3000).outputs
 
 
 def summary(outs):
@@ -292,15 +285,14 @@ def test_a_request_preempted_with_its_token_in_flight_is_recomputed_with_it(tiny
     engine = make_engine(tiny_model, tokenizer, overlap=True)
     events = record_events(engine)
     engine.add_request("a", prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    tokens = []
-    for step in range(40):
+
+    def preempt_mid_flight(step):
         if step == 4:
             request = engine.requests["a"]
             assert request.num_inflight == 1 and len(request.output_ids) == 3
             engine.scheduler._preempt(request)
-        tokens += [t for o in engine.step() for t in o.new_token_ids]
-        if not engine.has_work():
-            break
+
+    tokens = run_to_completion(engine, before_step=preempt_mid_flight, max_steps=41).tokens("a")
     assert_greedy_matches(tiny_model, [(prompt, 10, reference)], [tokens])
     fed = [ids for kind, ids in events if kind == "forward"]
     assert prompt + tokens[:4] in fed  # the re-prefill: prompt, three tokens on the host, the one in flight

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
@@ -38,24 +39,9 @@ def workload(tiny_model):
 
 def run_engine(engine: EngineCore, jobs, arrivals_per_step=2):
     """Add requests a few per step (staggered), step until done; return each request's tokens."""
-    got: dict[str, list[int]] = {}
-    finished: dict[str, str] = {}
-    pending = list(enumerate(jobs))
-    steps = 0
-    while pending or engine.has_work():
-        for _ in range(arrivals_per_step):
-            if pending:
-                i, (prompt, max_tokens, _) = pending.pop(0)
-                engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                   ignore_eos=True))
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                finished[out.request_id] = out.finish_reason
-        steps += 1
-        assert steps < 5000, "engine made no progress"
-    assert all(reason == "length" for reason in finished.values())
-    return [got[f"r{i}"] for i in range(len(jobs))]
+    run = run_to_completion(engine, numbered(jobs), per_step=arrivals_per_step)
+    assert all(reason == "length" for reason in run.finish_reasons().values())
+    return run.numbered_tokens(len(jobs))
 
 
 def make_engine(model, tokenizer, *, pages=512, slots=17, page_size=16, mixed_prefill_decode=True, **sched):
@@ -115,14 +101,11 @@ def test_stop_ids_stop_strings_and_abort(tiny_model, tokenizer):
     engine.add_request("a", prompt, SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(free_run[4],),
                                                    ignore_eos=True))
     engine.add_request("b", prompt, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    outs = {}
-    for _ in range(3):
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
-    engine.abort_request("b")
-    while engine.has_work():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
+    def abort_b(step):
+        if step == 3:
+            engine.abort_request("b")
+
+    outs = run_to_completion(engine, before_step=abort_b).outputs
     a = outs["a"]
     assert a[-1].finished and a[-1].finish_reason == "stop" and a[-1].stop_reason == free_run[4]
     assert [t for o in a for t in o.new_token_ids] == free_run[: free_run.index(free_run[4]) + 1]
@@ -134,9 +117,7 @@ def test_stop_ids_stop_strings_and_abort(tiny_model, tokenizer):
     stop = text[3:6] if len(text) >= 6 else None
     if stop:
         engine.add_request("c", prompt, SamplingParams(max_tokens=12, temperature=0, stop=(stop,), ignore_eos=True))
-        outs = []
-        while engine.has_work():
-            outs += engine.step()
+        outs = run_to_completion(engine).outputs["c"]
         assert "".join(o.text for o in outs) == text[: text.index(stop)]
         assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason == stop
 
@@ -151,10 +132,7 @@ def test_seeded_sampling_is_reproducible_across_batches(tiny_model, tokenizer):
             engine.add_request(f"n{i}", tokenizer.encode(f"x = {i}\n"),
                                SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True))
         engine.add_request("s", prompt, params)
-        toks = []
-        while engine.has_work():
-            toks += [t for o in engine.step() if o.request_id == "s" for t in o.new_token_ids]
-        return toks
+        return run_to_completion(engine).tokens("s")
 
     assert run(0) == run(3)
 
@@ -192,10 +170,7 @@ def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer):
     engine.runner.forward = poisoned
     engine.add_request("good", [1, 2, 3], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     engine.add_request("bad", [4, 5, 6], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
-    outs = {}
-    while engine.has_work():
-        for o in engine.step():
-            outs.setdefault(o.request_id, []).append(o)
+    outs = run_to_completion(engine, allow_errors=True).outputs
     assert outs["good"][-1].finish_reason == "length"
     last = outs["bad"][-1]
     assert last.finish_reason == "error" and "non-finite" in last.error

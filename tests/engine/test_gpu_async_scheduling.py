@@ -5,6 +5,7 @@ rank's true K3 shapes (MXFP4 experts through the Triton kernel), decode steps re
 
 import pytest
 import torch
+from engine_run import run_to_completion
 from packed_experts import hold_packed
 
 from mstar.config import EngineConfig
@@ -90,12 +91,7 @@ def test_outputs_match_the_synchronous_loop(model, tokenizer):
     for overlap in (False, True):
         engine = make_engine(model, tokenizer, overlap)
         add_all(engine, SamplingParams(max_tokens=16, temperature=0, logprobs=1, ignore_eos=True))
-        got = {}
-        while engine.has_work():
-            for out in engine.step():
-                assert out.error is None
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        outputs[overlap] = got
+        outputs[overlap] = run_to_completion(engine).tokens_per_request()
         assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
     assert all(len(t) == 16 for t in outputs[True].values())
     # bf16 steps of a different batch (the overlapped loop runs one extra row for a request that stopped,

@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from engine_run import run_to_completion
 from logits_reference import ref_process, reference_processed_greedy
 
 from mstar.config import EngineConfig
@@ -134,12 +135,8 @@ def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dir
     ]
     jobs = [(prompts[0], p) for p in processed] + [(prompts[1], SamplingParams(max_tokens=10, temperature=0,
                                                                                ignore_eos=True))]
-    for i, (prompt, params) in enumerate(jobs):
-        engine.add_request(f"r{i}", prompt, params)
-    got: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    run = run_to_completion(engine, [(f"r{i}", prompt, params) for i, (prompt, params) in enumerate(jobs)])
+    got = run.tokens_per_request()
     for i, (prompt, params) in enumerate(jobs):
         stop_ids = frozenset(params.stop_token_ids)
         assert got[f"r{i}"] == reference_processed_greedy(tiny_model, prompt, params, stop_ids), params

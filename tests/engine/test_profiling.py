@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig, Environment, ServeConfigError
 from mstar.engine.core import EngineCore
@@ -23,8 +24,7 @@ def test_a_window_of_steps_is_traced(tiny_model, tiny_dir, tmp_path):
                           scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 64})
     engine = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), config, env=env)
     engine.add_request("a", list(range(5, 25)), SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    while engine.has_work():
-        engine.step()
+    run_to_completion(engine)
     trace = tmp_path / "mstar_steps_2-4.json"
     assert engine.profiler.trace_path == trace and engine.profiler.steps_seen == 8  # 1 prefill + 7 decodes
     events = json.loads(trace.read_text())["traceEvents"]

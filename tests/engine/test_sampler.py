@@ -12,12 +12,10 @@ from mstar.engine.sampler import (
     Sampler,
     SamplingBatch,
     filter_logits,
-    min_p_mask,
     request_generator,
     scale_by_temperature,
-    top_k_mask,
-    top_p_mask,
 )
+from mstar.kernels.sampling_masks import min_p_mask, top_k_mask, top_p_mask
 
 CPU = torch.device("cpu")
 

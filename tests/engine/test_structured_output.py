@@ -10,6 +10,7 @@ import re
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
@@ -67,13 +68,9 @@ def test_engine_outputs_match_their_grammar(tiny_model, tiny_dirs, mode):
     for i, g in enumerate(grammars):
         engine.add_request(f"g{i}", prompts[i], SamplingParams(max_tokens=60, temperature=i * 0.5, grammar=g))
     engine.add_request("plain", prompts[3], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
-    got: dict[str, list[int]] = {}
-    reasons = {}
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.request_id] = out.finish_reason
+    run = run_to_completion(engine)
+    got = run.tokens_per_request()
+    reasons = run.finish_reasons()
     stops = engine.model_stop_ids
 
     def text(rid):

@@ -14,6 +14,7 @@ import torch
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="Triton's interpreter (no GPU)")
 
 fla_kda = pytest.importorskip("fla.ops.kda")
+from engine_run import numbered, run_to_completion  # noqa: E402
 
 from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
@@ -151,7 +152,6 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
 
     from mstar.config import EngineConfig
     from mstar.engine.core import EngineCore, SpeculativeModels
-    from mstar.engine.params import SamplingParams
     from mstar.models.dspark.model import K3DSparkModel
     from mstar.models.kimi_k3.generate import greedy_generate
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -168,11 +168,6 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
                        model_kwargs={"speculative_tokens": 3})
     core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dirs[0]), cfg, SpeculativeModels(draft))
     core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
-    for i, (prompt, max_tokens, _) in enumerate(jobs):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    got = {}
-    while core.has_work():
-        for out in core.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
     assert core.spec.num_rows > 0  # verify steps ran
-    assert_greedy_matches(tiny_model, jobs, [got[f"r{i}"] for i in range(len(jobs))])
+    assert_greedy_matches(tiny_model, jobs, got)

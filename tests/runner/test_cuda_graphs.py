@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
@@ -55,8 +56,7 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
     core.runner.forward = lambda plan, taps=(): (plans.append(plan), forward(plan, taps))[1]
     for i, n in enumerate((3, 70, 1, 12)):
         core.add_request(f"r{i}", list(range(5, 5 + n)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
-    while core.has_work():
-        core.step()
+    run_to_completion(core)
     assert any(p.decode for p in plans) and any(not p.decode for p in plans)
     for p in plans:
         one_row = all(p.seq_starts[b + 1] - p.seq_starts[b] == 1 for b in range(len(p.seq_starts) - 1))

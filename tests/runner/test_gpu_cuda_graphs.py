@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_run import run_to_completion
 from packed_experts import hold_packed
 
 from mstar.config import EngineConfig
@@ -190,13 +191,9 @@ def serve_greedy(engines: dict[str, EngineCore], prompts: list[list[int]], max_t
     for name, engine in engines.items():
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-        got, errors = {}, []
-        while engine.has_work():
-            for out in engine.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-                errors += [out.error] if out.error else []
-        assert not errors, (name, errors)
-        outputs[name] = got
+        run = run_to_completion(engine, allow_errors=True)
+        assert not run.errors(), (name, run.errors())
+        outputs[name] = run.tokens_per_request()
         assert engine.pool.num_used == 0 and engine.kv.allocator.num_used == 0
     return outputs
 

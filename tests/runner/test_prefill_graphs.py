@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
-from mstar.engine.params import SamplingParams
 from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
@@ -249,14 +249,8 @@ def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model,
     run = graphs.run
     graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
     core.runner.graphs = [graphs]
-    for i, (prompt, max_tokens, _) in enumerate(jobs):
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    got = {}
-    while core.has_work():
-        for out in core.step():
-            assert out.error is None, out.error
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
     rows = [(c, p.seq_starts[b + 1] - p.seq_starts[b]) for p in staged for b, c in enumerate(p.num_computed)]
     assert any(cached and n > 1 for cached, n in rows)  # a chunked prompt's continuation ran staged
     assert graphs.replays == len(staged) > 0
-    assert_greedy_matches(tiny_model, jobs, [got[f"r{i}"] for i in range(len(jobs))])
+    assert_greedy_matches(tiny_model, jobs, got)

@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
@@ -43,10 +44,7 @@ def test_cuda_served_greedy_equals_cpu_reference(tiny_dirs, tiny_model, kernels,
         max_tokens = rng.randint(4, 24)
         jobs.append((prompt, greedy_generate(tiny_model, prompt, max_tokens)))
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    got: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    got = run_to_completion(engine).tokens_per_request()
     for i, (prompt, expect) in enumerate(jobs):
         assert got[f"r{i}"] == expect, f"prompt of {len(prompt)} tokens"
     assert engine.kv.allocator.num_used == 0 and engine.pool.num_used == 0

@@ -7,10 +7,8 @@ import asyncio
 import signal
 
 import httpx
-import openai
-import pytest
 from greedy_ties import assert_greedy_matches
-from live_server import LiveServer, start_mstar_serve, wait_until
+from live_server import LiveServer, live_fixtures, start_mstar_serve, tiny_engine_fixture, wait_until
 from paths import ROOT
 
 from mstar.config import load_serve_config
@@ -22,27 +20,8 @@ CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=1024",
-                                     "resources.mla_kv.max_num_pages=512", "scheduler.max_num_batched_tokens=256"])
-    engine = build_engine(cfg)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    live = LiveServer(build_app(engine, served_model_name=MODEL))
-    live.start()
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
+engine = tiny_engine_fixture(max_seq_len=1024, kv_pages=512)
+server, client = live_fixtures(MODEL, timeout=60)
 
 
 def pools_empty(engine) -> bool:

@@ -12,15 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema_rs
 import openai
 import pytest
-from live_server import LiveServer
-from paths import ROOT
+from live_server import live_fixtures, tiny_engine_fixture
 
-from mstar.config import load_serve_config
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.serve import build_engine
-from mstar.server import build_app
 
-CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 HI = [{"role": "user", "content": "Give me a person as JSON."}]
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -29,22 +24,9 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=1024",
-                                     "resources.mla_kv.max_num_pages=256", "scheduler.max_num_batched_tokens=256"])
-    engine = build_engine(cfg)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def client(engine):
-    live = LiveServer(build_app(engine, served_model_name=MODEL))
-    live.start()
-    with openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-    live.stop()
+# 1024: the forced tool-call tests' declarations take 525 prompt tokens in the tiny vocabulary
+engine = tiny_engine_fixture(max_seq_len=1024, kv_pages=256)
+server, client = live_fixtures(MODEL, timeout=120)
 
 
 def test_json_schema_outputs_validate(client):

@@ -7,45 +7,21 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import live_fixtures, tiny_engine_fixture
 from logits_reference import reference_processed_greedy
-from paths import ROOT
 
-from mstar.config import load_serve_config
 from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.chat import encode_chat
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.serve import build_engine
-from mstar.server import build_app
 from mstar.server.protocol import REFUSED
 
-CONFIG = ROOT / "configs" / "kimi_k3_tiny.yaml"
 MODEL = "kimi_k3_tiny"
 GREEDY = {"ignore_eos": True, "return_token_ids": True}
 HI = [{"role": "user", "content": "Say hi."}]
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    cfg = load_serve_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=512",
-                                     "resources.mla_kv.max_num_pages=128", "scheduler.max_num_batched_tokens=256"])
-    engine = build_engine(cfg)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    live = LiveServer(build_app(engine, served_model_name=MODEL))
-    live.start()
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60) as c:
-        yield c
+engine = tiny_engine_fixture(max_seq_len=512, kv_pages=128)
+server, client = live_fixtures(MODEL, timeout=60)
 
 
 @pytest.fixture(scope="module")

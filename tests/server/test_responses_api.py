@@ -8,8 +8,8 @@ import json
 
 import pytest
 
+from mstar.models.kimi_k3.assistant_output import Piece
 from mstar.models.kimi_k3.tool_grammar import forced_tool_call_grammar
-from mstar.server.assistant_stream import Piece
 from mstar.server.errors import APIError
 from mstar.server.responses_api import OutputItems, ResponsesRequest, chat_messages, chat_tools, tool_call_grammar
 

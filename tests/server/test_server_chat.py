@@ -9,7 +9,8 @@ import pytest
 from fake_engine import EXPECTED_TOOL_CALLS, FakeEngine, shared_tokenizer, sse
 from fastapi.testclient import TestClient
 
-from mstar.models.kimi_k3.chat import encode_chat, parse_assistant_output
+from mstar.models.kimi_k3.assistant_output import parse_assistant_output
+from mstar.models.kimi_k3.chat import encode_chat
 from mstar.models.kimi_k3.tool_grammar import forced_tool_call_grammar
 from mstar.server import build_app
 

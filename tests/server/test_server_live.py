@@ -10,9 +10,7 @@ import httpx
 import openai
 import pytest
 from fake_engine import EXPECTED_TOOL_CALLS, FakeEngine, shared_tokenizer
-from live_server import LiveServer, wait_until
-
-from mstar.server import build_app
+from live_server import live_fixtures, wait_until
 
 MODEL = "kimi-k3-live"
 CANCELLED = f'mstar_request_failure_total{{model_name="{MODEL}",reason="cancelled"}}'
@@ -24,18 +22,7 @@ def engine(tmp_path_factory):
     return FakeEngine(shared_tokenizer(tmp_path_factory), max_seq_len=2048)
 
 
-@pytest.fixture(scope="module")
-def server(engine):
-    live = LiveServer(build_app(engine, served_model_name=MODEL))
-    live.start()
-    yield live
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=20) as client:
-        yield client
+server, client = live_fixtures(MODEL, timeout=20)
 
 
 # ---- the openai client ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import random
 import pytest
 from fake_engine import MALFORMED_TOOLS, VALID_TOOLS, shared_tokenizer
 
-from mstar.models.kimi_k3.chat import parse_assistant_output
+from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, parse_assistant_output
 from mstar.models.kimi_k3.tokenizer import (
     BOS,
     CLOSE,
@@ -21,7 +21,6 @@ from mstar.models.kimi_k3.tokenizer import (
     IncrementalDetokenizer,
     Segment,
 )
-from mstar.server.assistant_stream import AssistantStreamParser
 from mstar.server.output_segments import AlignedSegmenter
 
 
@@ -76,7 +75,7 @@ def _stream(tok, ids: list[int], rng: random.Random, thinking: bool, cut_chars: 
     detok = IncrementalDetokenizer(tok, skip_special=True)
     engine_text_sent = 0
     segmenter = AlignedSegmenter(tok)
-    parser = AssistantStreamParser(thinking)
+    parser = AssistantOutputParser(thinking)
     fields = {"reasoning": "", "content": "", "tool_calls": []}
     released: list[Segment] = []
     i = 0
@@ -123,7 +122,7 @@ def test_stream_parser_equals_whole_parse(tok, rng, thinking):
 
 
 def test_stream_parser_emits_text_as_it_arrives(tok):
-    parser = AssistantStreamParser(thinking=True)
+    parser = AssistantOutputParser(thinking=True)
     assert parser.push([Segment("I wonder")]) == [("reasoning", "I wonder")]
     assert parser.push([Segment(CLOSE, True), Segment("think")]) == []  # waits for <|sep|>
     assert parser.push([Segment(SEP, True), Segment(OPEN, True), Segment("response"), Segment(SEP, True)]) == []

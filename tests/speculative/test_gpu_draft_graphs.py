@@ -55,20 +55,20 @@ def test_graph_replay_equals_eager_and_reference(draft_and_heads):
     contexts = [37, 5, 100]  # three blocks in the 4-bucket: one padding block
     anchors, starts, table, row_slots = blocks_of(contexts, k, kv)
     greedy = [DraftSampling()] * len(contexts)
-    reference = draft.propose_blocks(
-        BlockBatch(anchors, starts, (k,) * 3, PagedContext(kv, table, starts, max(contexts)), max(contexts)),
-        embed, lm_head, greedy)
+    reference_hidden = draft.blocks_hidden(
+        BlockBatch(anchors, starts, (k,) * 3, PagedContext(kv, table, starts, max(contexts)), max(contexts)), embed)
     blocks = paged.PagedBlocks.build(anchors, starts, (k,) * 3, table, row_slots, PAGE)
-    eager = draft.propose_from_hidden(paged.paged_blocks_hidden(draft, kv.cache, blocks, embed), anchors, (k,) * 3,
-                                      lm_head, greedy)
+    eager_hidden = paged.paged_blocks_hidden(draft, kv.cache, blocks, embed)
     replayed = graphs.run(anchors, starts, table, row_slots)
+    replayed_hidden = graphs.graphs[4][1][:3]  # the 4-bucket graph's hidden states, its proposals' source
     torch.cuda.synchronize()
     assert len(replayed) == 3
     def rel(a, b):
         return float((a.float() - b.float()).norm() / b.float().norm())
 
-    for got, want, ref in zip(replayed, eager, reference, strict=True):
-        assert rel(got.hidden, want.hidden) < 1e-2  # the same kernels at the bucket's shape (GEMM tiles may differ)
-        assert rel(got.hidden, ref.hidden) < 3e-2  # bf16: the paged kernel against the gathered reference
+    # the same kernels at the bucket's shape (GEMM tiles may differ); bf16: the paged kernel against the gathered
+    # reference
+    assert rel(replayed_hidden, eager_hidden) < 1e-2 and rel(replayed_hidden, reference_hidden) < 3e-2
+    for got in replayed:
         assert torch.isfinite(got.probs).all() and got.tokens.shape == (k,)
     assert not graphs.can_run((k, k - 1), greedy[:2]) and not graphs.can_run((k,), [DraftSampling(1.0)])

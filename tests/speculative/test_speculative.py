@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from engine_run import greedy, numbered, run_to_completion
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
@@ -46,19 +47,9 @@ def make_engine(model, tokenizer, draft, k, schedule=(), mixed_prefill_decode=Tr
     return EngineCore(model, tokenizer, cfg, SpeculativeModels(draft) if k else None)
 
 
-def run(engine, jobs, params=lambda mt: SamplingParams(max_tokens=mt, temperature=0, ignore_eos=True)):
-    got = {}
-    pending = list(enumerate(jobs))
-    steps = 0
-    while pending or engine.has_work():
-        if pending:
-            i, (prompt, max_tokens, _) = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params(max_tokens))
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        steps += 1
-        assert steps < 3000
-    return [got[f"r{i}"] for i in range(len(jobs))], steps
+def run(engine, jobs, params=greedy):
+    result = run_to_completion(engine, numbered(jobs, params), per_step=1, max_steps=3000)
+    return result.numbered_tokens(len(jobs)), result.steps
 
 
 def oracle_engine(model, tokenizer, draft, jobs, k, error_rate, schedule=(), **sched):

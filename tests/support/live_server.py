@@ -1,39 +1,54 @@
-"""A uvicorn server on a free loopback port in a background thread, for live HTTP tests."""
+"""Live HTTP tests: the tiny engine and the server on loopback as fixtures, and `mstar-serve` as a process."""
 
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
-import uvicorn
+import openai
+import pytest
+from paths import ROOT
+
+from mstar.config import load_serve_config
+from mstar.serve import build_engine
+from mstar.server import build_app
+from mstar.tools.live_server import LiveServer
+
+__all__ = ["LiveServer", "live_fixtures", "start_mstar_serve", "tiny_engine_fixture", "wait_until"]
 
 
-class LiveServer:
-    """uvicorn serving `app` on a free loopback port, in a daemon thread; `stop` shuts it down."""
+def tiny_engine_fixture(max_seq_len: int, kv_pages: int):
+    """A module-scoped `engine` fixture: the tiny checkpoint served as configs/kimi_k3_tiny.yaml says, with
+    `max_seq_len`, `kv_pages` latent KV pages and a 256-token step budget; shut down after the module."""
 
-    def __init__(self, app, **config):
-        """`config`: more `uvicorn.Config` arguments (e.g. `http`, a protocol class)."""
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **config)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+    @pytest.fixture(scope="module")
+    def engine(tiny_dir):
+        cfg = load_serve_config(ROOT / "configs" / "kimi_k3_tiny.yaml", [
+            f"checkpoint={tiny_dir}", f"max_seq_len={max_seq_len}", f"resources.mla_kv.max_num_pages={kv_pages}",
+            "scheduler.max_num_batched_tokens=256"])
+        engine = build_engine(cfg)
+        yield engine
+        engine.shutdown()
 
-    def start(self) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
+    return engine
 
-    def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
-        assert not self._thread.is_alive(), "uvicorn did not stop"
+
+def live_fixtures(model: str, timeout: float):
+    """Module-scoped `server` (a LiveServer over the module's `engine` fixture, served as `model`) and
+    `client` (an `openai.OpenAI` on it, no retries, `timeout` seconds a request) fixtures:
+    `server, client = live_fixtures(MODEL, 60)` at module level."""
+
+    @pytest.fixture(scope="module")
+    def server(engine):
+        with LiveServer(build_app(engine, served_model_name=model)) as live:
+            yield live
+
+    @pytest.fixture(scope="module")
+    def client(server):
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=timeout) as c:
+            yield c
+
+    return server, client
 
 
 def wait_until(condition, timeout: float = 5.0) -> bool:

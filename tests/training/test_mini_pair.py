@@ -8,12 +8,12 @@ from importlib import resources
 
 import pytest
 import torch
+from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches
 from paths import ROOT
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
-from mstar.engine.params import SamplingParams
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -48,13 +48,7 @@ def serve(pair, jobs, k: int) -> tuple[list[list[int]], EngineCore]:
                           scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512},
                           model_kwargs={"speculative_tokens": k})
     engine = EngineCore(target, tokenizer, config, SpeculativeModels(draft) if k else None)
-    for i, (prompt, max_tokens, _) in enumerate(jobs):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    got: dict[str, list[int]] = {}
-    while engine.has_work():
-        for out in engine.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    return [got[f"r{i}"] for i in range(len(jobs))], engine
+    return run_to_completion(engine, numbered(jobs)).numbered_tokens(len(jobs)), engine
 
 
 def test_dspark_on_equals_off_and_keeps_its_acceptance(pair, jobs):

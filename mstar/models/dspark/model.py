@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from mstar.kernels.sampling_masks import min_p_mask, top_k_mask, top_p_mask
 from mstar.kernels.temperature import scale_by_temperature_finite
 from mstar.models.dspark.config import DSparkConfig
 from mstar.models.dspark.rope import YarnRotaryEmbedding
@@ -134,25 +135,18 @@ class DraftCache:
 
 @dataclass
 class DraftProposal:
-    """One block of drafts and the exact distributions they came from.
+    """One block of drafts and the exact distributions they came from: what verification reads.
 
     tokens       [k]     the drafts x_1 .. x_k (long)
-    probs        [k, V]  q_j, the distribution x_j was drawn from (one-hot of the argmax when greedy)
-    logits       [k, V]  the logits q_j is the softmax of: (U_j + W2 W1[x_{j-1}]) / T, top-k/top-p masked to
-                         -inf; the unscaled corrected logits when greedy
-    base_logits  [k, V]  U_j = lm_head(final_norm(h_j)), before the Markov bias
-    hidden       [k, D]  h_j, the final-normed block hidden states
-    confidence   [k]     c_j in (0, 1), or None when the draft has no confidence head
-    greedy       True when temperature == 0
+    probs        [k, V]  q_j = softmax((U_j + W2 W1[x_{j-1}]) / T), top-k/top-p/min-p masked, the distribution
+                         x_j was drawn from (one-hot of the argmax of U_j + W2 W1[x_{j-1}] when greedy), where
+                         U_j = lm_head(h_j) and h_j are the block's final-normed hidden states (`blocks_hidden`)
+
+    The confidence head (c_j, `confidence`) is not run here: verification does not read it; training does.
     """
 
     tokens: Tensor
     probs: Tensor
-    logits: Tensor
-    base_logits: Tensor
-    hidden: Tensor
-    confidence: Tensor | None
-    greedy: bool
 
 
 @dataclass(frozen=True)
@@ -162,6 +156,7 @@ class DraftSampling:
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None
     generator: torch.Generator | None = None
 
 
@@ -207,31 +202,29 @@ class BlockBatch:
 
 
 def draft_distribution(
-    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None
+    logits: Tensor, temperature: float, top_k: int | None = None, top_p: float | None = None,
+    min_p: float | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """(processed logits, q) for logits [..., V]: divide by the temperature, then keep the top_k largest
-    (ties with the k-th kept), then the smallest set of most likely tokens whose mass reaches top_p (the most
-    likely always kept); everything else gets -inf. Computed in at least fp32; finite logits stay finite at
-    any temperature (kernels/temperature.py)."""
+    """(processed logits, q) for logits [..., V]: divide by the temperature, then drop what the target's
+    sampler drops (kernels/sampling_masks.py, in its order: top-k, top-p, min-p; ties at a boundary kept);
+    dropped tokens get -inf. Computed in at least fp32; finite logits stay finite at any temperature
+    (kernels/temperature.py)."""
     if not temperature > 0:
         raise ValueError(f"temperature={temperature}: a sampled draft needs temperature > 0 (0 means greedy)")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k={top_k} must be >= 1 (or None for no top-k)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no top-p)")
+    if min_p is not None and not 0 <= min_p <= 1:
+        raise ValueError(f"min_p={min_p} must be in [0, 1] (or None for no min-p)")
     z = scale_by_temperature_finite(at_least_fp32(logits), temperature)
+    rows = z.shape[:-1]
     if top_k is not None:
-        if top_k < 1:
-            raise ValueError(f"top_k={top_k} must be >= 1 (or None for no top-k)")
-        if top_k < z.shape[-1]:
-            kth = z.topk(top_k, dim=-1).values[..., -1:]
-            z = z.masked_fill(z < kth, float("-inf"))
-    if top_p is not None:
-        if not 0 < top_p <= 1:
-            raise ValueError(f"top_p={top_p} must be in (0, 1] (or None for no top-p)")
-        if top_p < 1:
-            sorted_z, order = z.sort(dim=-1, descending=True)
-            sorted_p = sorted_z.softmax(dim=-1)
-            mass_before = sorted_p.cumsum(dim=-1) - sorted_p  # mass of strictly more likely tokens
-            drop_sorted = mass_before >= top_p
-            drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-            z = z.masked_fill(drop, float("-inf"))
+        z = z.masked_fill(top_k_mask(z, z.new_full(rows, top_k, dtype=torch.long), top_k), float("-inf"))
+    if top_p is not None and top_p < 1:
+        z = z.masked_fill(top_p_mask(z, z.new_full(rows, top_p)), float("-inf"))
+    if min_p:
+        z = z.masked_fill(min_p_mask(z, z.new_full(rows, min_p)), float("-inf"))
     return z, z.softmax(dim=-1)
 
 
@@ -518,15 +511,16 @@ class K3DSparkModel(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
         """Draft `num_drafts` tokens after `anchor_token` (at `anchor_pos`); `cache` is read, never written.
 
         temperature 0: greedy, x_j = argmax(U_j + W2 W1[x_{j-1}]). temperature > 0: x_j ~ q_j =
-        softmax((U_j + W2 W1[x_{j-1}]) / T), optionally top-k then top-p filtered (as the target's sampler would;
+        softmax((U_j + W2 W1[x_{j-1}]) / T), optionally top-k, top-p and min-p filtered (as the target's sampler would;
         the verifier must use exactly these q_j). `generator` drives the draws (torch.multinomial)."""
         block = self.cache_block(cache, anchor_token, anchor_pos, num_drafts)
-        sampling = DraftSampling(temperature, top_k, top_p, generator)
+        sampling = DraftSampling(temperature, top_k, top_p, min_p, generator)
         return self.propose_blocks(block, embed, lm_head, [sampling])[0]
 
     @torch.no_grad()
@@ -555,45 +549,33 @@ class K3DSparkModel(nn.Module):
             raise ValueError(f"lm_head returned {tuple(base_logits.shape)}; expected [{n * k_max}, {vocab}]")
         base_logits = base_logits.view(n, k_max, vocab)
         tokens, drawn = self.markov_blocks(base_logits, anchors, num_drafts, sampling)
-        prev_tokens = torch.cat([anchors[:, None], tokens[:, :-1]], dim=1)
-        confidence = self.confidence(hidden, prev_tokens)
-        return [
-            DraftProposal(
-                tokens=tokens[b, :k],
-                probs=probs,
-                logits=logits,
-                base_logits=base_logits[b, :k],
-                hidden=hidden[b, :k],
-                confidence=None if confidence is None else confidence[b, :k],
-                greedy=s.temperature == 0,
-            )
-            for b, (k, s, (logits, probs)) in enumerate(zip(num_drafts, sampling, drawn, strict=True))
-        ]
+        return [DraftProposal(tokens=tokens[b, :k], probs=probs) for b, (k, probs) in
+                enumerate(zip(num_drafts, drawn, strict=True))]
 
     def markov_blocks(
         self, base_logits: Tensor, anchors: Tensor, num_drafts: Sequence[int], sampling: Sequence[DraftSampling]
-    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
-        """The Markov stage of B blocks: (tokens [B, k_max], per block (logits [k, V], q [k, V])).
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The Markov stage of B blocks: (tokens [B, k_max], per block q [k, V]).
 
         Greedy blocks run as one batch: all B rows go through one argmax chain, which costs no more than
         picking the greedy rows out, and a sampled block's row of it is overwritten. A sampled block runs
         alone, so its generator makes exactly the calls it made when that block was drafted by itself."""
         greedy = [s.temperature == 0 for s in sampling]
         if any(greedy):
-            tokens, logits, probs = self.markov_sample(base_logits, anchors)
+            tokens, _, probs = self.markov_sample(base_logits, anchors)
         else:
             tokens = anchors.new_zeros(base_logits.shape[:2])
         drawn = []
         for b, (k, s) in enumerate(zip(num_drafts, sampling, strict=True)):
             if greedy[b]:
-                drawn.append((logits[b, :k], probs[b, :k]))
+                drawn.append(probs[b, :k])
                 continue
-            block_tokens, block_logits, block_probs = self.markov_sample(
+            block_tokens, _, block_probs = self.markov_sample(
                 base_logits[b, :k], anchors[b], temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                generator=s.generator,
+                min_p=s.min_p, generator=s.generator,
             )
             tokens[b, :k] = block_tokens
-            drawn.append((block_logits, block_probs))
+            drawn.append(block_probs)
         return tokens, drawn
 
     @torch.no_grad()
@@ -605,12 +587,14 @@ class K3DSparkModel(nn.Module):
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float | None = None,
+        min_p: float | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The sequential stage: base logits U [..., k, V] -> (tokens [..., k], logits [..., k, V], q [..., k, V]),
-        left to right, slot j conditioned on x_{j-1} (x_0 = the anchor, anchor_tokens [...]). See `DraftProposal`
-        for what logits and q hold. Greedy chains may be batched (leading dims); a sampled one is one block
-        ([k, V]), since its draws come from the generator of one request."""
+        left to right, slot j conditioned on x_{j-1} (x_0 = the anchor, anchor_tokens [...]). The logits are
+        U_j + W2 W1[x_{j-1}], divided by T and masked when sampled (q their softmax, see `DraftProposal`).
+        Greedy chains may be batched (leading dims); a sampled one is one block ([k, V]), since its draws come
+        from the generator of one request."""
         if temperature < 0:
             raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy)")
         if temperature > 0 and base_logits.dim() != 2:
@@ -626,7 +610,7 @@ class K3DSparkModel(nn.Module):
                 token = corrected.argmax(dim=-1)
                 row_logits, row_probs = corrected, one_hot_probs(token.clamp(0, vocab - 1), vocab, corrected.dtype)
             else:
-                row_logits, row_probs = draft_distribution(corrected, temperature, top_k, top_p)
+                row_logits, row_probs = draft_distribution(corrected, temperature, top_k, top_p, min_p)
                 # Draft numbers gone bad (NaN context rows) must not fail the step for every request: the
                 # slot proposes its argmax with q one-hot, still the distribution the draft was drawn from,
                 # so verification stays exact; only this request's acceptance suffers (and NaN target

@@ -19,7 +19,7 @@ is JSON under the property's own schema (`%json`, written as `json.dumps` writes
 chat.py renders it). A schema the per-argument form cannot express exactly (a string `pattern` or
 `format`, a property without a `type`, `anyOf` at the top, `patternProperties`, ...) makes that tool's
 calls carry the whole arguments object as one JSON block, `<|open|>json type="object"<|sep|>{...}
-<|close|>json<|sep|>`, which chat.py's parser also reads: valid under the schema either way.
+<|close|>json<|sep|>`, which assistant_output.py's parser also reads: valid under the schema either way.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mstar.engine.params import SamplingParams
+from mstar.engine.sampler import SamplingBatch, filter_logits
 from mstar.models.dspark import FIXTURE_PATH, expected_dspark_tensors, load_dspark_checkpoint, load_dspark_config
 from mstar.models.dspark.config import YarnRopeConfig
 from mstar.models.dspark.model import DraftCache, K3DSparkModel, draft_distribution
@@ -197,25 +199,30 @@ def test_block_forward_matches_expanded_reference(draft, target_io, anchor_pos, 
     taps = _taps(cfg, anchor_pos + stale_rows)
     anchor = int(torch.randint(0, cfg.vocab_size, ()))
     k = 7
-    proposal = draft.propose(_cache(draft, taps), anchor, anchor_pos, k, embed, lm_head)
+    cache = _cache(draft, taps)
+    proposal = draft.propose(cache, anchor, anchor_pos, k, embed, lm_head)
     h, base = _reference_block(draft, taps, anchor, anchor_pos, k, embed.weight.detach(), lm_head.weight.detach())
-    assert (proposal.hidden - h).abs().max() < 1e-10
-    assert (proposal.base_logits - base).abs().max() < 1e-10
+    hidden = draft.block_hidden(cache, anchor, anchor_pos, k, embed)
+    assert (hidden - h).abs().max() < 1e-10
+    assert (lm_head(hidden) - base).abs().max() < 1e-10
+    assert torch.equal(proposal.tokens, draft.markov_sample(base, anchor)[0])  # the greedy chain over U_j
     # confidence c_j = sigmoid(w . [h_j ; W1[x_{j-1}]] + b), x_0 = the anchor
     sd = draft.state_dict()
     prev = torch.cat([torch.tensor([anchor]), proposal.tokens[:-1]])
     features = torch.cat([h, sd["markov_head.markov_w1.weight"][prev]], dim=-1)
     conf = torch.sigmoid(features @ sd["confidence_head.proj.weight"][0] + sd["confidence_head.proj.bias"])
-    assert (proposal.confidence - conf).abs().max() < 1e-12
+    assert (draft.confidence(hidden, prev) - conf).abs().max() < 1e-12
 
 
 def test_single_draft_block(draft, target_io):
     cfg = draft.config
     taps = _taps(cfg, 4)
     embed, lm_head = target_io
-    proposal = draft.propose(_cache(draft, taps), 3, 4, 1, embed, lm_head)
+    cache = _cache(draft, taps)
+    proposal = draft.propose(cache, 3, 4, 1, embed, lm_head)
     h, base = _reference_block(draft, taps, 3, 4, 1, embed.weight.detach(), lm_head.weight.detach())
-    assert proposal.tokens.shape == (1,) and (proposal.base_logits - base).abs().max() < 1e-10
+    assert (lm_head(draft.block_hidden(cache, 3, 4, 1, embed)) - base).abs().max() < 1e-10
+    assert torch.equal(proposal.tokens, draft.markov_sample(base, 3)[0])
 
 
 # --- the Markov head -------------------------------------------------------------------------------------
@@ -238,15 +245,18 @@ def test_greedy_follows_corrected_argmax_and_slot0_uses_anchor(draft, target_io)
     cfg = draft.config
     embed, lm_head = target_io
     anchor = int(torch.randint(0, cfg.vocab_size, ()))
-    p = draft.propose(_cache(draft, _taps(cfg, 9)), anchor, 9, 7, embed, lm_head)
+    cache = _cache(draft, _taps(cfg, 9))
+    p = draft.propose(cache, anchor, 9, 7, embed, lm_head)
+    base = lm_head(draft.block_hidden(cache, anchor, 9, 7, embed))
     sd = draft.state_dict()
     w1, w2 = sd["markov_head.markov_w1.weight"], sd["markov_head.markov_w2.weight"]
-    assert torch.allclose(p.logits[0], p.base_logits[0] + w2 @ w1[anchor], rtol=0, atol=1e-12)
+    _, logits, _ = draft.markov_sample(base, anchor)
+    assert torch.allclose(logits[0], base[0] + w2 @ w1[anchor], rtol=0, atol=1e-12)
     prev = torch.cat([torch.tensor([anchor]), p.tokens[:-1]])
-    corrected = p.base_logits + w1[prev] @ w2.T
-    assert torch.allclose(p.logits, corrected, rtol=0, atol=1e-12)
+    corrected = base + w1[prev] @ w2.T
+    assert torch.allclose(logits, corrected, rtol=0, atol=1e-12)
     assert torch.equal(p.tokens, corrected.argmax(-1))
-    assert p.greedy and torch.equal(p.probs, F.one_hot(p.tokens, cfg.vocab_size).to(p.probs.dtype))
+    assert torch.equal(p.probs, F.one_hot(p.tokens, cfg.vocab_size).to(p.probs.dtype))
 
 
 def test_nan_row_cannot_push_an_id_out_of_range(draft):
@@ -283,17 +293,18 @@ def test_sampled_drafts_are_reproducible_and_follow_q(draft, target_io):
 
     runs = [run(5), run(5), run(6)]
     assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].probs, runs[1].probs)
+    base = lm_head(draft.block_hidden(cache, anchor, 11, 7, embed))
     for p in runs:
         prev = torch.cat([torch.tensor([anchor]), p.tokens[:-1]])
-        q = (draft.markov_logits(p.base_logits, prev) / temp).softmax(-1)
-        assert not p.greedy and (p.probs - q).abs().max() < 1e-12
+        q = (draft.markov_logits(base, prev) / temp).softmax(-1)
+        assert (p.probs - q).abs().max() < 1e-12
         assert torch.allclose(p.probs.sum(-1), torch.ones(7, dtype=F64))
         assert torch.all(p.probs[torch.arange(7), p.tokens] > 0)
     # top-k then top-p keep exactly the documented support
     p = draft.propose(cache, anchor, 11, 7, embed, lm_head, temperature=temp, top_k=20, top_p=0.6,
                       generator=torch.Generator().manual_seed(1))
     prev = torch.cat([torch.tensor([anchor]), p.tokens[:-1]])
-    full = (draft.markov_logits(p.base_logits, prev) / temp).softmax(-1)
+    full = (draft.markov_logits(base, prev) / temp).softmax(-1)
     for j in range(7):
         kept = (p.probs[j] > 0).nonzero().flatten()
         ranked = full[j].argsort(descending=True)
@@ -324,9 +335,27 @@ def test_sequential_sampling_matches_the_chain_distribution(draft):
     assert torch.all((counts - n * expected).abs() <= 5 * sigma + 2)
 
 
+@pytest.mark.parametrize("ties", [False, True])
+def test_draft_distribution_filters_as_the_target_sampler(ties):
+    """q_j is the target sampler's distribution for the same parameters (one set of masks): random logits,
+    with ties at the boundaries or not, and random temperature, top-k, top-p and min-p per row."""
+    rows, vocab = 24, 40
+    logits = torch.randint(-3, 3, (rows, vocab)).float() if ties else torch.randn(rows, vocab) * 3
+    for i in range(rows):
+        params = SamplingParams(temperature=random.uniform(0.2, 2.0), top_k=random.choice([0, 1, 5, vocab]),
+                                top_p=random.choice([1.0, 0.9, 0.3]), min_p=random.choice([0.0, 0.1, 0.5]))
+        batch = SamplingBatch.build([params], [None], "cpu")
+        expected = filter_logits(logits[i : i + 1], batch)[0]
+        z, q = draft_distribution(logits[i], params.temperature, params.top_k or None,
+                                  params.top_p if params.top_p < 1 else None, params.min_p or None)
+        assert torch.equal(z == float("-inf"), expected == float("-inf")), f"row {i}: {params}"
+        torch.testing.assert_close(q, expected.softmax(-1))
+
+
 def test_draft_distribution_rejects_bad_arguments():
     z = torch.randn(5)
-    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 0}, {"temperature": 1.0, "top_p": 0.0}):
+    for kwargs in ({"temperature": 0.0}, {"temperature": 1.0, "top_k": 0}, {"temperature": 1.0, "top_p": 0.0},
+                   {"temperature": 1.0, "min_p": 1.5}):
         with pytest.raises(ValueError):
             draft_distribution(z, **kwargs)
 
@@ -362,7 +391,9 @@ def test_trimmed_cache_equals_a_cache_of_the_prefix(draft, target_io):
     anchor = int(torch.randint(0, cfg.vocab_size, ()))
     a = draft.propose(trimmed, anchor, n, 7, embed, lm_head)
     b = draft.propose(fresh, anchor, n, 7, embed, lm_head)
-    assert torch.equal(a.tokens, b.tokens) and (a.base_logits - b.base_logits).abs().max() < 1e-12
+    assert torch.equal(a.tokens, b.tokens)
+    hidden_a, hidden_b = (draft.block_hidden(c, anchor, n, 7, embed) for c in (trimmed, fresh))
+    assert (hidden_a - hidden_b).abs().max() < 1e-12
     # continuing after the trim equals a cache built in one go
     more = _taps(cfg, 4)
     draft.extend_context(trimmed, more)
@@ -409,7 +440,8 @@ def test_taps_from_tiny_target_drive_a_proposal(tiny_model_fp64, draft):
     embed, lm_head = target.model.embed_tokens, target.lm_head
     for kwargs in ({}, {"temperature": 0.8, "top_p": 0.95, "generator": torch.Generator().manual_seed(3)}):
         p = draft.propose(cache, anchor, t, 7, embed, lm_head, **kwargs)
-        assert p.tokens.shape == (7,) and p.probs.shape == p.base_logits.shape == (7, cfg.vocab_size)
-        assert p.hidden.shape == (7, cfg.hidden_size) and p.confidence.shape == (7,)
-        assert torch.isfinite(p.base_logits).all() and torch.isfinite(p.probs).all()
-        assert torch.all((p.confidence > 0) & (p.confidence < 1))
+        assert p.tokens.shape == (7,) and p.probs.shape == (7, cfg.vocab_size) and torch.isfinite(p.probs).all()
+        hidden = draft.block_hidden(cache, anchor, t, 7, embed)
+        confidence = draft.confidence(hidden, torch.cat([torch.tensor([anchor]), p.tokens[:-1]]))
+        assert hidden.shape == (7, cfg.hidden_size) and confidence.shape == (7,)
+        assert torch.all((confidence > 0) & (confidence < 1))

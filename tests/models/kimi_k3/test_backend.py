@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from engine_run import run_to_completion
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
@@ -53,8 +54,7 @@ def test_serving_with_every_gpu_op_leaves_the_reference_as_it_was(tiny_model, ti
     mla = frozenset(m for m in model.modules() if isinstance(m, GatedMLA))
     core.runner.serving.ops, core.runner.serving.layer_ops = GpuMixerOps(mla, fused=True), GpuLayerOps()
     core.add_request("r", prompt.tolist(), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    while core.has_work():
-        assert all(out.error is None for out in core.step())
+    run_to_completion(core)
     assert all(p is params[name] for name, p in model.named_parameters())  # stacking moved storage only
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(model(prompt).logits, before)

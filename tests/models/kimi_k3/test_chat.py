@@ -9,11 +9,11 @@ import random
 
 import pytest
 
+from mstar.models.kimi_k3.assistant_output import parse_assistant_output
 from mstar.models.kimi_k3.chat import (
     build_chat_segments,
     encode_chat,
     order_tool_results,
-    parse_assistant_output,
     render_chat_text,
 )
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer

@@ -14,7 +14,8 @@ import pytest
 import torch
 from paths import ROOT
 
-from mstar.models.kimi_k3.chat import build_chat_segments, parse_assistant_output
+from mstar.models.kimi_k3.assistant_output import parse_assistant_output
+from mstar.models.kimi_k3.chat import build_chat_segments
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.tool_grammar import MAX_FORCED_CALLS, forced_tool_call_grammar
 
