@@ -156,6 +156,16 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
     )
 
 
+def connection_settings(cfg: ServeConfig) -> dict:
+    """The uvicorn.Config arguments that bound each connection: the header deadline (and with it h11),
+    the header size limit, the keep-alive timeout."""
+    from mstar.server.header_deadline import header_deadline_protocol
+
+    srv = cfg.server
+    return {"http": header_deadline_protocol(srv.header_timeout_s), "timeout_keep_alive": srv.keep_alive_timeout_s,
+            "h11_max_incomplete_event_size": srv.max_header_bytes}
+
+
 def bind_http_socket(host: str, port: int) -> socket.socket:
     """The HTTP socket, bound before any rank, store or engine starts: those take ephemeral ports, and
     one of them could take the port the server is told to serve on. A port in use is a ServeConfigError."""
@@ -217,9 +227,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
     access_log.install()  # query strings (which may hold a key) never reach the access log
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=120,
-                                           timeout_keep_alive=cfg.server.keep_alive_timeout_s,
-                                           h11_max_incomplete_event_size=cfg.server.max_header_bytes))
+                                           timeout_graceful_shutdown=120, **connection_settings(cfg)))
     log.info("access: %s; at most %d generations in flight, bodies up to %d bytes, n <= %d%s",
              f"{len(options.api_keys)} API key(s)" if options.api_keys else "open (no API key)",
              options.max_in_flight, options.max_body_bytes, options.max_n,

@@ -1,9 +1,10 @@
 """Who may call the server, and how large a request body may be: an ASGI middleware in front of
 every route.
 
-API keys: with keys configured, every route except `/openapi.json`, `/health` and `/metrics` needs
-`Authorization: Bearer <key>` with one of them (so `/v1/*`, and unknown paths too, which then do
-not reveal what exists); `/health` and `/metrics` need it as well when the operator protects them.
+API keys: with keys configured, every route except `/openapi.json`, `/health`, `/ping` and `/metrics`
+needs `Authorization: Bearer <key>` with one of them (so `/v1/*`, and unknown paths too, which then do
+not reveal what exists); the health probes `/health` and `/ping` (open in vLLM too) and `/metrics`
+need it as well when the operator protects them (`protect_health`, `protect_metrics`).
 The given key is hashed and compared with every configured key's hash by `hmac.compare_digest`,
 all of them each time, so the answer's timing says nothing about how much of a key was right, nor
 which key matched. A refusal is a 401 in OpenAI's error shape; the key is never echoed or logged.
@@ -17,7 +18,8 @@ Request shape: more than `max_headers` headers is a 431, a path plus query longe
 
 Body deadline: the whole body must arrive within `body_timeout_s` of the request reaching the app;
 a client that trickles it (or stops sending) gets a 408 and its connection back, so it cannot hold
-a connection, nor a graceful shutdown, for longer. (Header deadlines and sizes are uvicorn's/h11's.)
+a connection, nor a graceful shutdown, for longer. (The header deadline is header_deadline.py's, header
+sizes h11's.)
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ class AccessGuard:
         self._digests = [_digest(key) for key in options.api_keys]
         open_paths = set(OPEN_PATHS)
         if not options.protect_health:
-            open_paths.add("/health")
+            open_paths |= {"/health", "/ping"}
         if not options.protect_metrics:
             open_paths.add("/metrics")
         self._open_paths = frozenset(open_paths)

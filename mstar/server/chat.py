@@ -8,9 +8,12 @@ and a natural stop, `finish_reason` is "tool_calls"; a turn cut by max_tokens st
 
 `reasoning_effort` (OpenAI's name) is K3's `thinking_effort`. With `continue_final_message` (and
 `add_generation_prompt` false, as vLLM asks) the last assistant message is continued, not closed.
-`response_format` json_object / json_schema constrain the output (server/structured_outputs.py);
-`tool_choice` "required" or a named function are still a 400 (a grammar of K3's tool-call markup is
-not written yet; "auto" and "none" are fine), as is `chat_template` (K3's format only).
+`response_format` json_object / json_schema constrain the output (server/structured_outputs.py), and
+so do `tool_choice` "required" (one or more calls of any of the tools) and a named function (one call
+of it; `parallel_tool_calls` false: one call of any): the turn is then K3's tool-call markup with
+arguments valid under each tool's `parameters` (models/kimi_k3/tool_grammar.py), and `content` is empty.
+With "auto" `parallel_tool_calls` constrains nothing (the model decides). The prompt carries K3's `tool_choice=required`
+note for both (K3's format has no note naming one function). `chat_template` is a 400 (K3's format only).
 `max_completion_tokens` (or the older `max_tokens`) defaults to all the room the context leaves.
 The reasoning is sent both as `reasoning_content` and as `reasoning` (current vLLM's name).
 
@@ -33,6 +36,7 @@ from starlette.responses import Response
 
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError
+from mstar.engine.structured_output import Grammar
 from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece, parse_assistant_output
 from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think, encode_chat
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
@@ -52,23 +56,33 @@ from mstar.server.sampling import (
     check_prompt_ids,
     check_stop_token_ids,
     check_supported,
+    check_text_fits,
     choices_for_prompt,
+    conversation_chars,
     new_request_id,
     resolve_max_tokens,
     truncate_prompt,
 )
 from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
-
-_STRUCTURED = "would need structured outputs (a grammar that constrains the output), which are not supported yet"
+from mstar.server.structured_outputs import forced_tool_calls
 
 
 def _tools(req: ChatPromptFields) -> list[dict[str, Any]] | None:
-    choice = req.tool_choice
-    if isinstance(choice, NamedToolChoice) or choice == "required":
-        shown = "a named function" if isinstance(choice, NamedToolChoice) else "'required'"
-        raise APIError(f"tool_choice {shown} {_STRUCTURED}; use 'auto' or 'none'", param="tool_choice",
-                       code="unsupported")
     return [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+
+
+def _tool_choice_note(req: ChatPromptFields) -> str | None:
+    """The tool_choice chat.py renders a note for: a named function is rendered as "required"."""
+    return "required" if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+
+
+def _forced_tool_calls(req: ChatCompletionRequest) -> Grammar | None:
+    """The grammar of a forced tool_choice ("required" or a named function), None otherwise."""
+    choice = req.tool_choice
+    if choice != "required" and not isinstance(choice, NamedToolChoice):
+        return None
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    return forced_tool_calls(_tools(req), name, starts_in_think=_starts_in_think(req), parallel=req.parallel_tool_calls)
 
 
 def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
@@ -97,7 +111,7 @@ def chat_prompt_ids(req: ChatPromptFields, tokenizer: KimiTokenizer) -> list[int
             raise APIError(f"{field}={effort!r} is not supported; use one of {THINKING_EFFORTS}", param=field)
         options["thinking_effort"] = effort
     tools = _tools(req)
-    options["tool_choice"] = req.tool_choice
+    options["tool_choice"] = _tool_choice_note(req)
     if req.continue_final_message:
         if req.add_generation_prompt:
             raise APIError("continue_final_message continues the last message; set add_generation_prompt to false",
@@ -248,14 +262,18 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
     engine = ctx.engine
-    # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
-    prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
-    check_prompt_ids(prompt_ids, engine, "messages")
     check_stop_token_ids(req.stop_token_ids, engine)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format)
+    # before the prompt is rendered: what is wrong with the fields is found without tokenizing
+    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format,
+                         tool_calls=_forced_tool_calls(req))
+    check_text_fits(conversation_chars([m.for_template() for m in req.messages]), engine, "messages",
+                    truncated=req.truncate_prompt_tokens is not None)
+    # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
+    prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
+    check_prompt_ids(prompt_ids, engine, "messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param,
                                     ctx.options.max_tokens)

@@ -37,6 +37,7 @@ from mstar.server.sampling import (
     check_prompt_ids,
     check_stop_token_ids,
     check_supported,
+    check_text_fits,
     choices_for_prompt,
     new_request_id,
     resolve_max_tokens,
@@ -140,6 +141,11 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
+    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    for p, text in enumerate(texts):
+        if isinstance(text, str):
+            check_text_fits(len(text), engine, "prompt" if isinstance(req.prompt, str) else f"prompt[{p}]",
+                            truncated=req.truncate_prompt_tokens is not None)
     # Off the event loop: tokenizing megabytes takes long enough to stall every other client's stream.
     prompts = [truncate_prompt(ids, req) for ids in await asyncio.to_thread(_prompts, req.prompt, engine.tokenizer)]
     if len(prompts) * req.n > MAX_CHOICES:

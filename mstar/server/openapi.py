@@ -119,8 +119,6 @@ def _chat_prompt_fields(props: dict, model_name: str) -> None:
     """What renders a conversation (chat completions and /tokenize), as the server checks it."""
     props["model"] = _nullable({"type": "string", "enum": [model_name]})
     props["messages"]["minItems"] = 1
-    # Structured outputs are not supported yet: only the tool choices that need no grammar.
-    props["tool_choice"] = _nullable({"enum": ["none", "auto"]})
     props["reasoning_effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
     props["chat_template"] = {"type": "null", "default": None, "description": "Refused: K3's own format only"}
 
@@ -267,12 +265,17 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
         protected=auth, errors={413: f"The body is larger than {options.max_body_bytes} bytes",
                                 503: "The engine is not available (stopping, or stopped after repeated failures)"})}
     ping_ok = {"description": "Healthy (an empty body)"}
-    paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth,
+    paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth and options.protect_health,
                                          errors={}) for method in ("get", "post")}
     for method in ("get", "post"):
         paths["/ping"][method]["responses"]["503"] = {"description": "The engine is not healthy"}
     paths["/health"]["get"]["responses"]["503"] = {"description": "The engine is not healthy",
                                                     "content": _json("Health")}
+    shape_errors = {414: f"The path and query string are longer than {options.max_url_bytes} bytes",
+                    431: f"The request has more than {options.max_headers} headers"}
+    for operation in (op for item in paths.values() for op in item.values()):  # every route refuses these
+        for status, description in shape_errors.items():
+            operation["responses"][str(status)] = _error(description)
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "mstar", "version": "1", "description": "OpenAI-compatible API of mstar-serve"},

@@ -3,7 +3,7 @@
 Types are strict (`"16"` is not an int, `1` is not a bool) so that a wrong type is a 400 rather than
 a silent coercion. An integral JSON number (`16.0`) is an integer, as JSON Schema (and so the
 OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are ignored, as OpenAI
-clients send fields this server has no use for (`user`, `parallel_tool_calls`, `metadata`, ...).
+clients send fields this server has no use for (`user`, `metadata`, ...).
 Range checks of sampling values live in `SamplingParams`, so the engine and the server agree on
 them; here only what the server itself needs (n, logprob counts) is bounded. The OpenAPI document
 (server/openapi.py) states all of these bounds.
@@ -244,6 +244,8 @@ class ChatPromptFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    # false: a forced tool_choice makes exactly one call; with "auto" the model decides how many it makes
+    parallel_tool_calls: bool = True
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False

@@ -2,10 +2,12 @@
 
 Accepted: `input` as text or a list of items (messages of any role with text content, the
 `function_call` and `function_call_output` items of earlier turns, `reasoning` items), `instructions`
-(a system message first), function `tools`, `tool_choice` "auto"/"none", `max_output_tokens`,
-`temperature`, `top_p`, `reasoning.effort` (K3's thinking effort), `stream`, and at their neutral
-values `text.format` "text", `parallel_tool_calls`, `store` false, `truncation` "disabled", `user`.
-Any other field is a 400 naming it (the body is parsed with unknown keys forbidden).
+(a system message first), function `tools`, `tool_choice` ("auto", "none", and "required" or
+`{"type": "function", "name": ...}`, which force calls as chat completions do: server/chat.py;
+`parallel_tool_calls` false then allows one call), `max_output_tokens`, `temperature`, `top_p`,
+`reasoning.effort` (K3's thinking effort), `stream`, and at their neutral values `text.format` "text",
+`store` false, `truncation` "disabled", `user`. Any other field is a 400 naming it (the body is parsed
+with unknown keys forbidden).
 
 The conversation is rendered as chat completions render it; the generated turn becomes output
 items in order: a `reasoning` item (the think channel), a `message` item with one `output_text`
@@ -21,6 +23,7 @@ response.output_text.delta, .done and response.content_part.done; response.funct
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -32,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.structured_output import Grammar
 from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece
 from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat
 from mstar.server.context import ServerContext
@@ -41,8 +45,16 @@ from mstar.server.generation import GenerationRun
 from mstar.server.output_segments import AlignedSegmenter
 from mstar.server.protocol import Int, parse_request
 from mstar.server.request_log import log_request
-from mstar.server.sampling import check_model, check_prompt_ids, choices_for_prompt, resolve_max_tokens
+from mstar.server.sampling import (
+    check_model,
+    check_prompt_ids,
+    check_text_fits,
+    choices_for_prompt,
+    conversation_chars,
+    resolve_max_tokens,
+)
 from mstar.server.streaming import SSEResponse, sse_body
+from mstar.server.structured_outputs import forced_tool_calls
 
 # ---- the request ----------------------------------------------------------------------------
 
@@ -113,6 +125,11 @@ class TextOptions(_Strict):
     format: TextFormat | None = None
 
 
+class FunctionToolChoice(_Strict):
+    type: Literal["function"]
+    name: str
+
+
 Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
@@ -121,7 +138,7 @@ class ResponsesRequest(_Strict):
     input: str | list[Item]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["auto", "none"] | None = None  # "required"/named: structured outputs, not supported yet
+    tool_choice: Literal["auto", "none", "required"] | FunctionToolChoice | None = None
     max_output_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -175,18 +192,34 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type", "strict"})}
+            for tool in req.tools or ()]
+
+
+def tool_call_grammar(req: ResponsesRequest) -> Grammar | None:
+    """The grammar of a forced tool_choice; the turn starts in the think channel (K3's default)."""
+    choice = req.tool_choice
+    if choice != "required" and not isinstance(choice, FunctionToolChoice):
+        return None
+    name = choice.name if isinstance(choice, FunctionToolChoice) else None
+    return forced_tool_calls(chat_tools(req), name, starts_in_think=True, parallel=req.parallel_tool_calls)
+
+
 def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None and effort not in THINKING_EFFORTS:
         raise APIError(f"reasoning.effort={effort!r} is not supported; use one of {THINKING_EFFORTS}",
                        param="reasoning.effort")
-    tools = [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type", "strict"})}
-             for tool in req.tools or ()]
-    options: dict[str, Any] = {"tool_choice": req.tool_choice}
+    tools = chat_tools(req)
+    note = "required" if isinstance(req.tool_choice, FunctionToolChoice) else req.tool_choice  # as chat.py
+    options: dict[str, Any] = {"tool_choice": note}
     if effort is not None:
         options["thinking_effort"] = effort
+    messages = chat_messages(req)
+    check_text_fits(conversation_chars(messages), ctx.engine, "input")
     try:
-        return encode_chat(ctx.engine.tokenizer, chat_messages(req), tools or None, **options)
+        return encode_chat(ctx.engine.tokenizer, messages, tools or None, **options)
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The input cannot be rendered for K3: {err}", param="input") from None
 
@@ -293,13 +326,14 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     req = parse_request(await request.body(), ResponsesRequest)
     check_model(req.model, ctx.served_model_name)
     engine = ctx.engine
-    prompt_ids = _prompt_ids(req, ctx)
+    # Off the event loop: rendering and tokenizing a large input would stall other clients' streams.
+    prompt_ids = await asyncio.to_thread(_prompt_ids, req, ctx)
     check_prompt_ids(prompt_ids, engine, "input")
     max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids), engine.max_seq_len, None,
                                     "max_output_tokens", ctx.options.max_tokens)
     sampling = {name: getattr(req, name) for name in ("temperature", "top_p") if getattr(req, name) is not None}
     try:
-        params = SamplingParams(**sampling)
+        params = SamplingParams(**sampling, grammar=tool_call_grammar(req))
     except ParamError as err:
         raise from_param_error(err) from None
     response_id = _new_id("resp")
@@ -322,7 +356,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": params.temperature, "top_p": params.top_p,
             "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or ()],
-            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": (req.tool_choice.model_dump() if isinstance(req.tool_choice, FunctionToolChoice)
+                            else req.tool_choice or "auto"), "parallel_tool_calls": req.parallel_tool_calls,
             "text": {"format": {"type": "text"}}, "reasoning": {"effort": req.reasoning.effort if req.reasoning
                                                                 else None, "summary": None},
             "metadata": {}, "previous_response_id": None, "store": False, "truncation": "disabled",

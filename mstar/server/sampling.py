@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from typing import Any
 
 from mstar.engine.client import EngineClient
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.structured_output import Grammar
 from mstar.server.errors import APIError, echo, from_param_error
 from mstar.server.generation import ChoiceSpec
 from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, ResponseFormat, SamplingFields, json_equal
@@ -58,6 +60,30 @@ def truncate_prompt(ids: list[int], req: SamplingFields) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens."""
     n = req.truncate_prompt_tokens
     return ids if n is None else ids[-n:]
+
+
+def check_text_fits(num_chars: int, engine: EngineClient, param: str, truncated: bool = False) -> None:
+    """Refuse prompt text that cannot fit in the context before tokenizing it (tokenizing megabytes is
+    seconds of a worker thread): `num_chars` characters are at least `min_num_tokens` tokens. A prompt
+    that will be truncated (`truncate_prompt_tokens`) is not refused for its length."""
+    least = engine.tokenizer.min_num_tokens(num_chars)
+    if not truncated and least >= engine.max_seq_len:
+        raise APIError(
+            f"The prompt is {num_chars} characters, so at least {least} tokens; this model's maximum context is "
+            f"{engine.max_seq_len} tokens, which must also hold at least one generated token. Shorten the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def conversation_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the text a conversation's messages carry (what `check_text_fits` bounds)."""
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        parts = [content] if isinstance(content, str) else [p.get("text") for p in content or ()]
+        total += sum(len(part) for part in parts if isinstance(part, str))
+    return total
 
 
 def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
@@ -116,8 +142,10 @@ def resolve_max_tokens(
 
 
 def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
-                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None) -> SamplingParams:
-    """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later)."""
+                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None,
+                tool_calls: Grammar | None = None) -> SamplingParams:
+    """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later);
+    `tool_calls` is the grammar of a forced tool_choice (structured_outputs.forced_tool_calls)."""
     optional = {
         name: getattr(req, name)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -134,7 +162,7 @@ def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
             logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, engine),
-            grammar=request_grammar(req, response_format),
+            grammar=request_grammar(req, response_format, tool_calls),
         )
     except ParamError as err:
         raise from_param_error(err, renames) from None

@@ -3,8 +3,11 @@
     response_format        {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema": ...}}
     structured_outputs     vLLM's: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": lark}
     guided_json, guided_regex, guided_choice, guided_grammar    vLLM's older names of the same
+    tool_choice            "required" or a named function: a grammar of K3's tool-call markup whose
+                           arguments follow the tools' schemas (models/kimi_k3/tool_grammar.py)
 
-At most one of them may be set; a malformed one is a 400 naming it (the engine checks the grammar itself).
+At most one of them may be set; a malformed one is a 400 naming it (the engine checks the grammar itself;
+a tool's `parameters` it cannot compile is a 400 naming `tools`).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import json
 from typing import Any
 
 from mstar.engine.structured_output import Grammar, choice_grammar
+from mstar.models.kimi_k3.tool_grammar import forced_tool_call_grammar
 from mstar.server.errors import APIError
 from mstar.server.protocol import ResponseFormat, SamplingFields
 
@@ -50,8 +54,24 @@ def _from_response_format(fmt: ResponseFormat) -> Grammar | None:
     return _grammar("json_schema", spec["schema"], "response_format.json_schema")
 
 
-def request_grammar(req: SamplingFields, response_format: ResponseFormat | None = None) -> Grammar | None:
-    found: list[Grammar] = []
+def forced_tool_calls(tools: list[dict[str, Any]] | None, name: str | None, *, starts_in_think: bool,
+                      parallel: bool = True) -> Grammar:
+    """tool_choice "required" (`name` None: any of `tools`) or the named function, as a grammar."""
+    if not tools:
+        raise APIError("tool_choice forces a tool call, but the request declares no tools; give 'tools' or use "
+                       "tool_choice 'auto' or 'none'", param="tool_choice")
+    try:
+        source = forced_tool_call_grammar(tools, name=name, starts_in_think=starts_in_think, parallel=parallel)
+    except ValueError as err:
+        raise APIError(f"tool_choice names a function the request does not declare: {err}",
+                       param="tool_choice") from None
+    return Grammar("lark", source, "tools")
+
+
+def request_grammar(req: SamplingFields, response_format: ResponseFormat | None = None,
+                    tool_calls: Grammar | None = None) -> Grammar | None:
+    """The one grammar the request asks for; `tool_calls` is `forced_tool_calls`' (chat's tool_choice)."""
+    found: list[Grammar] = [] if tool_calls is None else [tool_calls]
     if response_format is not None and (g := _from_response_format(response_format)) is not None:
         found.append(g)
     if req.structured_outputs is not None:
@@ -65,6 +85,6 @@ def request_grammar(req: SamplingFields, response_format: ResponseFormat | None 
         if getattr(req, name) is not None:
             found.append(_grammar(kind, getattr(req, name), name))
     if len(found) > 1:
-        names = ", ".join(g.field for g in found)
+        names = ", ".join("tool_choice" if g is tool_calls else g.field for g in found)
         raise APIError(f"{names}: set at most one structured-output field", param=found[1].field)
     return found[0] if found else None

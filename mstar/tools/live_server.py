@@ -14,12 +14,14 @@ class LiveServer:
     """uvicorn serving `app` on a free loopback port (`url`) in a daemon thread: `start` returns once it
     accepts connections, `stop` shuts it down (open connections get `graceful_shutdown_s`); or use `with`."""
 
-    def __init__(self, app, graceful_shutdown_s: float = 2.0, startup_timeout_s: float = 30.0):
+    def __init__(self, app, graceful_shutdown_s: float = 2.0, startup_timeout_s: float = 30.0, **uvicorn_config):
+        """`uvicorn_config`: more `uvicorn.Config` arguments (mstar-serve's `serve.connection_settings`)."""
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=graceful_shutdown_s,
+                                **uvicorn_config)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
         self._startup_timeout_s = startup_timeout_s

@@ -27,7 +27,9 @@ running or waiting, no KV page or KDA slot held) and nothing admitted in flight.
 
 `--hostile` mixes in clients a careful server must answer without hurting the others: extreme but
 valid sampling values (a 200 or a 400), tool-call arguments nested 5,000 deep (a 400), a 9 MiB body
-(a 413) and connections closed mid-body; the greedy checks of everyone else stay as they are.
+(a 413), connections closed mid-body, and slow clients that send their headers or their body a byte
+per 0.1 s (a 408 at the server's `server.header_timeout_s` or `server.body_timeout_s`; each holds a
+soak client that long); the greedy checks of everyone else stay as they are.
 
 Reported: requests issued, completed, aborted as planned, lost (any request that failed or whose
 answer was wrong; must be 0), p50/p99 end-to-end latency and TTFT. Exit status 0 only when
@@ -69,7 +71,10 @@ HOSTILE_KINDS = {  # --hostile adds these: clients that must get a careful answe
     "nested_tools": 3,  # tool-call arguments nested 5,000 deep: a 400
     "huge_body": 2,  # a 9 MiB body: a 413
     "disconnect_body": 3,  # headers and part of a body, then the connection closes
+    "slow_headers": 2,  # a request line and headers a byte per 0.1 s: a 408 at the header deadline
+    "slow_body": 2,  # headers, then the body a byte per 0.1 s: a 408 at the body deadline
 }
+TRICKLE_S = 0.1  # slow_headers, slow_body: seconds between two bytes
 EXTREME_TEMPERATURES = (1e-45, 3e-39, 1e-38, 9.99e-6, 1e-5, 1e-4, 100.0, 1e30)
 GREEDY_KINDS = {"complete", "complete_stream", "long", "chat", "chat_stream", "n_greedy", "stop", "abort_stream"}
 WORDS = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "value", "token", "light", "seven", "forty",
@@ -238,10 +243,54 @@ async def _disconnect_mid_body(client: httpx.AsyncClient) -> None:
     await writer.wait_closed()
 
 
+async def _trickle(client: httpx.AsyncClient, head: bytes, trickled: bytes, deadline: float) -> bytes:
+    """On a connection of its own, send `head` at once, then `trickled` a byte per TRICKLE_S, until the
+    server answers (its status line and headers), closes the connection, or `deadline`; what it sent."""
+    url = client.base_url
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(head)
+    answer, sent = b"", 0
+    try:
+        while time.monotonic() < deadline:
+            if sent < len(trickled):
+                writer.write(trickled[sent:sent + 1])
+                sent += 1
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), TRICKLE_S)
+            except TimeoutError:
+                continue
+            answer += chunk
+            if not chunk or b"\r\n\r\n" in answer:
+                break
+    except ConnectionError:  # the server closed the connection while a byte was on its way
+        answer += await reader.read()
+    finally:
+        writer.close()
+    return answer
+
+
+async def _slow_client(client: httpx.AsyncClient, kind: str, deadline: float) -> list[str]:
+    """A request line and headers (slow_headers) or a body (slow_body) sent a byte per TRICKLE_S, far
+    slower than any deadline of the server's allows: the answer must be a 408, never a served request."""
+    host = client.base_url.host
+    auth = "".join(f"{k}: {v}\r\n" for k, v in client.headers.items() if k.lower() == "authorization")
+    if kind == "slow_headers":
+        head, trickled = b"", f"GET /health HTTP/1.1\r\nHost: {host}\r\nX-Slow: {'s' * 4000}\r\n\r\n".encode()
+    else:
+        body = json.dumps({"prompt": "x" * 4000, "max_tokens": 1}).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        trickled = body
+    answer = await _trickle(client, head, trickled, deadline)
+    return [] if answer.startswith(b"HTTP/1.1 408") else [f"{kind}: no 408 but {answer[:120]!r}"]
+
+
 async def run_hostile(client: httpx.AsyncClient, job: Job, model_name: str, outcome: Outcome,
                       deadline: float) -> list[str]:
     """A hostile job's problems: the answers a careful server gives (none for a client that leaves)."""
     rng = random.Random(job.index)
+    if job.kind in ("slow_headers", "slow_body"):
+        return await _slow_client(client, job.kind, deadline)
     if job.kind == "disconnect_body":
         await _disconnect_mid_body(client)
         outcome.status = "aborted"
@@ -581,7 +630,7 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
 
     from mstar.config import load_serve_config, torch_dtype
     from mstar.models.kimi_k3.weights import load_model
-    from mstar.serve import build_engine, server_options
+    from mstar.serve import build_engine, connection_settings, server_options
     from mstar.server import build_app
     from mstar.tools.live_server import LiveServer
 
@@ -598,7 +647,7 @@ def soak_config(config: str | Path, overrides: list[str] = (), *, requests: int 
         with torch.inference_mode():
             expected = expectations(jobs, engine.tokenizer, model, cfg.max_seq_len)
         log(f"soak: {len(jobs)} requests planned; references computed in {time.perf_counter() - started:.1f} s")
-        with LiveServer(app, graceful_shutdown_s=5) as server:
+        with LiveServer(app, graceful_shutdown_s=5, **connection_settings(cfg)) as server:  # as mstar-serve
             started = time.perf_counter()
             outcomes, not_sent = asyncio.run(drive(server.url, jobs, expected, cfg.served_model_name,
                                                    engine.tokenizer, concurrency=concurrency, duration_s=duration_s,

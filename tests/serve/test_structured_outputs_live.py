@@ -24,7 +24,8 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                          "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}}}
 
 
-engine = tiny_engine_fixture(max_seq_len=512, kv_pages=128)
+# 1024: the forced tool-call tests' declarations take 525 prompt tokens in the tiny vocabulary
+engine = tiny_engine_fixture(max_seq_len=1024, kv_pages=256)
 server, client = live_fixtures(MODEL, timeout=120)
 
 
@@ -85,3 +86,65 @@ def test_bad_grammars_are_a_400_naming_the_field(client, body, param):
         client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=body)
     assert err.value.body["param"] == param, err.value.body
     assert err.value.body["message"].startswith(next(iter(body))), err.value.body  # structured_outputs.grammar
+
+
+# ---- forced tool calls (tool_choice "required" or a named function) ----------------------------
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "days"], "additionalProperties": False,
+    "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                   "note": {"type": "string", "maxLength": 6}}}}}
+# a string `pattern`: these calls carry their arguments as one JSON block (models/kimi_k3/tool_grammar.py)
+CODE = {"type": "function", "function": {"name": "set_code", "parameters": {
+    "type": "object", "required": ["code"], "additionalProperties": False,
+    "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}$"}, "on": {"type": "boolean"}}}}}
+TOOLS = [WEATHER, CODE]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NO_THINKING = {"chat_template_kwargs": {"thinking": False}}
+
+
+def _check_forced(choice, names: set[str]) -> list[tuple[str, dict]]:
+    """The choice made tool calls only, of `names`, with arguments valid under their schemas."""
+    assert choice.finish_reason == "tool_calls", choice
+    assert not choice.message.content, choice
+    calls = []
+    for call in choice.message.tool_calls:
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in names and jsonschema_rs.is_valid(SCHEMAS[call.function.name], arguments), call
+        calls.append((call.function.name, arguments))
+    assert calls
+    return calls
+
+
+# The tiny model's weights are random: the grammar alone makes these valid. Two cases, as each token
+# costs ~0.1 s here (several calls in one turn are tested on the grammar: test_tool_grammar.py).
+@pytest.mark.parametrize(("tool_choice", "parallel", "temperature", "stream"), [
+    ("required", False, 0.0, False),
+    ({"type": "function", "function": {"name": "get_weather"}}, True, 1.0, True),
+])
+def test_forced_tool_calls_parse_and_validate(client, tool_choice, parallel, temperature, stream):
+    names = set(SCHEMAS) if tool_choice == "required" else {tool_choice["function"]["name"]}
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=parallel,
+              max_tokens=450, temperature=temperature, seed=11, extra_body=NO_THINKING)
+    whole = client.chat.completions.create(**kw)
+    calls = _check_forced(whole.choices[0], names)
+    if not parallel or tool_choice != "required":
+        assert len(calls) == 1
+    if not stream:
+        return
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for delta in chunk.choices[0].delta.tool_calls or ():
+            streamed.setdefault(delta.index, []).append(delta.function.name or "")
+            streamed[delta.index].append(delta.function.arguments or "")
+    assert [(parts[0], json.loads("".join(parts[1:]))) for parts in streamed.values()] == calls
+
+
+def test_forced_tool_choice_with_an_uncompilable_schema_is_a_400_naming_tools(client):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "string", "pattern": "a(b"}}}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=ASK, tools=[bad], tool_choice="required", max_tokens=4)
+    assert err.value.body["param"] == "tools", err.value.body

@@ -98,7 +98,6 @@ def test_chat_reasoning_effort_continue_and_reasoning_field(client, engine):
 REFUSED_CASES = [(name, {name: "x" if neutral is None else (not neutral if isinstance(neutral, bool) else 7)})
                  for name, (neutral, _) in REFUSED.items()]
 REFUSED_CASES += [
-    ("tool_choice", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"}),
     ("chat_template", {"chat_template": "{{ x }}"}),
 ]
 
@@ -151,7 +150,8 @@ def test_responses_text_equals_chat_and_streams_the_same(client):
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"tool_choice": "required", "tools": [{"type": "function", "name": "f"}]}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "name": "g"}, "tools": [{"type": "function", "name": "f"}]},
+     "tool_choice"),
     ({"reasoning": {"effort": "extreme"}}, "reasoning.effort"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
 ])

@@ -79,8 +79,10 @@ def test_every_v1_route_needs_one_of_the_keys(engine):
 def test_health_and_metrics_open_or_protected(engine):
     open_client = client_for(engine, api_keys=KEYS)
     assert open_client.get("/health").status_code == 200 and open_client.get("/metrics").status_code == 200
+    assert open_client.get("/ping").status_code == 200 and open_client.post("/ping").status_code == 200  # as vLLM
+    assert client_for(engine, api_keys=KEYS, protect_metrics=True).get("/ping").status_code == 200
     closed = client_for(engine, api_keys=KEYS, protect_health=True, protect_metrics=True)
-    for path in ("/health", "/metrics"):
+    for path in ("/health", "/ping", "/metrics"):
         assert closed.get(path).status_code == 401
         assert closed.get(path, headers=auth(KEYS[1])).status_code == 200
     no_keys = client_for(engine, protect_health=True, protect_metrics=True)  # nothing to protect with
@@ -259,6 +261,7 @@ def test_openapi_states_this_servers_limits(engine):
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["security"] == [{"bearerAuth": []}]
     assert completions["responses"]["429"]["headers"]["Retry-After"]["required"]
-    assert {"200", "400", "401", "413", "429", "500", "503"} <= set(completions["responses"])
-    assert "security" not in doc["paths"]["/health"]["get"]
+    assert {"200", "400", "401", "413", "414", "429", "431", "500", "503"} <= set(completions["responses"])
+    assert all({"414", "431"} <= set(op["responses"]) for item in doc["paths"].values() for op in item.values())
+    assert "security" not in doc["paths"]["/health"]["get"] and "security" not in doc["paths"]["/ping"]["post"]
     assert doc["components"]["securitySchemes"]["bearerAuth"] == {"type": "http", "scheme": "bearer"}

@@ -1,4 +1,6 @@
-"""A client that trickles its body gets a 408 within the body deadline, and others are served meanwhile."""
+"""A client that trickles its body, or its request line and headers, or sends nothing at all, gets a 408
+within its deadline and its connection closed, while others are served meanwhile; a kept-alive
+connection idle between requests is not cut by the header deadline."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ import time
 import httpx
 from fake_engine import FakeEngine, shared_tokenizer
 from live_server import LiveServer
+from paths import ROOT
 
+from mstar.config import load_serve_config
+from mstar.serve import connection_settings
 from mstar.server import build_app
 from mstar.server.options import ServerOptions
 
@@ -42,3 +47,64 @@ def test_a_trickled_body_is_a_408_at_the_deadline(tmp_path_factory):
         server.stop()
     assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
     assert DEADLINE_S * 0.8 <= waited < DEADLINE_S + 2
+
+
+def _answer_while_trickling(conn: socket.socket, server: LiveServer, trickle: bytes) -> tuple[bytes, float]:
+    """Send `trickle` a byte per 50 ms (others' /health checked meanwhile) until the server answers;
+    (the answer, seconds waited)."""
+    start = time.monotonic()
+    answer = b""
+    sent = 0
+    while True:
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # others go on
+        assert time.monotonic() - start < DEADLINE_S + 5, "the server never answered"
+        conn.settimeout(0.05)
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            if sent < len(trickle):
+                conn.sendall(trickle[sent:sent + 1])
+                sent += 1
+            continue
+        if not chunk:
+            return answer, time.monotonic() - start
+        answer += chunk
+
+
+def _read_response(conn: socket.socket) -> bytes:
+    """One whole response (its head, then `content-length` bytes of body)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += conn.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(
+        b"content-length:"))
+    while len(body) < length:
+        body += conn.recv(65536)
+    return head + b"\r\n\r\n" + body
+
+
+def test_slow_or_silent_headers_are_a_408_at_the_header_deadline(tmp_path_factory, tiny_dir):
+    engine = FakeEngine(shared_tokenizer(tmp_path_factory), max_seq_len=256)
+    cfg = load_serve_config(ROOT / "configs" / "kimi_k3_tiny.yaml", [f"checkpoint={tiny_dir}",
+                                                                     f"server.header_timeout_s={DEADLINE_S}"])
+    # uvicorn as mstar-serve configures it
+    server = LiveServer(build_app(engine, served_model_name="fake-k3"), **connection_settings(cfg))
+    server.start()
+    host, port = server.url.removeprefix("http://").split(":")
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nUser-Agent: " + b"slow" * 40 + b"\r\n\r\n"
+    try:
+        for trickle in (b"", head):  # silent, then a byte per 50 ms (the whole head would take 8 s)
+            with socket.create_connection((host, int(port)), timeout=10) as conn:
+                answer, waited = _answer_while_trickling(conn, server, trickle)
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+            assert b'"code": "request_timeout"' in answer and b"connection: close" in answer.lower()
+            assert DEADLINE_S * 0.8 <= waited < DEADLINE_S + 2  # then the server closed the connection
+        with socket.create_connection((host, int(port)), timeout=5) as conn:  # one kept-alive connection
+            for _ in range(2):
+                conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = _read_response(conn)
+                assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+                time.sleep(DEADLINE_S * 2)  # idle between requests: the keep-alive timeout's business (5 s)
+    finally:
+        server.stop()

@@ -1,12 +1,17 @@
-"""/v1/responses' conversions: input items to the chat messages K3 renders, and the parser's pieces
-to output items and stream events (function tools become function_call items)."""
+"""/v1/responses' conversions: input items to the chat messages K3 renders, a forced tool_choice to the
+tool-call grammar, and the parser's pieces to output items and stream events (function tools become
+function_call items)."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from mstar.models.kimi_k3.assistant_output import Piece
-from mstar.server.responses_api import OutputItems, ResponsesRequest, chat_messages
+from mstar.models.kimi_k3.tool_grammar import forced_tool_call_grammar
+from mstar.server.errors import APIError
+from mstar.server.responses_api import OutputItems, ResponsesRequest, chat_messages, chat_tools, tool_call_grammar
 
 
 def test_input_items_become_chat_messages():
@@ -57,3 +62,24 @@ def test_pieces_become_items_and_events_in_order():
         "response.function_call_arguments.done", "response.output_item.done",
     ]
     assert [e["output_index"] for e in events if e["type"] == "response.output_item.done"] == [0, 1, 2]
+
+
+def test_forced_tool_choice_is_the_tool_call_grammar_from_the_think_channel():
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}, {"type": "function", "name": "g", "strict": True}]
+    chat = [{"type": "function", "function": {"name": "f", "parameters": tools[0]["parameters"]}},
+            {"type": "function", "function": {"name": "g"}}]
+
+    def request(**fields) -> ResponsesRequest:
+        return ResponsesRequest.model_validate({"input": "hi", "tools": tools, **fields})
+
+    assert chat_tools(request()) == chat
+    assert tool_call_grammar(request()) is None and tool_call_grammar(request(tool_choice="auto")) is None
+    for fields, name, parallel in (({"tool_choice": "required"}, None, True),
+                                   ({"tool_choice": "required", "parallel_tool_calls": False}, None, False),
+                                   ({"tool_choice": {"type": "function", "name": "g"}}, "g", True)):
+        grammar = tool_call_grammar(request(**fields))
+        assert grammar.kind == "lark" and grammar.field == "tools"
+        assert grammar.source == forced_tool_call_grammar(chat, name=name, starts_in_think=True, parallel=parallel)
+    with pytest.raises(APIError, match="does not declare"):
+        tool_call_grammar(request(tool_choice={"type": "function", "name": "h"}))

@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 
 from mstar.models.kimi_k3.assistant_output import parse_assistant_output
 from mstar.models.kimi_k3.chat import encode_chat
+from mstar.models.kimi_k3.tool_grammar import forced_tool_call_grammar
 from mstar.server import build_app
 
 MODEL = "kimi-k3-test"
@@ -238,6 +239,20 @@ def test_tool_choice_none_and_auto_are_rendered(client, engine, tok):
     assert engine.calls[-1].prompt_ids == encode_chat(tok, user("time"), [WEATHER_TOOL], tool_choice="none")
     chat(client, messages=user("time"), tools=[WEATHER_TOOL], tool_choice="auto")
     assert engine.calls[-1].prompt_ids == encode_chat(tok, user("time"), [WEATHER_TOOL])
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_forced_tool_choices_render_the_required_note_and_send_the_tool_grammar(client, engine, tok, thinking):
+    tools = [WEATHER_TOOL, TIME_TOOL]
+    kwargs = {"chat_template_kwargs": {"thinking": thinking}}
+    want_prompt = encode_chat(tok, user("time"), tools, tool_choice="required", thinking=thinking)
+    for choice, name, parallel in (("required", None, True), ("required", None, False),
+                                   ({"type": "function", "function": {"name": "get_time"}}, "get_time", True)):
+        chat(client, messages=user("time"), tools=tools, tool_choice=choice, parallel_tool_calls=parallel, **kwargs)
+        call = engine.calls[-1]
+        assert call.prompt_ids == want_prompt
+        assert call.params.grammar.source == forced_tool_call_grammar(tools, name=name, starts_in_think=thinking,
+                                                                      parallel=parallel)
 
 
 def test_response_format_text_changes_nothing(client, engine, tok):

@@ -1,7 +1,8 @@
 """The soak test in its shortened form: `mstar-soak` (mstar/tools/soak.py) serves the tiny config
 on loopback and drives 80 mixed requests at it (streams and not, long prompts, n > 1, stop
 strings, clients that leave, and hostile clients: extreme sampling values, nested tool arguments,
-huge bodies, disconnects mid-body) from more clients than the server admits (so 429s are retried),
+huge bodies, disconnects mid-body, headers and bodies sent a byte at a time) from more clients
+than the server admits (so 429s are retried),
 checking every answer against the greedy reference. Nothing may be lost, and the pools must be
 empty at the end. The full run is documented in the README
 ("Operating the server") with its command."""
@@ -19,7 +20,7 @@ def test_short_soak_loses_nothing(tiny_dir, capsys):
     # 16 clients against a bound of 8 running + 4 waiting generations: some get a 429 and retry.
     summary = soak_config(CONFIG, [f"checkpoint={tiny_dir}", "max_seq_len=1024", "resources.mla_kv.max_num_pages=512",
                                    "scheduler.max_num_batched_tokens=256", "scheduler.max_num_seqs=8",
-                                   "scheduler.max_waiting=4"],
+                                   "scheduler.max_waiting=4", "server.header_timeout_s=2", "server.body_timeout_s=2"],
                           requests=80, duration_s=45, concurrency=16, seed=None, request_timeout_s=60,
                           hostile=True, log=lambda _: None)
     with capsys.disabled():
@@ -37,7 +38,7 @@ def test_plan_mixes_every_kind_and_prompts_are_distinct():
     assert {j.kind for j in jobs} == {"complete", "complete_stream", "long", "chat", "chat_stream", "n_greedy",
                                       "n_sampled", "stop", "abort_stream", "abort_wait"}
     hostile = {j.kind for j in make_plan(300, seed=1, hostile=True)}
-    assert {"extreme_sampling", "nested_tools", "huge_body", "disconnect_body"} <= hostile
+    assert {"extreme_sampling", "nested_tools", "huge_body", "disconnect_body", "slow_headers", "slow_body"} <= hostile
     assert len({j.text for j in jobs}) == len(jobs)
     assert any(j.n > 1 for j in jobs) and any(j.stream for j in jobs) and any(not j.stream for j in jobs)
 

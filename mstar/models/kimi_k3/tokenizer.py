@@ -198,6 +198,9 @@ class KimiTokenizer:
         self._encoding = tiktoken.Encoding(
             name=name, pat_str=K3_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens=self._special_ids
         )
+        # Text of N characters is at least N / max_token_bytes tokens (a token decodes to at most that many
+        # bytes, a character takes at least one): the server refuses text that cannot fit without encoding it.
+        self.max_token_bytes = max(map(len, ranks), default=1)
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> KimiTokenizer:
@@ -258,6 +261,10 @@ class KimiTokenizer:
         return (self._special_ids[END_OF_MSG], self._special_ids[EOS])
 
     # ---- encoding ------------------------------------------------------------------------------
+
+    def min_num_tokens(self, num_chars: int) -> int:
+        """The fewest tokens that text of `num_chars` characters can encode to (see `max_token_bytes`)."""
+        return -(-num_chars // self.max_token_bytes)
 
     def encode(self, text: str) -> list[int]:
         """Encode ordinary text. Never yields a special id: `"<|sep|>"` becomes ordinary BPE tokens."""
