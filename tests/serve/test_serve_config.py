@@ -79,7 +79,7 @@ def test_pruned75_configs():
     base = load_serve_config(CONFIGS / "kimi_k3_pruned75_tp8.yaml")
     assert (base.tp_size, base.dtype, base.device) == (8, "bfloat16", "cuda")
     assert (base.resources.mla_kv.max_num_pages, base.resources.mla_kv.page_size) == (1792, 64)
-    assert base.resources.kda_state.max_slots == 65 and not base.speculative
+    assert base.resources.kda_state.max_slots == 97 and not base.speculative  # 64 requests, 32 snapshots
     spec = load_serve_config(CONFIGS / "kimi_k3_pruned75_tp8_dspark_sched.yaml")
     assert spec.speculative and spec.resources.dspark_kv is not None
     assert dict(spec.model_kwargs.speculative_schedule) == {16: 7, 32: 4, 64: 0}
