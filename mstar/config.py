@@ -169,6 +169,18 @@ class ResourcesConfig(_Section):
     dspark_kv: DSparkKvConfig | None = None  # draft KV; None when speculation is off
 
 
+class PrefixCacheConfig(_Section):
+    """`prefix_cache`: requests whose tokens start with a prefix computed before (an earlier turn, a shared
+    system prompt) reuse its KV pages and KDA state and prefill only the rest (README, Prefix caching)."""
+
+    enabled: bool = True
+    # Tokens between the KDA state snapshots a prefix can resume from (a multiple of resources.mla_kv.page_size):
+    # a hit resumes at the longest cached prefix that ends on one. Prefill chunks stop at the last snapshot
+    # boundary they cross, so a prompt of more than this many tokens may take one step more. Snapshots take the
+    # KDA slots no running request holds: resources.kda_state.max_slots beyond scheduler.max_num_seqs + 1.
+    kda_snapshot_interval: int = Field(512, ge=1)
+
+
 class SchedulerConfig(_Section):
     """`scheduler`: continuous batching limits."""
 
@@ -256,6 +268,7 @@ class EngineConfig(_Section):
     max_seq_len: int = Field(8192, ge=1)  # longest request, prompt plus output, in tokens
     resources: ResourcesConfig = ResourcesConfig()
     scheduler: SchedulerConfig = SchedulerConfig()
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig()
     model_kwargs: ModelKwargs = ModelKwargs()
 
     @property
@@ -357,6 +370,12 @@ def _check_pools(cfg: EngineConfig) -> None:
     pools = [("resources.mla_kv.max_num_pages", r.mla_kv.max_num_pages)]
     if r.dspark_kv is not None or cfg.speculative:
         pools.append(("resources.dspark_kv.max_num_pages", cfg.dspark_kv_pages))
+    interval = cfg.prefix_cache.kda_snapshot_interval
+    if cfg.prefix_cache.enabled and interval % page:
+        raise ServeConfigError(
+            f"'prefix_cache.kda_snapshot_interval' ({interval}) must be a multiple of 'resources.mla_kv.page_size' "
+            f"({page}): a snapshot is keyed by the page it ends at; try {max(page, interval // page * page)}"
+        )
     needed = 1 + -(-cfg.max_seq_len // page)  # page 0 is the sink: it holds no request's tokens
     for key, pages in pools:
         if pages < needed:
@@ -477,6 +496,21 @@ class Environment(BaseModel):
     fault_inject: str | None = Field(None, alias="MSTAR_FAULT_INJECT")
     # API keys (comma-separated), accepted besides server.api_keys and --api-key; kept out of the process list.
     api_keys: Annotated[tuple[str, ...], BeforeValidator(_to_env_api_keys)] = Field((), alias="MSTAR_API_KEY")
+    # torchrun's rendezvous, as job schedulers set it (mstar/distributed/rendezvous.py parses and checks
+    # them; mstar-serve's --nnodes, --node-rank, ... flags win over them).
+    master_addr: str | None = Field(None, alias="MASTER_ADDR")
+    master_port: str | None = Field(None, alias="MASTER_PORT")
+    nnodes: str | None = Field(None, alias="NNODES")
+    world_size: str | None = Field(None, alias="WORLD_SIZE")
+    local_world_size: str | None = Field(None, alias="LOCAL_WORLD_SIZE")
+    node_rank: str | None = Field(None, alias="NODE_RANK")
+    group_rank: str | None = Field(None, alias="GROUP_RANK")
+
+    def rendezvous(self) -> dict[str, str]:
+        """torchrun's variables that are set, by their names (what `resolve_rendezvous` reads)."""
+        names = ("master_addr", "master_port", "nnodes", "world_size", "local_world_size", "node_rank", "group_rank")
+        fields = type(self).model_fields
+        return {fields[name].alias: getattr(self, name) for name in names if getattr(self, name) is not None}
 
     @classmethod
     def read(cls, environ: Mapping[str, str] | None = None) -> Environment:

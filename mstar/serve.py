@@ -14,6 +14,12 @@ a row, or a crash of the engine thread, stop the engine: the server then stops a
 status 3 (EXIT_ENGINE_FAILED) after saying why on stderr.
 Exit status 2: the config or the command line is wrong, or the HTTP port is in use (the socket is
 bound before anything else starts).
+
+Several nodes (docs/multi_node.md): every node runs mstar-serve with the same config and torchrun's
+rendezvous (`--nnodes`, `--node-rank`, `--master-addr`, `--master-port`, `--nproc-per-node`, or their
+environment variables; mstar/distributed/rendezvous.py). Node 0 serves HTTP as above; every other node
+starts its ranks and serves nothing (mstar/distributed/launch.py: exit 0 after node 0 stopped them, 3 when
+a rank or node 0 failed, 4 when node 0 did not answer within --rendezvous-timeout).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from mstar.config import (
     resolve_device,
     torch_dtype,
 )
+from mstar.distributed.rendezvous import Rendezvous, add_rendezvous_args, resolve_rendezvous
 from mstar.engine.async_engine import AsyncEngine
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.faults import FaultInjector
@@ -87,9 +94,11 @@ def speculative_models(cfg: ServeConfig, device: str) -> SpeculativeModels | Non
 
 
 def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool | None = None,
-                 faults: FaultInjector | None = None, tensor_comm_protocol: str = "SHM") -> AsyncEngine:
+                 faults: FaultInjector | None = None, tensor_comm_protocol: str = "SHM",
+                 rendezvous: Rendezvous | None = None) -> AsyncEngine:
     """Load the model and start the engine thread. `faults` (tests only) defaults to what
-    `env.fault_inject` (MSTAR_FAULT_INJECT) asks for, when it is set."""
+    `env.fault_inject` (MSTAR_FAULT_INJECT) asks for, when it is set. `rendezvous`: the nodes of a
+    tensor-parallel config (default: all its ranks on this one)."""
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
 
@@ -106,7 +115,7 @@ def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool 
 
         check_expert_parallel(cfg, load_config(cfg.checkpoint).num_experts)
         return build_tp_engine(cfg, speculative_models(cfg, device), env=env, device=device,
-                               tensor_comm_protocol=tensor_comm_protocol,
+                               tensor_comm_protocol=tensor_comm_protocol, rendezvous=rendezvous,
                                max_step_failures=cfg.server.max_step_failures, faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
     model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device, progress=progress)
@@ -161,6 +170,15 @@ def bind_http_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serve_other_node(cfg: ServeConfig, rendezvous: Rendezvous) -> int:
+    """A node other than 0: its ranks, with node 0's setup. Its checkpoint must exist: only node 0 writes the
+    tiny one on first use (two writers on one machine would race)."""
+    from mstar.distributed.launch import serve_node
+
+    check_paths(cfg)
+    return serve_node(cfg, rendezvous)
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mstar-serve", description="Serve Kimi K3 behind an OpenAI-compatible API.")
     p.add_argument("--config", required=True, type=Path, help="serve config YAML (see configs/)")
@@ -174,6 +192,7 @@ def serve_main(argv: list[str] | None = None) -> None:
                         "comma-separated, which keeps keys out of the process list)")
     p.add_argument("--log-requests", action="store_true",
                    help="log every request's prompt and parameters (prompts are never logged otherwise)")
+    add_rendezvous_args(p)
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="config overrides, e.g. scheduler.max_num_seqs=8")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -181,9 +200,13 @@ def serve_main(argv: list[str] | None = None) -> None:
     try:
         env = Environment.read()
         cfg = load_serve_config(args.config, args.overrides)
+        rendezvous = resolve_rendezvous(args, cfg.tp_size, env.rendezvous())
+        if rendezvous.node_rank > 0:  # no HTTP here: this node runs its ranks for node 0
+            raise SystemExit(serve_other_node(cfg, rendezvous))
         options = server_options(cfg, args.api_key, args.log_requests, env)
         http_socket = bind_http_socket(args.host, args.port)
-        engine = build_engine(cfg, env=env, progress=True, tensor_comm_protocol=args.tensor_comm_protocol)
+        engine = build_engine(cfg, env=env, progress=True, tensor_comm_protocol=args.tensor_comm_protocol,
+                              rendezvous=rendezvous)
     except (ServeConfigError, ValueError, FileNotFoundError) as e:
         print(f"mstar-serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None

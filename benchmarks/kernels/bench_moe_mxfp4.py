@@ -319,18 +319,19 @@ def time_humming(layer_sets, z, ids, weights, ref, reps) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 BLOCK_MS = (16, 32, 64, 128)
-GATE_UP_TILES = (moe.GemmTile(16, 256), moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 128),
-                 moe.GemmTile(16, 512), moe.GemmTile(32, 256, num_warps=2), moe.GemmTile(64, 128, num_warps=8),
+GATE_UP_TILES = (moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 128), moe.GemmTile(64, 256),
+                 moe.GemmTile(32, 512), moe.GemmTile(16, 256), moe.GemmTile(64, 128, num_warps=8),
                  moe.GemmTile(64, 256, num_warps=8, num_stages=2), moe.GemmTile(32, 256, split_k=2),
-                 moe.GemmTile(32, 128, split_k=4), moe.GemmTile(32, 256, split_k=7))
-DOWN_TILES = (moe.GemmTile(32, 128), moe.GemmTile(64, 128), moe.GemmTile(128, 128), moe.GemmTile(64, 128, num_warps=2),
-              moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(256, 128, num_warps=8, num_stages=2),
+                 moe.GemmTile(64, 128, split_k=2), moe.GemmTile(32, 128, split_k=4), moe.GemmTile(32, 256, split_k=7))
+DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 128, num_warps=8),
+              moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(128, 128, num_stages=2), moe.GemmTile(32, 128),
               moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3))
 
 
-def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
+def tune(sets, z, ids, weights, ref, reps, seconds: float) -> tuple[moe.MoEConfig, float]:
     """Coordinate search from the default config: align, block_m, gate/up tile, down tile, swap_ab, combine,
-    decode."""
+    decode; it stops after `seconds` (what it has tried by then decides)."""
+    deadline = time.time() + seconds
     rows = z.shape[0] * K / E
     best = moe.fit_config(moe.default_config(z.shape[0], K, E), H, I)
     best_us = MstarStep(sets, z, ids, weights, best).time(reps)
@@ -350,7 +351,7 @@ def tune(sets, z, ids, weights, ref, reps) -> tuple[moe.MoEConfig, float]:
                 candidate = moe.fit_config(moe.MoEConfig(**{**best.__dict__, field: value}), H, I)
             except ValueError:  # e.g. align=False with combine="reduce"
                 continue
-            if candidate in tried:
+            if candidate in tried or time.time() > deadline:
                 continue
             tried.add(candidate)
             try:
@@ -376,6 +377,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS))
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--tune", action="store_true", help="search tile configs per token count")
+    parser.add_argument("--tune-seconds", type=float, default=600.0, help="time limit of each token count's search")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
     parser.add_argument("--no-humming", action="store_true", help="skip the peer even if humming is importable")
     args = parser.parse_args()
@@ -426,7 +428,7 @@ def main() -> None:
         if humming_sets:
             row.update(time_humming(humming_sets, z, ids, weights, ref, args.reps))
         if args.tune:
-            tuned, tuned_us = tune(sets, z, ids, weights, ref, args.reps)
+            tuned, tuned_us = tune(sets, z, ids, weights, ref, args.reps, args.tune_seconds)
             row["tuned_us"], row["tuned_config"] = tuned_us, asdict(tuned)
         results.append(row)
         print(f"T={num_tokens}: {us:.1f} us (floor {floor_us:.1f}), humming {row.get('humming_us')}, err {err:.1e} "

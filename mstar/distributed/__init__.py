@@ -10,4 +10,7 @@
     loader.py            reads a rank's slices from the safetensors shards; for rank 0's draft, the whole embed/lm_head
     control.py           rank 0's step messages to the followers, and the heartbeat
     worker.py            rank processes: spawn, follow, monitor, stop; `build_tp_engine` for mstar-serve
+    rendezvous.py        the multi-node contract (torchrun's flags and environment): nodes, node rank, master
+    launch.py            the launcher of a node other than node 0: join node 0's store, run and watch its ranks
+    node_beats.py        each node's beat in the store, and its watch over the nodes it depends on
 """

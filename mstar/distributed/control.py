@@ -6,14 +6,17 @@ followers (`broadcast_object_list` on a gloo group of its own, apart from the mo
 - the `BatchPlan` (token ids, row offsets, page tables and slot mapping, KDA slots, sampled rows,
   verify rows): what to feed and where each row's cache and state live;
 - each row's pending KDA prefix length (the verify-accepted rows of the last step, which rank 0's
-  commit recorded and the forward replays first).
+  commit recorded and the forward replays first);
+- the KDA slot copies rank 0's pool made since the last step (prefix-cache snapshots taken at commit,
+  and the snapshots new requests resume from), which a follower makes first, in the same order.
 
 A follower holds no request state of its own: no scheduler, no sampler, no token counts. It runs
 `ModelRunner.forward` on exactly these steps, so every rank takes the same control flow by
 construction. Tokens that rank 0 samples or verifies reach the followers as input ids of the next
 step, and what rank 0 committed (accepted lengths) as the prefix lengths of the next step: every
 decision is rank 0's and every rank acts on it. A KDA slot is reset where a row starts a sequence
-(num_computed == 0), which is exactly when rank 0's pool hands the slot out and zeroes it.
+(num_computed == 0), which is exactly when rank 0's pool hands the slot out and zeroes it; a row that
+starts after a cached prefix finds its slot filled by one of the copies instead.
 
 Step ids count up by one; a follower that sees a gap stops (the ranks would no longer agree).
 
@@ -45,6 +48,7 @@ class StepMessage:
     plan: BatchPlan | None = None  # CPU tensors
     prefix_lens: tuple[int, ...] = ()  # per row: its slot's pending KDA prefix length
     tap_layers: tuple[int, ...] = ()
+    slot_copies: tuple[tuple[int, int], ...] = ()  # KDA (from slot, to slot) copies to make before the forward
     geometry: dict[str, Any] | None = None  # GEOMETRY: rank 0's pool shapes, checked by every follower
 
 
@@ -80,10 +84,11 @@ class ControlChannel:
         with self._lock:
             self._send(message)
 
-    def send_step(self, plan: BatchPlan, prefix_lens: tuple[int, ...], tap_layers: tuple[int, ...]) -> None:
+    def send_step(self, plan: BatchPlan, prefix_lens: tuple[int, ...], tap_layers: tuple[int, ...],
+                  slot_copies: tuple[tuple[int, int], ...] = ()) -> None:
         """Send one step; the channel counts as busy (no heartbeats) until `step_done`."""
         with self._lock:
-            message = StepMessage(STEP, self._next_step, plan_on(plan, "cpu"), prefix_lens, tap_layers)
+            message = StepMessage(STEP, self._next_step, plan_on(plan, "cpu"), prefix_lens, tap_layers, slot_copies)
             self._busy = True
             self._send(message)
             self._next_step += 1

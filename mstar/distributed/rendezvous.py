@@ -12,6 +12,11 @@ the same names from Slurm's or a Kubernetes job's variables, needs no flags):
     --nnodes             NNODES, else WORLD_SIZE / LOCAL_WORLD_SIZE   1
     --node-rank          NODE_RANK, else GROUP_RANK                   0
     --nproc-per-node     LOCAL_WORLD_SIZE                             tp_size / nnodes
+    --rendezvous-timeout                                              300 s
+
+The rendezvous timeout bounds how long the nodes wait for each other at startup: a node other than 0 for
+node 0's store to answer, node 0 for every other node to join. Either one that waits longer says who it
+waited for and exits non-zero.
 
 Global rank = node_rank * nproc_per_node + local rank, so node 0's local rank 0 is rank 0 (it serves
 HTTP); tp_size must equal nnodes * nproc_per_node.
@@ -22,6 +27,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class RendezvousError(ValueError):
@@ -35,6 +42,7 @@ class Rendezvous:
     nnodes: int
     node_rank: int
     nproc_per_node: int
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long the nodes wait for each other at startup
 
     @property
     def world_size(self) -> int:
@@ -63,6 +71,8 @@ def add_rendezvous_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--master-addr", help="address of node 0, reachable from every node (MASTER_ADDR)")
     group.add_argument("--master-port", type=int, help="port node 0 listens on for the rendezvous (MASTER_PORT)")
     group.add_argument("--nproc-per-node", type=int, help="ranks (GPUs) on each node (LOCAL_WORLD_SIZE)")
+    group.add_argument("--rendezvous-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                       help="how long a node waits for node 0 (node 0: for the other nodes) at startup")
 
 
 def _env_int(environ: Mapping[str, str], name: str) -> int | None:
@@ -108,4 +118,6 @@ def resolve_rendezvous(args: argparse.Namespace, tp_size: int, environ: Mapping[
                               "(or MASTER_ADDR and MASTER_PORT), the same on every node")
     if port is not None and not 0 <= port < 65536:
         raise RendezvousError(f"--master-port {port} is not a TCP port")
-    return Rendezvous(addr or "127.0.0.1", port or 0, nnodes, node_rank, nproc)
+    if not args.rendezvous_timeout > 0:
+        raise RendezvousError(f"--rendezvous-timeout {args.rendezvous_timeout:g}: must be positive (seconds)")
+    return Rendezvous(addr or "127.0.0.1", port or 0, nnodes, node_rank, nproc, args.rendezvous_timeout)

@@ -17,6 +17,10 @@ feed [anchor, drafts] and keep their KDA block pending, and the next step's pref
 many of those rows rank 0 accepted. Followers hold no draft, but their pools are sized for verify
 blocks of k + 1 rows as rank 0's are (`follower_speculative`; the geometry check covers it).
 
+Several nodes (rendezvous.py): rank 0 is node 0's local rank 0 and spawns only node 0's followers; the
+store listens on the master address and port, and holds the pickled RankSetup (SETUP_KEY), which the
+launcher of each other node reads (launch.py) to spawn that node's ranks with `follower_main`.
+
 Startup: rank 0 opens a TCPStore, spawns the followers, and every rank joins three groups: the
 default gloo group (startup barrier), a gloo control group (step messages, control.py) and the data
 group the model's `Communicator` runs on (gloo on CPU, NCCL + symmetric memory on GPU, chosen in
@@ -30,7 +34,11 @@ Failure, all within seconds, never a hang:
   and after a short grace ends rank 0 with status EXIT_RANK_FAILED (3);
 - rank 0 disappears: a follower's receive fails (the control connection closes) or times out (no
   heartbeat within `control_s`), or its watchdog sees it was re-parented; it exits with status 1;
-- a follower's step raises: it logs the error and exits 1, and rank 0 proceeds as above.
+- a follower's step raises: it logs the error and exits 1, and rank 0 proceeds as above;
+- another node: rank 0 cannot see its processes. Their death breaks the next collective or heartbeat
+  (a closed connection), and a node that goes silent stops its beat in the store (node_beats.py): either
+  way rank 0 fails as above within `node_silence_s` + `failure_grace_s`. The other node's launcher sees
+  its own ranks die, or node 0's beat stop, and kills the rest of its ranks (launch.py).
 SIGTERM / Ctrl-C go to rank 0, which drains (open requests finish), then sends STOP, waits for the
 followers to exit and kills any that do not. At exit rank 0 kills whatever follower is still alive,
 so no rank outlives it.
@@ -42,6 +50,7 @@ import atexit
 import logging
 import multiprocessing.connection
 import os
+import pickle
 import signal
 import threading
 import time
@@ -73,13 +82,15 @@ from .comm_choice import CommConfig, build_communicator
 from .communicator import Communicator
 from .control import GEOMETRY, HEARTBEAT, STEP, STOP, ControlChannel, Heartbeat, StepMessage, plan_on
 from .loader import load_rank_model, load_vocab_heads
+from .node_beats import NodeBeats, alive_key, stopped_key
+from .rendezvous import Rendezvous, RendezvousError
 from .sharding import ShardingPlan
 
 log = logging.getLogger("mstar.distributed")
 
 EXIT_RANK_FAILED = 3  # rank 0's exit status when a rank died (as mstar-serve's when its engine stops for good)
 FAILURE_ATTRIBUTION_S = 1.0  # how long a failed step waits for the monitor to name the rank that died
-STORE_HOST = "127.0.0.1"  # all ranks on one node (the store and gloo listen on loopback)
+SETUP_KEY = "mstar/setup"  # the pickled RankSetup, in the store, for the launchers of the other nodes
 
 
 @dataclass(frozen=True)
@@ -89,34 +100,50 @@ class Timeouts:
     heartbeat_s: float = 1.0  # rank 0 sends a heartbeat after this long without a message
     collective_s: float = 600.0  # one model collective (ranks wait for the slowest)
     stop_s: float = 10.0  # followers' exit after STOP, before they are killed
+    node_silence_s: float = 5.0  # several nodes: a node whose beat (node_beats.py) stops this long is gone
     failure_grace_s: float = 1.0  # after a rank died: time for failed requests to reach their clients
 
 
 @dataclass(frozen=True)
 class RankSetup:
-    """What every rank needs to build its part (sent to each follower when it is spawned)."""
+    """What every rank needs to build its part: sent to each follower of node 0 when it is spawned, and
+    through the store to the launchers of the other nodes. It holds no secret (`follower_setup`)."""
 
     checkpoint: str
     tp_size: int
     ep_size: int
     dtype: torch.dtype
     device_type: str  # "cpu" or "cuda"
-    engine: EngineConfig  # rank 0's
+    engine: EngineConfig  # rank 0's, without the server's settings (its API keys)
     comm: CommConfig
+    store_host: str  # node 0's address (the master's), where the TCPStore listens
     store_port: int
+    nproc_per_node: int  # ranks on each node: global rank r runs on node r // nproc_per_node
     timeouts: Timeouts = field(default_factory=Timeouts)
     log_level: int = logging.INFO
     latent_sharded: bool = False  # the latent MoE's projections split over the ranks (ShardingPlan)
     speculative: SpeculativeModels | None = None  # the followers' (`follower_speculative`)
-    env: Environment = NO_ENV  # rank 0's environment knobs (followers read none of their own)
+    env: Environment = NO_ENV  # rank 0's environment knobs, without its API keys (followers read none of their own)
 
     def plan(self, rank: int) -> ShardingPlan:
         return ShardingPlan(self.tp_size, rank, self.ep_size, self.latent_sharded)
 
+    @property
+    def nnodes(self) -> int:
+        return self.tp_size // self.nproc_per_node
+
     def device(self, rank: int) -> torch.device:
+        """The rank's GPU on its node: its local rank (wrapping where the node has fewer GPUs, for tests)."""
         if self.device_type == "cuda":
-            return torch.device("cuda", rank % torch.cuda.device_count())
+            return torch.device("cuda", rank % self.nproc_per_node % torch.cuda.device_count())
         return torch.device("cpu")
+
+
+def follower_setup(engine: EngineConfig, env: Environment, **fields: Any) -> RankSetup:
+    """The RankSetup rank 0 sends: its engine config without the `server` section and its environment
+    without the API keys. Followers serve no HTTP, and the setup crosses the network to other nodes."""
+    engine_only = EngineConfig.model_construct(**{name: getattr(engine, name) for name in EngineConfig.model_fields})
+    return RankSetup(engine=engine_only, env=env.model_copy(update={"api_keys": ()}), **fields)
 
 
 @dataclass
@@ -202,10 +229,11 @@ def pool_geometry(kv: PagedLatentKV, pool: RecurrentStatePool) -> dict[str, Any]
 
 
 def apply_step(runner: ModelRunner, message: StepMessage, device: torch.device) -> None:
-    """Run rank 0's step here: reset the slots of rows that start a sequence, take the pending prefix
-    lengths, then the forward (its logits are rank 0's business)."""
+    """Run rank 0's step here: make rank 0's KDA slot copies, reset the slots of rows that start a sequence,
+    take the pending prefix lengths, then the forward (its logits are rank 0's business)."""
     plan: BatchPlan = plan_on(message.plan, device)
     pool = runner.pool
+    pool.apply_copies(message.slot_copies)
     for b, slot in enumerate(plan.host_slots()):
         if plan.num_computed[b] == 0:
             pool.state[:, slot].zero_()
@@ -262,7 +290,7 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
     logging.basicConfig(level=setup.log_level, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     threading.Thread(target=_watch_parent, args=(parent_pid, rank), name="mstar-watch-rank0", daemon=True).start()
     try:
-        store = dist.TCPStore(STORE_HOST, setup.store_port, setup.tp_size, is_master=False,
+        store = dist.TCPStore(setup.store_host, setup.store_port, is_master=False,
                               timeout=timedelta(seconds=setup.timeouts.startup_s))
         runtime = _join(setup, rank, store)
         model = _load(setup, rank, runtime.comm)
@@ -280,21 +308,33 @@ def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
         os._exit(1)  # no clean-up that could wait on a peer that is gone
     dist.destroy_process_group()
     log.info("rank %d stopped", rank)
+    logging.shutdown()
+    # Exit now: a spawned child would otherwise finalize the interpreter (a full garbage collection of
+    # torch's and the model's objects), which took ~9 s on a loaded CPU, against rank 0's stop timeout.
+    os._exit(0)
 
 
 # --- rank 0 ----------------------------------------------------------------------------------------------
 
 
 class Ranks:
-    """Rank 0's handle on the followers: watches them, stops them, and fails everything when one dies."""
+    """Rank 0's handle on the followers: watches them, stops them, and fails everything when one dies.
+    It watches node 0's followers by their processes and every other node by its beat (node_beats.py)."""
 
-    def __init__(self, setup: RankSetup, processes: list[Any], *, exit_on_failure: bool):
+    def __init__(self, setup: RankSetup, processes: list[Any], *, exit_on_failure: bool,
+                 store: dist.Store | None = None):
         self.setup = setup
-        self.processes = processes  # index i: rank i + 1
+        self.processes = processes  # index i: rank i + 1 (node 0's followers)
         self.exit_on_failure = exit_on_failure
         self.failed: str | None = None
         self.runtime: RankRuntime | None = None
         self.heartbeat: Heartbeat | None = None
+        self.store = store
+        self.beats: NodeBeats | None = None
+        if setup.nnodes > 1:
+            self.beats = NodeBeats(setup.store_host, setup.store_port, 0, range(1, setup.nnodes),
+                                   interval_s=setup.timeouts.heartbeat_s, timeout_s=setup.timeouts.node_silence_s,
+                                   on_lost=self.fail)
         self._stopping = False
         self._stopped = False
         self._listeners: list[Callable[[str], None]] = []
@@ -313,6 +353,25 @@ class Ranks:
 
     def start_monitor(self) -> None:
         self._monitor.start()
+        if self.beats is not None:
+            self.beats.start()
+
+    def wait_for_nodes(self, timeout: float) -> None:
+        """Several nodes: wait up to `timeout` seconds until every other node's launcher has joined."""
+        if self.beats is None:
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            # a node's counter, 0 until its first beat (reading it with add(0) creates it: check() would not do)
+            missing = [n for n in range(1, self.setup.nnodes) if self.store.add(alive_key(n), 0) == 0]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise RendezvousError(f"node(s) {', '.join(map(str, missing))} did not join within {timeout:g} s "
+                                      "(--rendezvous-timeout): start `mstar-serve` with the same config and "
+                                      "--node-rank N, --master-addr and --master-port on each of them")
+            self.check()
+            time.sleep(0.1)
 
     def wait_for_failure(self, timeout: float) -> bool:
         """True when a rank failure is known within `timeout` seconds."""
@@ -331,6 +390,11 @@ class Ranks:
                     return
                 p = self.processes[rank - 1]
                 p.join(1)  # its sentinel closes as it exits; reap it for the exit status
+                # Several nodes: a follower here most often stops because a rank of another node died; that
+                # node's report reaches the beats within a beat and names the cause (its `fail` wins).
+                if self.beats is not None and self.wait_for_failure(FAILURE_ATTRIBUTION_S +
+                                                                    self.setup.timeouts.heartbeat_s):
+                    return
                 self.fail(f"rank {rank} (pid {p.pid}) exited with status {p.exitcode}")
                 return
 
@@ -371,8 +435,7 @@ class Ranks:
         """Rank 0 itself failed (at startup): kill the followers without calling it their failure."""
         self._stopping = True
         self._stopped = True
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
+        self._stop_watching()
         self.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -398,9 +461,29 @@ class Ranks:
         if stragglers:
             log.warning("followers %s did not stop within %.0f s; killing them", stragglers, self.setup.timeouts.stop_s)
         self.kill()
+        self._wait_for_remote_nodes(deadline)
+        self._stop_watching()
         if dist.is_initialized():
             dist.destroy_process_group()
         atexit.unregister(self.kill)
+
+    def _stop_watching(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.beats is not None:
+            self.beats.stop()
+
+    def _wait_for_remote_nodes(self, deadline: float) -> None:
+        """Keep the store up until each other node's launcher says its ranks have stopped (else it would
+        take the store's end for node 0's failure)."""
+        if self.beats is None or self.failed is not None:
+            return
+        keys = [stopped_key(n) for n in range(1, self.setup.nnodes)]
+        while not self.store.check(keys):
+            if time.monotonic() > deadline:
+                log.warning("not every node reported its ranks stopped within %.0f s", self.setup.timeouts.stop_s)
+                return
+            time.sleep(0.05)
 
 
 class LeaderExecutor:
@@ -422,7 +505,7 @@ class LeaderExecutor:
         self.ranks.check()
         prefix_lens = tuple(self.pool.prefix_len[slot] for slot in step.plan.host_slots())
         try:
-            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers))
+            self.channel.send_step(step.plan, prefix_lens, tuple(step.tap_layers), step.slot_copies)
             return self.inner.execute(step)
         except Exception as e:
             # A broken collective is most often a rank that died: say which, once the monitor knows.
@@ -437,28 +520,41 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
                 speculative: SpeculativeModels | None = None, *, tp_size: int, ep_size: int = 1,
                 dtype: torch.dtype = torch.float32, device_type: str = "cpu", env: Environment = NO_ENV,
                 comm: CommConfig | None = None, timeouts: Timeouts | None = None,
-                exit_on_failure: bool = False, latent_sharded: bool = False) -> tuple[EngineCore, Ranks]:
-    """Spawn the followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
+                exit_on_failure: bool = False, latent_sharded: bool = False,
+                rendezvous: Rendezvous | None = None) -> tuple[EngineCore, Ranks]:
+    """Spawn node 0's followers, load rank 0's slices, and return rank 0's EngineCore (its forward drives
     every rank) with the handle on the ranks. `exit_on_failure`: a dead rank ends this process.
     With `speculative` (the draft, given when engine_config speculates), rank 0 drafts and every rank
-    verifies. `latent_sharded`: the latent MoE's projections split over the ranks (sharding.py)."""
+    verifies. `latent_sharded`: the latent MoE's projections split over the ranks (sharding.py).
+    `rendezvous` (default: every rank on this node): with several nodes, the store listens on the master
+    port, the setup waits there for the other nodes' launchers (launch.py), and they start their ranks."""
     if tp_size < 2:
         raise ValueError(f"tp_size={tp_size}: rank workers are for tp_size >= 2")
+    rdzv = rendezvous or Rendezvous("127.0.0.1", 0, 1, 0, tp_size)
+    if rdzv.world_size != tp_size or rdzv.node_rank != 0:
+        raise ValueError(f"rank 0 runs on node 0 of nnodes x nproc_per_node = tp_size ranks; got {rdzv} for "
+                         f"tp_size={tp_size}")
     check_tp_checkpoint(checkpoint, tp_size, ep_size, latent_sharded)
-    store = dist.TCPStore(STORE_HOST, 0, tp_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=(timeouts or Timeouts()).startup_s))
-    setup = RankSetup(str(checkpoint), tp_size, ep_size, dtype, device_type, engine_config,
-                      comm or CommConfig(), store.port, timeouts or Timeouts(), logging.getLogger().getEffectiveLevel(),
-                      latent_sharded, speculative=follower_speculative(speculative), env=env)
+    timeouts = timeouts or Timeouts()
+    store = open_store(rdzv, timeouts.startup_s)
+    setup = follower_setup(engine_config, env, checkpoint=str(checkpoint), tp_size=tp_size, ep_size=ep_size,
+                           dtype=dtype, device_type=device_type, comm=comm or CommConfig(),
+                           store_host=rdzv.master_addr, store_port=store.port, nproc_per_node=rdzv.nproc_per_node,
+                           timeouts=timeouts, log_level=logging.getLogger().getEffectiveLevel(),
+                           latent_sharded=latent_sharded, speculative=follower_speculative(speculative))
+    if rdzv.multi_node:
+        store.set(SETUP_KEY, pickle.dumps(setup))
     context = torch.multiprocessing.get_context("spawn")
     processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
-                 for rank in range(1, tp_size)]
+                 for rank in range(1, rdzv.nproc_per_node)]
     for p in processes:
         p.start()
-    ranks = Ranks(setup, processes, exit_on_failure=exit_on_failure)
-    log.info("started %d follower ranks (pids %s)", len(processes), ranks.pids)
+    ranks = Ranks(setup, processes, exit_on_failure=exit_on_failure, store=store)
+    log.info("started %d follower ranks on this node (pids %s)%s", len(processes), ranks.pids,
+             f"; waiting for nodes 1..{rdzv.nnodes - 1} at {rdzv.master_addr}:{store.port}" if rdzv.multi_node else "")
     ranks.start_monitor()
     try:
+        ranks.wait_for_nodes(rdzv.timeout_s)
         runtime = ranks.runtime = _join(setup, 0, store)
         model = _load(setup, 0, runtime.comm)
         core = EngineCore(model, tokenizer, engine_config, rank0_speculative(speculative, setup), env=env)
@@ -498,19 +594,33 @@ class TPEngine(AsyncEngine):
             self.ranks.stop()
 
 
+def open_store(rdzv: Rendezvous, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's TCPStore, where every rank meets: on the master port (0: a free one, one node only)."""
+    try:
+        return dist.TCPStore(rdzv.master_addr, rdzv.master_port, None, is_master=True, wait_for_workers=False,
+                             timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise RendezvousError(f"cannot open the rendezvous store on port {rdzv.master_port} (--master-port): "
+                              f"{str(e).splitlines()[0]}; choose another port, the same on every node") from None
+
+
 def build_tp_engine(cfg: ServeConfig, speculative: SpeculativeModels | None, *, device: str,
                     env: Environment = NO_ENV, tensor_comm_protocol: str = "SHM", timeouts: Timeouts | None = None,
-                    **engine_kwargs: Any) -> TPEngine:
+                    rendezvous: Rendezvous | None = None, **engine_kwargs: Any) -> TPEngine:
     """rank 0's engine for mstar-serve with `cfg.tp_size` ranks: spawns the followers, loads the slices,
     starts the engine thread. A rank that dies ends this process with status EXIT_RANK_FAILED;
     `engine.shutdown()` (after the server drained) stops every rank. With `cfg.speculative`,
     `speculative` carries the loaded draft (serve.py's `speculative_models`)."""
+    if rendezvous is not None and rendezvous.multi_node and torch.device(device).type == "cuda" \
+            and tensor_comm_protocol == "SHM":
+        raise ValueError(f"--tensor-comm-protocol SHM (symmetric memory over NVLink) works inside one node; the "
+                         f"ranks of {rendezvous.nnodes} nodes need --tensor-comm-protocol NCCL")
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
     latent_moe = load_config(cfg.checkpoint).routed_expert_hidden_size is not None  # Kimi-Linear has none
     core, ranks = start_ranks(cfg.checkpoint, tokenizer, cfg, speculative, tp_size=cfg.tp_size,
                               ep_size=cfg.model_kwargs.moe_ep_size, dtype=torch_dtype(cfg.dtype),
                               device_type=torch.device(device).type, env=env,
                               comm=CommConfig(protocol=tensor_comm_protocol), timeouts=timeouts,
-                              exit_on_failure=True,
+                              exit_on_failure=True, rendezvous=rendezvous,
                               latent_sharded=latent_moe and cfg.model_kwargs.latent_moe_layout == "sharded")
     return TPEngine(core, cfg.served_model_name, ranks, **engine_kwargs).start()

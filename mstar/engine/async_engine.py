@@ -52,6 +52,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _ResetPrefixCache:
+    done: Callable[[], None]  # called on the engine thread once the cache is empty
+
+
 class AsyncEngine:
     def __init__(self, core: EngineCore, model_name: str, *, max_step_failures: int = 3,
                  faults: FaultInjector | None = None, on_fatal: Callable[[str], None] | None = None):
@@ -61,7 +66,7 @@ class AsyncEngine:
         self.tokenizer = core.tokenizer
         self.model_name = model_name
         self.max_seq_len = core.config.max_seq_len
-        self._inbox: queue.SimpleQueue[_Add | _Abort] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._outboxes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
@@ -134,8 +139,19 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    async def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache on the engine thread, between steps, and return when it is done."""
+        if not self._thread.is_alive() or self.fatal_error is not None:
+            raise EngineDeadError(self.fatal_error or "the engine has stopped; retry on another server")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._send(_ResetPrefixCache(lambda: loop.call_soon_threadsafe(done.set_result, None)))
+        if self.fatal_error is not None:  # it died meanwhile, perhaps after answering the queued resets
+            return
+        await done
+
     # --- the engine thread --------------------------------------------------------------------
-    def _send(self, message: _Add | _Abort) -> None:
+    def _send(self, message: _Add | _Abort | _ResetPrefixCache) -> None:
         self._inbox.put(message)
         self._wake.set()
 
@@ -184,6 +200,17 @@ class AsyncEngine:
         for request_id in list(core.requests):
             core.abort_request(request_id)
         self._deliver(core.drain_outputs())
+        self._answer_resets()
+
+    def _answer_resets(self) -> None:
+        """The engine stops: answer the resets still queued (nothing is cached any more), so none waits forever."""
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(message, _ResetPrefixCache):
+                message.done()
 
     def _die(self, message: str) -> None:
         """Stop for good: fail every request anyone waits for, free what the core holds, tell the owner."""
@@ -195,6 +222,7 @@ class AsyncEngine:
         error = [RequestOutput(request_id, [], "", finished=True, finish_reason="error", error=message)
                  for request_id in waiting]
         self._deliver(error)
+        self._answer_resets()
         try:
             self.core.fail_all(message)
             self.core.drain_outputs()
@@ -215,6 +243,10 @@ class AsyncEngine:
                 return
             if isinstance(message, _Abort):
                 self.core.abort_request(message.request_id)
+                continue
+            if isinstance(message, _ResetPrefixCache):
+                self.core.reset_prefix_cache()
+                message.done()
                 continue
             try:
                 self.core.add_request(message.request_id, message.prompt_ids, message.params)

@@ -31,6 +31,9 @@ class EngineStats:
     spec_drafted_by_position: tuple[int, ...] = ()  # [i]: verify rows that proposed draft i+1
     spec_accepted_by_position: tuple[int, ...] = ()  # [i]: rows whose draft i+1 was accepted
     num_preemptions: int = 0  # requests preempted (their caches freed, to be recomputed), cumulative
+    # Prefix caching, cumulative: tokens of admitted requests, and of those the tokens found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def spec_mean_accepted_length(self) -> float:
@@ -53,6 +56,10 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    async def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (POST /reset_prefix_cache); requests running keep their pages."""
+        ...
 
     @property
     def healthy(self) -> bool: ...

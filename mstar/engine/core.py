@@ -28,6 +28,12 @@ after N+1's, so they run after N+1 has written what it writes there. The host re
 memory of a step except through the step's own result copy. (The CPU runs every op at once, so
 there nothing is ever in flight.)
 
+Prefix caching (prefix_cache.py, `prefix_cache.enabled`): the scheduler starts a new request after the
+longest cached prefix it can resume from; once a step is finished (its tokens on the host) the engine
+publishes the full pages and KDA snapshots of its requests under their content keys, and a request that
+ends publishes its last ones before it is released (a failed one does not: its rows may be garbage).
+The KDA slot copies this makes travel with the next step to tensor-parallel followers (`slot_copies`).
+
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
 - a step holding a request with a grammar (structured_output.py): the mask of its next step is
   computed on the host from the matcher, which needs this step's token;
@@ -55,6 +61,7 @@ from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
 from mstar.engine.outputs import RequestOutput, RequestTimes, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.prefix_cache import PrefixCache
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
 from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
@@ -106,9 +113,10 @@ def build_runner(model: KimiK3ForCausalLM, config: EngineConfig, speculative: Sp
         raise ValueError(f"model_kwargs.speculative_tokens is {config.model_kwargs.speculative_tokens} but the "
                          f"engine was {'not ' if speculative is None else ''}given the speculative models: "
                          "pass SpeculativeModels exactly when speculative_tokens > 0")
-    r, sched, mk = config.resources, config.scheduler, config.model_kwargs
+    r, sched, mk, pc = config.resources, config.scheduler, config.model_kwargs, config.prefix_cache
     pools = PoolSizes(r.mla_kv.max_num_pages, r.mla_kv.page_size, r.kda_state.max_slots,
-                      max_block=mk.speculative_tokens + 1 if speculative else 0)
+                      max_block=mk.speculative_tokens + 1 if speculative else 0,
+                      kda_snapshot_interval=pc.kda_snapshot_interval if pc.enabled else 0)
     limits = StepLimits(config.max_seq_len, sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_prefill_seqs,
                         tap_layers=speculative.taps() if speculative else (), draft_schedule=draft_schedule(config),
                         moe_bf16_above=env.moe_bf16_tokens)
@@ -133,21 +141,24 @@ class EngineCore:
         mk = config.model_kwargs
         self.spec: Speculation | None = None
         resources = [self.kv, self.pool]
+        page_pools = [self.kv]
         if speculative is not None and speculative.draft is not None:
             proposer = DSparkProposer(speculative.draft, model, num_pages=config.dspark_kv_pages,
                                       page_size=config.resources.mla_kv.page_size, heads=speculative.heads)
             schedule = self.runner.limits.draft_schedule
             self.spec = Speculation(proposer, schedule)
             resources.append(proposer)
+            page_pools.append(proposer.kv)  # the draft's context rows are cached with the target's pages
             if mk.cuda_graphs and proposer.paged:
                 from mstar.runner.cuda_graphs import decode_buckets
 
                 # small batches only: a bucket's graph keeps [B, k, vocab] fp32 logits and probabilities
                 proposer.capture_graphs(schedule, decode_buckets(min(config.scheduler.max_num_seqs,
                                                                      MAX_DRAFT_GRAPH_BATCH)), config.max_seq_len)
+        self.prefix = PrefixCache(page_pools, self.pool) if config.prefix_cache.enabled else None
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None,
-                                   mixed_prefill_decode=mk.mixed_prefill_decode)
+                                   mixed_prefill_decode=mk.mixed_prefill_decode, prefix=self.prefix)
         self.sampler = Sampler()
         self.device = self.runner.device
         self.requests: dict[str, Request] = {}
@@ -208,6 +219,10 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None or bool(self._pending_outputs)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; running requests keep what they hold (vLLM's reset_prefix_cache)."""
+        self.scheduler.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         spec = self.spec
         return EngineStats(
@@ -223,6 +238,8 @@ class EngineCore:
             spec_drafted_by_position=tuple(spec.drafted_by_position) if spec else (),
             spec_accepted_by_position=tuple(spec.accepted_by_position) if spec else (),
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.prefix.num_queries if self.prefix else 0,
+            prefix_cache_hits=self.prefix.num_hits if self.prefix else 0,
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -260,7 +277,8 @@ class EngineCore:
                 request.scheduled_at = now
         drafts = self.spec.propose(decl, self.requests) if self.spec else {}
         plan = self._plan(decl, requests, drafts)
-        logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else ()))
+        logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else (),
+                                                       slot_copies=tuple(self.pool.take_copies())))
         launched = self._choose_tokens(decl, requests, drafts, plan, logits, taps)
         if launched.committed:
             self._commit(decl, requests, launched)
@@ -303,6 +321,9 @@ class EngineCore:
         for request, tokens, logprobs in new_tokens:
             if not request.finished:
                 self._append(request, tokens, logprobs)
+        for request in step.requests:
+            if not request.finished:
+                self.scheduler.publish(request)
         for request in poisoned:
             self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
 
@@ -461,6 +482,7 @@ class EngineCore:
             stop_reason=request.stop_reason if finished else None,
             num_prompt_tokens=len(request.prompt_ids),
             num_output_tokens=len(request.output_ids),
+            num_cached_tokens=request.num_cached_tokens,
             prompt_token_ids=list(request.prompt_ids) if first else None,
             times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
             if finished else None,
@@ -470,6 +492,7 @@ class EngineCore:
         request.status = Status.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        self.scheduler.publish(request)
         self.scheduler.release(request)
         del self.requests[request.request_id]
         self._emit(request, [], request.text.finish() if reason != "abort" else "", None, finished=True)

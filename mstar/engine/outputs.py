@@ -53,6 +53,7 @@ class RequestOutput:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     error: str | None = None
     prompt_token_ids: list[int] | None = field(default=None, repr=False)  # on the first delta only
     times: RequestTimes | None = None  # on the finishing delta

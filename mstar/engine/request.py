@@ -34,6 +34,8 @@ class Request:
     matcher: Any = None  # the grammar's llguidance matcher, advanced with each appended token
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV / state are in the caches
+    num_cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
+    page_keys: list[bytes] = field(default_factory=list)  # content keys of its full pages of known tokens
     status: Status = Status.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -10,6 +10,14 @@ cannot get its page, the most recently arrived running request is preempted: its
 are released and it waits at the front of the queue to be recomputed (prompt + outputs so far).
 Waiting requests are admitted strictly first come, first served.
 
+With prefix caching (prefix_cache.py) a request admitted from the queue (new, or preempted) first
+looks up the longest cached prefix of its tokens; its first chunk then starts after that prefix and
+maps the prefix's pages and KDA snapshot in the same atomic admission. A prefill chunk (chunked_prefill)
+that crosses a KDA snapshot boundary ends at the last one it crosses (or at the last one inside the
+cached pages it shares past its hit: prefix_cache.py), so that the state there is snapshotted.
+Preemption publishes the victim's pages before releasing it (its references only; pages that other
+requests share stay theirs), so its recompute resumes from them where they are still cached.
+
 With async scheduling (core.py) the next step is declared while the last one still runs: a
 request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
 request whose in-flight tokens reach max_tokens (`sampling_done`) is not scheduled again; it only
@@ -24,6 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from mstar.config import SchedulerConfig
+from mstar.engine.prefix_cache import PrefixCache
 from mstar.engine.request import Request, Status
 from mstar.resources.step import SeqStep, StepDecl
 
@@ -37,10 +46,12 @@ class Resource(Protocol):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, resources: list[Resource],
-                 drafts_for: Callable[[int], int] | None = None, *, mixed_prefill_decode: bool = True):
+                 drafts_for: Callable[[int], int] | None = None, *, mixed_prefill_decode: bool = True,
+                 prefix: PrefixCache | None = None):
         """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts;
-        `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode."""
+        `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode; `prefix` the prefix cache (None: off)."""
         self.config = config
+        self.prefix = prefix
         self.mixed_prefill_decode = mixed_prefill_decode
         self.resources = resources
         self.drafts_for = drafts_for
@@ -54,6 +65,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def publish(self, request: Request) -> None:
+        """Offer the request's computed pages (and snapshots) to later requests: after each of its steps
+        finishes, and before it is released unless it failed."""
+        if self.prefix is not None:
+            self.prefix.publish(request)
+
+    def reset_prefix_cache(self) -> None:
+        if self.prefix is not None:
+            self.prefix.reset()
 
     def release(self, request: Request) -> None:
         """Give back everything `request` holds and drop it from the queues."""
@@ -111,18 +132,25 @@ class Scheduler:
                 break
             if is_new and len(self.running) >= cfg.max_num_seqs:
                 break
-            n = request.pending_tokens()
+            prefix, shared = self.prefix.lookup(request) if is_new and self.prefix is not None else ((), 0)
+            start = len(prefix) * self.prefix.page_size if prefix else request.num_computed
+            n = request.num_tokens - start
             if n > budget:
                 if cfg.chunked_prefill:
                     n = budget
                 elif seqs:
                     break  # an unchunked prompt waits for a step of its own
-            seq = self._seq(request, n)
+            if self.prefix is not None and cfg.chunked_prefill:
+                n = self._to_snapshot_boundary(start, n, shared)
+            seq = self._seq(request, n, start, prefix)
             if not self._admit([seq]):
                 if is_new:
                     break  # FCFS: later arrivals do not overtake a request that does not fit
                 continue
             if is_new:
+                request.num_computed = start
+                if self.prefix is not None:
+                    self.prefix.record(request, prefix)
                 self.waiting.remove(request)
                 self.running.append(request)
                 self.running.sort(key=lambda r: r.arrival)
@@ -135,11 +163,21 @@ class Scheduler:
         return any(not r.is_decoding for r in self.running) or any(not r.sampling_done for r in self.waiting)
 
     # --- helpers ----------------------------------------------------------------------------
+    def _to_snapshot_boundary(self, start: int, n: int, shared: int) -> int:
+        """Shorten a chunk of n tokens from `start` to end at a KDA snapshot boundary: the last one within
+        the first `shared` tokens (cached pages without a snapshot there yet), else the last it crosses."""
+        interval = self.prefix.pool.snapshot_interval
+        for end in (min(shared, start + n), start + n):
+            boundary = end // interval * interval
+            if boundary > start:
+                return boundary - start
+        return n
+
     @staticmethod
-    def _seq(request: Request, n: int) -> SeqStep:
-        start = request.num_computed
+    def _seq(request: Request, n: int, start: int | None = None, prefix: tuple[bytes, ...] = ()) -> SeqStep:
+        start = request.num_computed if start is None else start
         tokens = tuple(request.token_at(i) for i in range(start, start + n))
-        return SeqStep(request.request_id, start, tokens, sample=start + n == request.num_tokens)
+        return SeqStep(request.request_id, start, tokens, sample=start + n == request.num_tokens, prefix=prefix)
 
     def _decode_seq(self, request: Request, drafts: int | None) -> SeqStep:
         if drafts is None:
@@ -162,6 +200,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        self.publish(request)
         for r in self.resources:
             r.release(request.request_id)
         self.running.remove(request)

@@ -5,6 +5,8 @@ eager torch spends ~23 small launches on it (stack, casts, pow, mean, rsqrt, sof
 twice per layer, which at decode costs more than reading the layer's weights. Over the n stored sources
 V_i [D] of a token row (n <= 16; K3: at most 8 blocks + the partial sum):
 
+    add:    V_n += residual (optional: the last sublayer's output into the live partial sum, in place,
+            rounded to the stream dtype as the torch add is; saves the add's own launch)
     stats:  s_i = <V_i, w> * rsqrt(mean(V_i^2) + eps_res)      w = res_norm.weight * proj.weight (fp32)
     mix:    alpha = softmax(s);  m = sum_i alpha_i V_i, rounded to the stream dtype (as `attn_res_mix`
             returns it), stored, with sum(m^2) accumulated
@@ -38,12 +40,17 @@ TARGET_PROGRAMS = 2048
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
                   out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None,
-                  splits: int | None = None) -> torch.Tensor:
+                  splits: int | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """The fused kernels: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`).
-    `splits`: column chunks per row (default: enough to fill the GPU at this row count)."""
+    `residual` [T, D]: added into sources[-1] in place first (the stats pass does it). `splits`: column
+    chunks per row (default: enough to fill the GPU at this row count)."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
+    if residual is not None and (residual.shape != (T, D) or residual.stride(-1) != 1
+                                 or residual.dtype != sources.dtype):
+        raise ValueError(f"residual must be [{T}, {D}] {sources.dtype} with unit column stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
     n_pad = triton.next_power_of_2(n)
     block = _block(D, n_pad)
@@ -52,7 +59,8 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     mixed = torch.empty_like(out)
     _source_stats_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, stats,
-        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, num_warps=8,
+        sources if residual is None else residual, 0 if residual is None else residual.stride(0),
+        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, num_warps=8,
     )
     square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
     _mix_kernel[(T, S)](
@@ -97,15 +105,17 @@ def _chunks(T: int, D: int, block: int, splits: int | None) -> tuple[int, int]:
 
 
 @triton.jit
-def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, stats_ptr,
-                         D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
-                         N_PAD: tl.constexpr):
-    """stats[t, s] = (sum V_i^2, <V_i, w>) over chunk s of row t, for every source i."""
+def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, stats_ptr, residual_ptr,
+                         stride_rt, D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
+                         N_PAD: tl.constexpr, ADD: tl.constexpr):
+    """stats[t, s] = (sum V_i^2, <V_i, w>) over chunk s of row t, for every source i; with ADD, first
+    V_last += residual in place over the chunk (rounded to the stream dtype, as the torch add)."""
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_src = src_ptr + t * stride_t
     srcs = tl.arange(0, N_PAD)
     live = srcs < n_sources
+    last = srcs == n_sources - 1
     cols = tl.arange(0, BLOCK_D)
     sq = tl.zeros([N_PAD], dtype=tl.float32)
     dot = tl.zeros([N_PAD], dtype=tl.float32)
@@ -116,6 +126,11 @@ def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w
                                                                               other=0).to(tl.float32)
         v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
                     other=0).to(tl.float32)
+        if ADD:
+            r = tl.load(residual_ptr + t * stride_rt + c, mask=ok, other=0).to(tl.float32)
+            summed = (tl.sum(tl.where(last[:, None], v, 0.0), axis=0) + r).to(src_ptr.dtype.element_ty)
+            tl.store(row_src + (n_sources - 1) * stride_n + c, summed, mask=ok)
+            v = tl.where(last[:, None], summed.to(tl.float32)[None, :], v)
         sq += tl.sum(v * v, axis=1)
         dot += tl.sum(v * w[None, :], axis=1)
     out = stats_ptr + (t * S + s) * 2 * N_PAD

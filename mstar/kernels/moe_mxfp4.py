@@ -56,8 +56,9 @@ load from L2). So each touched expert is read and decoded once however many toke
 128 pairs over ~95 distinct experts, 208 MB rather than the 281 MB of a program per pair. The rows
 stay a tensor-core dot although at T=1 one of the 16 is real: its multiply-adds cost ~0.03
 instructions per weight (a 64x16x16 wgmma per 1024 weights and warp), where a CUDA-core GEMV would add
-a bf16->fp32 unpack and an FFMA per weight to the ~3 of decoding (compiled for sm_90: ~7 per weight
-against 5-6 for the dot; instruction issue, not HBM, is what bounds these loops).
+a bf16->fp32 unpack and an FFMA per weight to the ~2.5 of decoding (the whole main loop of the dot is
+~3.4 per weight compiled for sm_90, benchmarks/kernels/sass_moe_mxfp4.py; instruction issue and latency,
+not HBM, are what bound these loops).
 
 Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
 64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
@@ -66,17 +67,22 @@ k experts do (combine="atomic"); the gate/up parts add into `split_sum` (fp32, a
 part that completes a tile (a counter per tile, `split_count`) reads the sum, applies SiTU as usual,
 and leaves sum and counter zero, so that a workspace needs zeroing only when allocated.
 
-Dequantization (`_dequant_mxfp4`): an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16
-number value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's
-bf16 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
+Dequantization: an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16 number
+value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's bf16
+arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
 2^(scale - 1) is a finite bf16 only for scale bytes <= 128 (|w| <= 12), which `stack_experts` checks.
 decode="select" builds only normal bf16 numbers and takes every scale byte, for a few more integer
-operations per weight. Both codes of a byte are built as the two halves of one int32 and scaled by
-one packed bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Decoding costs ~3 of
-the ~5-7 instructions per weight of the main loops (read off the sm_90 SASS): at small T the kernels
-are likely bound by instruction issue rather than by HBM, so the tiles are chosen for few
-instructions per weight as much as for parallelism. Under Triton's CPU interpreter (numpy has no
-bf16 arithmetic) the same bits are scaled and dotted in fp32.
+operations per weight. Two codes are built as the two halves of one int32 and scaled by one packed
+bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Where the weights are the A operand
+of a wgmma from registers (swap_ab, 64 rows or more: every decode-size tile), `_dequant_words` decodes
+a 32-bit word (8 codes) at a time into pairs of columns (i, i + 4) and the K columns of both operands
+are reordered (`_k_order`) so that each thread's share of the A fragment is a contiguous run of packed
+bytes: 16-byte shared-memory reads and no layout conversion of the decoded tile. Read off the sm_90
+SASS (Triton 3.6), this took the main loops from 5.2-5.6 to 3.4-3.8 instructions per weight (gate/up
+at BLOCK_N 32, BLOCK_K 256; down at 128 x 128). Elsewhere (the large-T tiles, whose weights are the B
+operand in shared memory, and narrower tiles) `_dequant_mxfp4` decodes a byte at a time in the natural
+order, which compiles better there. Under Triton's CPU interpreter (numpy has no bf16 arithmetic) the
+same bits are scaled and dotted in fp32.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ MAX_SUBNORMAL_DECODE_SCALE = 128  # largest E8M0 byte b for which 2^(b - 1) is a
 SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scales
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
-DIRECT_MAX_PAIRS = 256  # default_config skips the alignment up to this many pairs (T <= 16 at top-16)
+DIRECT_MAX_PAIRS = 128  # default_config skips the alignment up to this many pairs (T <= 8 at top-16)
 DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
 
 
@@ -265,34 +271,34 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
 
     align=None skips the alignment up to DIRECT_MAX_PAIRS pairs (module doc, "Small batches"); True or
     False forces the choice (benchmarks and tests compare the two). Without alignment every program's
-    rows are the T tokens, so BLOCK_M = T rounded up to a tensor-core tile; gate/up tiles of 64 rows
-    (BLOCK_N = 32: one wgmma M) and down tiles of 128 were the best of a sweep on the H200 at T = 1-32,
-    and splitting the gate/up K in two paid at T = 1 only (39.5 -> 34.6 us; 153 vs 144 us at T = 8).
+    rows are the T tokens, so BLOCK_M = T rounded up to a tensor-core tile.
 
-    With alignment, decode (<= 8 rows per expert): BLOCK_M = 16, and N tiles narrow enough that one
-    token's 16 experts still make ~400 gate/up and ~900 down programs for 132 SMs; the weights are the
-    dot's A operand (swap_ab). Larger T: taller tiles, so that each expert's weights are dequantized
-    once per BLOCK_M rows, and from BLOCK_M = 64 the activations are the A operand again. Up to 48 rows
-    per expert these choices come from compiling for sm_90 without a GPU (ptxas: no spills; SASS: 4.4-6.6
-    instructions per weight in the main loops), not yet from timings; above, from --tune on the H200.
+    Measured on the H200 at 209d3ea (benchmarks/kernels/results/h200_209d3ea_moe_mxfp4_decode.md), with the
+    weights decoded a word at a time: gate/up tiles of 128 rows (BLOCK_N 64, BLOCK_K 128) beat 64-row tiles
+    of BLOCK_K 256 at T = 1 (split in two: 38.3 -> 33.0 us), 8 (148.9 -> 141.4) and 64 (332 -> 311); down
+    tiles of 128 rows beat 64-row ones by 1.3-1.5x at T = 1, 8 and 64; the aligned pipeline (BLOCK_M 16) beat
+    the direct one with compacted rows (209d3ea) from T = 8 on (136 vs 155 us at 8, 267 vs 332 at 64). With
+    its rows all T tokens again (1964b5d, h200_1964b5d_moe_mxfp4_decode.md) the direct path wins up to T = 8
+    (123 vs 131 us at 8; 168 vs 166 at 16). So BLOCK_M 16 up to 12 expected rows per expert (T = 168 here), then taller
+    blocks so that each expert's weights are dequantized once per BLOCK_M rows, and from BLOCK_M = 64 the
+    activations are the A operand again (the weights then go through shared memory as the B operand).
+    Above 48 rows per expert, from --tune on the H200 (h200_bef60d1_moe_mxfp4_tune.md), where the atomic
+    combine also beat "reduce" (which stays available: deterministic).
     """
     pairs = num_tokens * top_k
     if align is None:
         align = pairs > DIRECT_MAX_PAIRS
     if not align:
-        # At one token 192 gate/up tiles of 64 rows are too few for 132 SMs: split K in two.
-        gate_up = GemmTile(32, 256, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
+        # At one token 96 gate/up tiles of 128 rows are too few for 132 SMs: split K in two.
+        gate_up = GemmTile(64, 128, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
         return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, GemmTile(128, 128), align=False)
     rows = pairs / max(num_experts, 1)
-    combine = "atomic" if pairs <= 1024 else "reduce"
-    if rows <= 8:
-        gate_up = GemmTile(block_n=16 if pairs <= 64 else 32, block_k=256)
-        down = GemmTile(block_n=64 if pairs <= 64 else 128, block_k=128)
-        return MoEConfig(16, gate_up, down, combine)
+    if rows <= 12:
+        return MoEConfig(16, GemmTile(64, 128), GemmTile(128, 128))
     if rows <= 24:
-        return MoEConfig(32, GemmTile(64, 128), GemmTile(64, 128), combine)
+        return MoEConfig(32, GemmTile(64, 128), GemmTile(128, 128))
     if rows <= 48:
-        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), combine, swap_ab=False)
+        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), swap_ab=False)
     # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
     # 64-row blocks and 4-warp tiles beat the earlier guess of 128 rows at 8 warps, and the atomic combine beat
     # "reduce" by 3-4%: 969 -> 871 us at 1024 tokens, 2875 -> 2391 at 4096 (and 5226 -> 4782 at 8192, untuned).
@@ -520,7 +526,8 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_ALIGN_CHUNK = 256  # pairs one alignment program places
+_ALIGN_CHUNK = 256  # pairs one alignment program places (above _ALIGN_SMALL_PAIRS pairs)
+_ALIGN_SMALL_PAIRS = 4096  # up to this many pairs, one alignment program per SUB pairs (see _align)
 _ZERO_BLOCK = 1024  # fp32 output elements a gate/up program zeroes per step
 _COMBINE_BLOCK = 512  # output columns per combine program
 
@@ -562,10 +569,15 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     rows = max(16, min(64, 16384 // e_pad))  # keeps the [rows, E_PAD] one-hot temporaries in registers
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
-    _align_kernel[(triton.cdiv(pairs, _ALIGN_CHUNK),)](
+    # Each program's time is its serial steps (~3 us each on the H200 at E = 224: one per SUB pairs it places
+    # and per META blocks it describes): 11 us at 16 pairs, 25-33 us at 256-4096 pairs with 256 a program.
+    # Up to _ALIGN_SMALL_PAIRS pairs, programs of SUB pairs (one step each) count all pairs themselves, which
+    # stays cheap; above, the counting would dominate, so programs place more pairs.
+    chunk = rows if pairs <= _ALIGN_SMALL_PAIRS else _ALIGN_CHUNK
+    _align_kernel[(triton.cdiv(pairs, chunk),)](
         ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
         block_expert.numel() if blocks else 0, num_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=_ALIGN_CHUNK, SUB=rows, META=rows,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=rows, META=rows,
         HIST=min(2048, max(64, triton.next_power_of_2(pairs))), GROUPS=groups is not None, num_warps=4,
     )
 
@@ -653,6 +665,7 @@ def _launch(kernel, grid, args, constexprs: dict, tile: GemmTile) -> None:
 # Kernels may read only constexpr globals.
 _DROPPED_ID = tl.constexpr(DROPPED)
 _SCALE_WORD = tl.constexpr(SCALE_WORD)
+_WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 
 
 @triton.jit
@@ -761,6 +774,36 @@ def _dequant_mxfp4(packed, scale_words, N: tl.constexpr, KB: tl.constexpr, SUBNO
 
 
 @triton.jit
+def _dequant_words(words, scale_words, N: tl.constexpr, KW: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                   COMPUTE: tl.constexpr):
+    """words int32 [N, KW] (8 codes each) + scale words int32 [N, KW / 16] -> weights [N, 8 KW], exactly.
+
+    Word w holds columns 8w..8w+7, column 8w + n in bits 4n..4n+3. Shifted left by 12 - 4i, codes i
+    and i + 4 sit at the top of the two halves (bits 12..15, 28..31), where one mask keeps both signs
+    and one shift and mask move both magnitudes to bits 8..6: ~2 operations per bf16 pair, against
+    ~2.5 for a byte at a time (which must first be extracted). The pairs are columns (8w + i, 8w + i + 4),
+    and the result is in `_k_order`'s column order (the activations must be reordered the same way).
+    """
+    t = words[:, :, None] << (12 - 4 * tl.arange(0, 4))[None, None, :]  # [N, KW, 4]: codes i, i + 4 at the top
+    s = (scale_words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [N, KW / 16, 4]
+    if SUBNORMAL_DECODE:
+        # value * 2^-126 in each half (0 and 0.5 as bf16 subnormals), then 2^(s - 1) scales it.
+        pair = (t & -0x7FFF8000) | ((t >> 6) & 0x01C001C0)  # -0x7FFF8000 == 0x80008000
+        factor = (s + 126) << 7
+    else:
+        low = _e2m1_bits_normal((t >> 12) & 0x7) | (t & 0x8000)
+        high = _e2m1_bits_normal((t >> 28) & 0x7) | ((t >> 16) & 0x8000)
+        pair = low | (high << 16)
+        factor = s << 7
+    # One scale byte per 4 words (32 columns), four per scale word.
+    low, high = _scaled_halves(pair.reshape(N, KW // 16, 4, 16), factor[:, :, :, None], COMPUTE)
+    pairs = tl.join(tl.reshape(low, (N, KW, 4)), tl.reshape(high, (N, KW, 4)))  # [N, KW, 4 (i), 2 (h)]
+    # Word w = j KW/4 + v to position (v, i, j, h) (`_k_order`).
+    pairs = tl.permute(tl.reshape(pairs, (N, 4, KW // 4, 4, 2)), (0, 2, 3, 1, 4))
+    return tl.reshape(pairs, (N, 8 * KW))
+
+
+@triton.jit
 def _scaled_halves(pair, factor, COMPUTE: tl.constexpr):
     """The low and high bf16 halves of int32 `pair`, each times the bf16 whose bits are `factor`."""
     if COMPUTE.is_fp32():
@@ -862,7 +905,7 @@ def _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED: tl.constexpr, TO
 
 @triton.jit
 def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
                   COMPUTE: tl.constexpr):
     """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N].
 
@@ -871,24 +914,49 @@ def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.c
     decoded weights are then the A operand, which Hopper's wgmma takes straight from registers (no
     round trip through shared memory), and the few token rows are the N side of the instruction.
     """
-    KB: tl.constexpr = BLOCK_K // 2  # weight bytes per row per step
     acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
-        w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, KB, SUBNORMAL_DECODE, COMPUTE)
+        if WORDS:
+            # Weights a word at a time in `_k_order`'s column order, and the activations in the same order.
+            w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
+            x = _k_order(x, BLOCK_M, BLOCK_K)
+        else:
+            w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
         acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
         x_ptrs += BLOCK_K
-        w_ptrs += KB
+        w_ptrs += BLOCK_K // 8 if WORDS else BLOCK_K // 2
         s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
     return tl.trans(acc) if SWAP_AB else acc
 
 
 @triton.jit
+def _k_order(t, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """t [ROWS, COLS] (natural column order) in the order of `_dequant_words`' columns.
+
+    A thread's share of a wgmma A operand in registers (kWidth 2) is, per 8 columns, the 2 columns
+    2j, 2j + 1 (j = lane % 4), and the next 8 columns' share belongs to the same 4 lanes. Column
+    8a + 2j + h of the reordered tile (a = 4v + i) is source column 8(j COLS/32 + v) + i + 4h: thread j's
+    columns are then the contiguous quarter j of the tile, so it reads its packed bytes 16 at a time,
+    and each of its bf16 pairs is one decoded pair (i, i + 4) of a word (`_dequant_words`). Naturally
+    ordered, each thread would read a byte in every 4 (Triton then reads the staged weights from shared
+    memory a byte at a time) and the decoded tile would go through shared memory again to reach the
+    fragment layout. The same reordering of both operands' K columns leaves the dot unchanged.
+    """
+    return tl.reshape(tl.permute(tl.reshape(t, (ROWS, 4, COLS // 32, 2, 4)), (0, 2, 4, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit
 def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_K: tl.constexpr):
-    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes, scale words."""
-    w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
-              + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+                 BLOCK_K: tl.constexpr, WORDS: tl.constexpr = False):
+    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes (WORDS: int32 words of
+    8 codes), scale words."""
+    if WORDS:
+        w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_we // 4) + rows[:, None] * (stride_wn // 4)
+                  + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
+    else:
+        w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
+                  + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
     s_ptrs = (s_ptr + expert * stride_se + rows[:, None] * stride_sn
               + (k_start // _SCALE_WORD + tl.arange(0, BLOCK_K // _SCALE_WORD))[None, :])
     return w_ptrs, s_ptrs
@@ -932,9 +1000,10 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     k_part: tl.constexpr = HIDDEN // SPLIT_K
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
+    WORDS: tl.constexpr = SWAP_AB and 2 * BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
-                                  stride_sn, BLOCK_K)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB,
+                                  stride_sn, BLOCK_K, WORDS)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
                         SUBNORMAL_DECODE, COMPUTE)
     if SPLIT_K > 1:
         # The part that completes the tile adds up the others' (left in split_sum) and goes on; it leaves
@@ -980,10 +1049,11 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
     k_part: tl.constexpr = INTER // SPLIT_K
     k_start = tl.program_id(2) * k_part
     x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    WORDS: tl.constexpr = SWAP_AB and BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                                  BLOCK_K)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, SUBNORMAL_DECODE,
-                        COMPUTE)
+                                  BLOCK_K, WORDS)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                        SUBNORMAL_DECODE, COMPUTE)
 
     if ATOMIC:
         coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)

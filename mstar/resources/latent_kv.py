@@ -2,6 +2,10 @@
 
 Storage is [num_mla_layers, num_pages, page_size, kv_lora_rank + rope]: all MLA layers share each
 request's page list, since they cache the same positions. A row holds [c_kv (normed) | k_pe].
+
+Full committed pages are shared by content (page_allocator.py): a new request whose step declares a
+`prefix` of page keys maps those cached pages and starts after them. Its own rows go only to
+positions past the prefix, so a shared page is never written again.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.resources.page_allocator import PageAllocator
-from mstar.resources.step import StepDecl
+from mstar.resources.step import SeqStep, StepDecl
 from mstar.resources.transfer import to_device
 
 
@@ -31,21 +35,55 @@ class PagedLatentKV:
         self.cache = torch.zeros(num_layers, num_pages, page_size, width, dtype=dtype, device=device)
         self.pages: dict[str, list[int]] = {}
         self.lengths: dict[str, int] = {}  # tokens committed per request
+        self.published: dict[str, int] = {}  # leading pages of each request that hold a content key
 
     # --- admission ----------------------------------------------------------------------------
-    def _extra_pages(self, request_id: str, end: int) -> int:
-        return max(0, self.allocator.pages_for(end) - len(self.pages.get(request_id, ())))
+    def _extra_pages(self, s: SeqStep) -> int:
+        held = len(self.pages[s.request_id]) if s.request_id in self.pages else len(s.prefix)
+        return max(0, self.allocator.pages_for(s.end) - held)
+
+    def _claimed_keys(self, decl: StepDecl) -> list[bytes]:
+        """The cached pages the step's new requests map (a request that holds pages maps none)."""
+        return [k for s in decl.seqs if s.request_id not in self.pages for k in s.prefix]
 
     def pages_needed(self, decl: StepDecl) -> int:
-        return sum(self._extra_pages(s.request_id, s.end) for s in decl.seqs)
+        return sum(self._extra_pages(s) for s in decl.seqs)
 
     def can_admit(self, decl: StepDecl) -> bool:
-        return self.pages_needed(decl) <= self.allocator.num_free
+        claimed = self._claimed_keys(decl)
+        if self.allocator.match(claimed) < len(claimed):
+            return False  # a page the scheduler matched has been evicted since
+        return self.pages_needed(decl) <= self.allocator.num_free - self.allocator.num_evictable_among(claimed)
 
     def admit(self, decl: StepDecl) -> None:
+        # Claims first: an allocation below may evict cached pages, but never one this step maps.
         for s in decl.seqs:
-            extra = self._extra_pages(s.request_id, s.end)
-            self.pages.setdefault(s.request_id, []).extend(self.allocator.allocate(extra))
+            if s.request_id not in self.pages:
+                self.pages[s.request_id] = self.allocator.claim(s.prefix)
+                self.published[s.request_id] = len(s.prefix)
+                self.lengths[s.request_id] = len(s.prefix) * self.page_size
+        for s in decl.seqs:
+            self.pages[s.request_id].extend(self.allocator.allocate(self._extra_pages(s)))
+
+    # --- prefix caching ------------------------------------------------------------------------
+    def match(self, keys: list[bytes]) -> int:
+        """How many of a prompt's leading page keys have their pages here."""
+        return self.allocator.match(keys)
+
+    def publish(self, request_id: str, keys: list[bytes]) -> None:
+        """Name the request's first len(keys) pages by their content keys: the caller vouches that their
+        rows are committed and that keys[i] is the key of the tokens they hold."""
+        pages = self.pages[request_id]
+        for i in range(self.published[request_id], len(keys)):
+            self.allocator.publish(pages[i], keys[i])
+        self.published[request_id] = max(self.published[request_id], len(keys))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every content key: cached pages become free. The pages running requests hold are keyed
+        again when they next publish (from their first page, so that their prefixes stay reachable)."""
+        self.allocator.reset()
+        for request_id in self.published:
+            self.published[request_id] = 0
 
     # --- plan / commit / release --------------------------------------------------------------
     def plan(self, decl: StepDecl) -> LatentKVPlan:
@@ -70,6 +108,7 @@ class PagedLatentKV:
     def release(self, request_id: str) -> None:
         self.allocator.free(self.pages.pop(request_id, []))
         self.lengths.pop(request_id, None)
+        self.published.pop(request_id, None)
 
     # --- data access (the torch path; kernels address `cache` directly) -----------------------
     def rows(self, layer: int, page_ids: torch.Tensor, length: int) -> torch.Tensor:

@@ -26,6 +26,10 @@ class SeqStep:
     verify: bool = False  # a speculative decode row: rows stay pending until verification
     num_drafts: int = 0
     accepted: int | None = None  # rows kept after verification (None: all)
+    # Content keys of cached pages a new request maps before its rows (prefix caching: its tokens start
+    # with them, and num_computed == len(prefix) * page_size); the KDA state resumes from the snapshot
+    # under the last key.
+    prefix: tuple[bytes, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,9 @@ class ModelStep:
     decl: StepDecl
     plan: BatchPlan
     tap_layers: tuple[int, ...] = ()
+    # KDA slot copies (from, to) the pool made since the last step (prefix-cache snapshots and resumes), done
+    # on this rank already; a tensor-parallel follower makes them before this step's forward
+    slot_copies: tuple[tuple[int, int], ...] = ()
 
 
 class StepOutput(NamedTuple):

@@ -36,6 +36,7 @@ class PoolSizes:
     page_size: int
     max_kda_slots: int
     max_block: int = 0  # rows of a speculative verify block (k + 1) whose inputs a KDA slot keeps; 0: none
+    kda_snapshot_interval: int = 0  # prefix caching: KDA state snapshots every this many tokens; 0: none
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,8 @@ class ModelRunner:
                                 dtype, device)
         self.pool = RecurrentStatePool(kinds.count("kda"), pools.max_kda_slots, la.num_heads, la.head_dim,
                                        la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32),
-                                       dtype, device, hidden_size=cfg.hidden_size, max_block=pools.max_block)
+                                       dtype, device, hidden_size=cfg.hidden_size, max_block=pools.max_block,
+                                       snapshot_interval=pools.kda_snapshot_interval)
         self.backend = select_backend(model, kernels, limits.max_num_batched_tokens,
                                       bf16_above_tokens=limits.moe_bf16_above)
         self.serving = ServingModel(model, self.kv, self.pool, self.backend.mixers, self.backend.layers)

@@ -1,5 +1,5 @@
-"""The FastAPI app: OpenAI-compatible completions and chat, models, health, metrics and its
-OpenAPI document, behind the access guard (API keys, body size) of `ServerOptions`."""
+"""The FastAPI app: OpenAI-compatible completions and chat, models, health, metrics, the prefix cache's
+reset and its OpenAPI document, behind the access guard (API keys, body size) of `ServerOptions`."""
 
 from __future__ import annotations
 
@@ -103,6 +103,14 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
         except Exception:  # a scrape must still show the server's own metrics
             logger.exception("engine.stats() failed; engine gauges keep their last values")
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """vLLM's route: forget every cached prefix (benchmarks measure cold prompts after it)."""
+        if (err := unavailable()) is not None:
+            return error_response(err)
+        await engine.reset_prefix_cache()
+        return Response(status_code=200)
 
     add_vllm_routes(app, ctx)
     return app

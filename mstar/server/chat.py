@@ -269,7 +269,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     prompt_token_ids = prompt_ids if req.return_token_ids else None
 
     def usage() -> responses.Usage:
-        return responses.Usage.of(len(prompt_ids), sum(len(o.token_ids) for o in outputs))
+        return responses.Usage.of(len(prompt_ids), sum(len(o.token_ids) for o in outputs), run.num_cached_tokens(0))
 
     def chunk(choices: list[responses.ChatChunkChoice], **fields: Any) -> responses.ChatCompletionChunk:
         return responses.ChatCompletionChunk(

@@ -166,7 +166,9 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
                                     usage=usage)
 
     def usage() -> responses.Usage:
-        return responses.Usage.of(prompt_tokens, sum(len(o.token_ids) for o in outputs))
+        # each prompt's cached tokens as its first choice found them (the prompt counts once, as in prompt_tokens)
+        cached = sum(run.num_cached_tokens(p * req.n) for p in range(len(prompts)))
+        return responses.Usage.of(prompt_tokens, sum(len(o.token_ids) for o in outputs), cached)
 
     if req.stream:
         await until_disconnected(request, run.start())

@@ -72,6 +72,7 @@ class GenerationRun:
         self._queue: asyncio.Queue = asyncio.Queue()  # unbounded: the engine's output is bounded by max_tokens
         self._tasks: list[asyncio.Task] = []
         self._primed: list[asyncio.Future] = []
+        self._cached_tokens: dict[int, int] = {}  # by choice index: its prompt tokens the prefix cache served
 
     async def start(self) -> None:
         """Submit every choice and wait for each one's first output. Raises the engine's
@@ -103,6 +104,7 @@ class GenerationRun:
             stream = self._engine.generate(choice.request_id, choice.prompt_ids, choice.params)
             async for output in stream:
                 tracker.on_output(output, time.perf_counter())
+                self._cached_tokens[choice.index] = output.num_cached_tokens
                 if output.finished and output.finish_reason in FAILED_REASONS:
                     raise EngineFailure(choice.request_id, output.finish_reason, output.error)
                 if not primed.done():
@@ -146,6 +148,10 @@ class GenerationRun:
                     yield index, item
         finally:
             await self.close()
+
+    def num_cached_tokens(self, index: int) -> int:
+        """Prompt tokens of choice `index` that the engine's prefix cache served (0 before its first output)."""
+        return self._cached_tokens.get(index, 0)
 
     async def close(self) -> None:
         """Cancel whatever still runs and wait for it to clean up (idempotent)."""

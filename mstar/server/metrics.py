@@ -5,7 +5,8 @@ labelled with `model_name` as vLLM's are. Kinds follow what is measured: a cumul
 counter (graph its rate), a level a gauge, a per-request distribution a histogram.
 
 Engine state (requests running/waiting, KV pages, KDA slots) is read from `engine.stats()` at
-scrape time, and so are the engine's cumulative counts (preemptions, speculative decoding): each
+scrape time, and so are the engine's cumulative counts (preemptions, prefix-cache queries and hits
+in tokens, speculative decoding): each
 scrape adds what they grew by since the last. Token counters, finish counters and the latency
 histograms are observed here, in the server, from when each engine request's outputs arrive: TTFT
 from the HTTP request's arrival to the first output token, inter-token latency (ITL) per token
@@ -63,6 +64,10 @@ class ServerMetrics:
         self.kda_slots_total = gauge("mstar_kda_slots_total", "KDA recurrent-state slots in all.")
         self.kda_slots_usage = gauge("mstar_kda_slots_usage_ratio", "Fraction of KDA slots in use (0..1).")
         self.num_preemptions = counter("mstar_num_preemptions", "Requests preempted (caches freed, recomputed).")
+        self.prefix_cache_queries = counter("mstar_prefix_cache_queries", "Tokens of the requests admitted, looked "
+                                            "up in the prefix cache.")
+        self.prefix_cache_hits = counter("mstar_prefix_cache_hits", "Tokens of the requests admitted that the "
+                                         "prefix cache served.")
         self.spec_num_drafts = counter("mstar_spec_decode_num_drafts", "Speculative verify rows run.")
         self.spec_draft_tokens = counter("mstar_spec_decode_num_draft_tokens", "Draft tokens proposed.")
         self.spec_accepted_tokens = counter("mstar_spec_decode_num_accepted_tokens", "Draft tokens accepted.")
@@ -128,6 +133,8 @@ class ServerMetrics:
         self.kda_slots_total.set(stats.kda_slots_total)
         self.kda_slots_usage.set(stats.kda_slots_used / stats.kda_slots_total if stats.kda_slots_total else 0.0)
         self._count_up(self.num_preemptions, stats.num_preemptions)
+        self._count_up(self.prefix_cache_queries, stats.prefix_cache_queries)
+        self._count_up(self.prefix_cache_hits, stats.prefix_cache_hits)
         self._count_up(self.spec_num_drafts, stats.spec_verify_rows)
         self._count_up(self.spec_draft_tokens, stats.spec_draft_tokens)
         self._count_up(self.spec_accepted_tokens, stats.spec_accepted_tokens)

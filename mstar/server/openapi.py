@@ -262,6 +262,10 @@ def build_openapi(options: ServerOptions, model_name: str, vocab_size: int, max_
     paths["/version"] = {"get": _operation("The server's version", {"description": "Version",
                                                                      "content": _json("Version")},
                                            protected=auth, errors={})}
+    paths["/reset_prefix_cache"] = {"post": _operation(
+        "Forget every cached prefix (vLLM)", {"description": "The prefix cache is empty (an empty body)"},
+        protected=auth, errors={413: f"The body is larger than {options.max_body_bytes} bytes",
+                                503: "The engine is not available (stopping, or stopped after repeated failures)"})}
     ping_ok = {"description": "Healthy (an empty body)"}
     paths["/ping"] = {method: _operation("Health probe (vLLM)", ping_ok, protected=auth,
                                          errors={}) for method in ("get", "post")}

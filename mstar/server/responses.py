@@ -22,7 +22,7 @@ def _omitted() -> Any:
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # prompt tokens served from a prefix cache: always 0 (there is none yet)
+    cached_tokens: int = 0  # prompt tokens served from the engine's prefix cache
 
 
 class Usage(BaseModel):
@@ -32,11 +32,12 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
 

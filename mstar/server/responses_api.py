@@ -327,7 +327,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                                                                 else None, "summary": None},
             "metadata": {}, "previous_response_id": None, "store": False, "truncation": "disabled",
             "usage": None if status == "in_progress" else {
-                "input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens": len(prompt_ids), "input_tokens_details": {"cached_tokens": run.num_cached_tokens(0)},
                 "output_tokens": generated[0], "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": len(prompt_ids) + generated[0]},
         }

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 from paths import ROOT, SUPPORT
+from processes import gone as _gone
 
 from mstar.distributed.worker import EXIT_RANK_FAILED
 from mstar.models.kimi_k3.generate import greedy_generate
@@ -42,14 +43,6 @@ def _children(pid: int) -> list[int]:
         if ppid == pid and b"spawn_main" in cmdline:
             found.append(int(entry.name))
     return found
-
-
-def _gone(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return True
-    return state in ("Z", "X")  # exited (a zombie until whoever adopted it reaps it)
 
 
 def _wait(condition, timeout: float) -> bool:

@@ -175,8 +175,9 @@ class _Recorder:
             apply_step(follower, message, torch.device("cpu"))
         self._replayed = len(self.messages)
 
-    def send_step(self, plan, prefix_lens, tap_layers):
-        self.messages.append(StepMessage(STEP, len(self.messages), plan_on(plan, "cpu"), prefix_lens, tap_layers))
+    def send_step(self, plan, prefix_lens, tap_layers, slot_copies=()):
+        self.messages.append(StepMessage(STEP, len(self.messages), plan_on(plan, "cpu"), prefix_lens, tap_layers,
+                                         slot_copies))
 
     def step_done(self):
         pass
@@ -194,6 +195,29 @@ def test_follower_mirrors_rank0_state_through_step_messages(tiny_model, tiny_dir
     engine = EngineConfig(max_seq_len=128, resources={"mla_kv": {"page_size": 16, "max_num_pages": 10},
                                                       "kda_state": {"max_slots": 5}},
                           scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 40})
+    rng = random.Random()
+    prompts = [[rng.randrange(1000) for _ in range(n)] for n in [3, 30, 70, 9, 50, 1]]
+    core = _mirrored(tiny_model, tiny_dir, engine, prompts)
+    assert core.scheduler.num_preemptions > 0, "the workload should preempt (re-prefill into a reset slot)"
+
+
+def test_follower_mirrors_prefix_cache_snapshots_and_resumes(tiny_model, tiny_dir):
+    """With prefix caching, rank 0's pool copies KDA state into snapshot slots and out of them into the slots
+    of requests that resume from a cached prefix: the follower replays those copies and stays equal."""
+    engine = EngineConfig(max_seq_len=128, resources={"mla_kv": {"page_size": 8, "max_num_pages": 40},
+                                                      "kda_state": {"max_slots": 7}},
+                          scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 40},
+                          prefix_cache={"kda_snapshot_interval": 16})
+    rng = random.Random()
+    system = [rng.randrange(1000) for _ in range(40)]
+    prompts = [system + [rng.randrange(1000) for _ in range(n)] for n in (5, 9, 2, 20)]
+    core = _mirrored(tiny_model, tiny_dir, engine, prompts, arrivals_per_step=1)
+    assert core.stats().prefix_cache_hits > 0
+
+
+def _mirrored(tiny_model, tiny_dir, engine, prompts, arrivals_per_step=None):
+    """Serve `prompts` on rank 0 while a follower applies its step messages; after every step the follower's
+    KDA states, conv windows and latent KV equal rank 0's. Rank 0's engine, when done."""
     tokenizer = KimiTokenizer.from_dir(tiny_dir)
     core = EngineCore(tiny_model, tokenizer, engine)
     channel = _Recorder()
@@ -201,18 +225,20 @@ def test_follower_mirrors_rank0_state_through_step_messages(tiny_model, tiny_dir
     follower = follower_runner(tiny_model, engine)
     assert pool_geometry(follower.kv, follower.pool) == pool_geometry(core.kv, core.pool)
     rng = random.Random()
-    for i, n in enumerate([3, 30, 70, 9, 50, 1]):
-        prompt = [rng.randrange(1000) for _ in range(n)]
-        core.add_request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True))
+    jobs = [(f"r{i}", prompt, SamplingParams(max_tokens=rng.randint(4, 12), temperature=0, ignore_eos=True))
+            for i, prompt in enumerate(prompts)]
 
     def mirror():
         channel.replay_new(follower)
-        assert torch.equal(follower.pool.state, core.pool.state)
-        assert torch.equal(follower.pool.conv, core.pool.conv)
+        # snapshots rank 0 took at this step's commit reach the follower with the next step
+        unsent = {target for _, target in core.pool.copies}
+        same = [slot for slot in range(core.pool.max_slots) if slot not in unsent]
+        assert torch.equal(follower.pool.state[:, same], core.pool.state[:, same])
+        assert torch.equal(follower.pool.conv[:, same], core.pool.conv[:, same])
         assert torch.equal(follower.kv.cache, core.kv.cache)
 
-    run_to_completion(core, after_step=mirror)
-    assert core.scheduler.num_preemptions > 0, "the workload should preempt (re-prefill into a reset slot)"
+    run_to_completion(core, jobs, per_step=arrivals_per_step, after_step=mirror)
+    return core
 
 
 class _Script:

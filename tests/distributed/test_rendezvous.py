@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from mstar.config import Environment
 from mstar.distributed.rendezvous import RendezvousError, add_rendezvous_args, resolve_rendezvous
 
 
@@ -59,3 +60,15 @@ def test_errors_name_what_to_fix():
         resolve(["--nnodes", "2"], tp_size=4)
     with pytest.raises(RendezvousError, match="MASTER_PORT='x'"):
         resolve([], tp_size=1, environ={"MASTER_PORT": "x"})
+
+
+def test_mstar_serve_reads_torchrun_variables_through_its_environment():
+    """serve.py passes `Environment.read().rendezvous()`: the variables set, under torchrun's names."""
+    env = Environment.read({"MASTER_ADDR": "node0", "MASTER_PORT": "29400", "WORLD_SIZE": "8",
+                            "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MSTAR_API_KEY": "k"})
+    assert env.rendezvous() == {"MASTER_ADDR": "node0", "MASTER_PORT": "29400", "WORLD_SIZE": "8",
+                                "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}
+    rdzv = resolve(["--rendezvous-timeout", "7"], tp_size=8, environ=env.rendezvous())
+    assert (rdzv.nnodes, rdzv.node_rank, rdzv.nproc_per_node, rdzv.timeout_s) == (2, 1, 4, 7.0)
+    with pytest.raises(RendezvousError, match="--rendezvous-timeout 0"):
+        resolve(["--rendezvous-timeout", "0"], tp_size=1)

@@ -52,6 +52,32 @@ def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t, splits):
 
 
 @pytest.mark.parametrize("dtype, d, tol", CASES)
+@pytest.mark.parametrize("n, t", [(1, 1), (3, 2), (9, 4)])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_the_residual_add_is_fused_into_the_mix(dtype, d, tol, n, t, splits):
+    """With `residual`, the partial sum (the last source) becomes partial + residual in place, rounded as the
+    torch add rounds it (bit for bit), and the output is the mix of the updated sources."""
+    buffer = torch.randn(n + 1, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 1, device=DEVICE)[:, None, None]
+    sources = buffer.to(dtype)[:n]
+    residual = (torch.randn(t, d, device=DEVICE) * 2).to(dtype)
+    proj, res_w, out_w = weights(d, dtype)
+    reference_sources = sources.clone()
+    expect = reference(reference_sources, proj, res_w, 1e-6, out_w, 1e-5, residual)
+    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
+                          splits=splits, residual=residual)
+    assert torch.equal(sources[-1], reference_sources[-1])  # the add, in place, the same bits
+    assert torch.equal(sources[:-1], reference_sources[:-1])  # stored blocks untouched
+    assert rel(got, expect) < tol, rel(got, expect)
+
+
+def test_a_residual_of_the_wrong_shape_is_refused():
+    proj, res_w, out_w = weights(8, torch.float32)
+    with pytest.raises(ValueError, match="residual must be"):
+        k.attn_res_norm(torch.randn(2, 3, 8, device=DEVICE), proj, res_w, 1e-6, out_w, 1e-6,
+                        residual=torch.randn(3, 7, device=DEVICE))
+
+
+@pytest.mark.parametrize("dtype, d, tol", CASES)
 def test_rms_norm_rows_equals_torch_on_strided_rows(dtype, d, tol):
     wide = torch.randn(7, d + 64, device=DEVICE).to(dtype) * 3
     x = wide[:, :d]  # rows with a stride, as the latent part of kv_a's output

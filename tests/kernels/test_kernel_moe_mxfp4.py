@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
-from mstar.kernels.moe_mxfp4 import _dequant_mxfp4  # noqa: E402
+from mstar.kernels.moe_mxfp4 import _dequant_mxfp4, _dequant_words, _k_order  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
 
 # Interpreted only if triton's own helpers (tl.sum & co.) were defined under the interpreter too.
@@ -232,10 +232,9 @@ def test_tiny_repeated_and_unused_experts(pattern):
 
 
 def direct_config(num_tokens: int, **changes) -> moe.MoEConfig:
-    """The default (decode path) config at DIRECT_E/DIRECT_K, on the interpreter with wide N tiles:
+    """The direct path's default config at DIRECT_E/DIRECT_K, on the interpreter with wide N tiles:
     2 gate/up and 1 down program per expert instead of 8 and 2 keep the CPU run short."""
-    config = moe.default_config(num_tokens, DIRECT_K, DIRECT_E)
-    assert not config.align, "the default dispatch skips the alignment up to DIRECT_MAX_PAIRS pairs"
+    config = moe.default_config(num_tokens, DIRECT_K, DIRECT_E, align=False)
     if INTERPRET:
         changes = {"gate_up": moe.GemmTile(64, 128), "down": moe.GemmTile(128, 128), **changes}
     return replace(config, **changes)
@@ -322,19 +321,28 @@ def test_alignment_at_rank_routing(num_tokens, block_m):
 
 
 @triton.jit
-def _dequant_probe(packed_ptr, words_ptr, out_ptr, N: tl.constexpr, KB: tl.constexpr,
-                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+def _dequant_probe(packed_ptr, words_ptr, out_ptr, column_ptr, N: tl.constexpr, KB: tl.constexpr,
+                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, WORDS: tl.constexpr):
+    """The decoded tile of N rows x 2 KB columns, and (WORDS) the source column of each of its columns."""
     rows = tl.arange(0, N)[:, None]
-    packed = tl.load(packed_ptr + rows * KB + tl.arange(0, KB)[None, :])
+    cols = tl.arange(0, 2 * KB)[None, :]
     words = tl.load(words_ptr + rows * (KB // 64) + tl.arange(0, KB // 64)[None, :])
-    w = _dequant_mxfp4(packed, words, N, KB, SUBNORMAL_DECODE, COMPUTE)
-    tl.store(out_ptr + rows * (2 * KB) + tl.arange(0, 2 * KB)[None, :], w.to(tl.float32))
+    if WORDS:
+        packed = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + rows * (KB // 4) + tl.arange(0, KB // 4)[None, :])
+        w = _dequant_words(packed, words, N, KB // 4, SUBNORMAL_DECODE, COMPUTE)
+        tl.store(column_ptr + rows * (2 * KB) + cols, _k_order(rows * 0 + cols, N, 2 * KB))
+    else:
+        packed = tl.load(packed_ptr + rows * KB + tl.arange(0, KB)[None, :])
+        w = _dequant_mxfp4(packed, words, N, KB, SUBNORMAL_DECODE, COMPUTE)
+    tl.store(out_ptr + rows * (2 * KB) + cols, w.to(tl.float32))
 
 
 @needs_kernel_device
+@pytest.mark.parametrize("words", [False, True])
 @pytest.mark.parametrize("decode", DECODES)
-def test_dequant_is_exact(decode):
-    """Every code (both nibbles, both signs) and a wide range of scale bytes decode bit for bit."""
+def test_dequant_is_exact(decode, words):
+    """Every code (both nibbles, both signs) and a wide range of scale bytes decode bit for bit, a byte at a
+    time and a word at a time (then in the column order of _k_order, the same the activations take)."""
     gen = new_generator(TINY_DEVICE)
     rows, kb = 16, 128
     packed = torch.randint(0, 256, (rows, kb), generator=gen, device=TINY_DEVICE, dtype=torch.int32).to(torch.uint8)
@@ -342,9 +350,14 @@ def test_dequant_is_exact(decode):
     scale = torch.randint(64, top + 1, (rows, kb // 16), generator=gen, device=TINY_DEVICE, dtype=torch.int32)
     scale = scale.to(torch.uint8)
     out = torch.full((rows, 2 * kb), float("nan"), device=TINY_DEVICE)
-    _dequant_probe[(1,)](packed, scale.view(torch.int32), out, N=rows, KB=kb,
-                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype())
-    assert torch.equal(out, dequantize_mxfp4(packed, scale)), "dequantized weights differ from dequantize_mxfp4"
+    column = torch.full((rows, 2 * kb), -1, dtype=torch.int32, device=TINY_DEVICE)
+    _dequant_probe[(1,)](packed, scale.view(torch.int32), out, column, N=rows, KB=kb,
+                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype(), WORDS=words)
+    expected = dequantize_mxfp4(packed, scale)
+    if words:
+        assert torch.equal(column.sort(dim=1).values, torch.arange(2 * kb, device=TINY_DEVICE).expand(rows, -1).int())
+        expected = expected.gather(1, column.long())
+    assert torch.equal(out, expected), "dequantized weights differ from dequantize_mxfp4"
 
 
 @needs_kernel_device

@@ -240,6 +240,8 @@ BAD = [
     ({"tp_size": 4, "model_kwargs": {"moe_ep_size": 3}}, "model_kwargs.moe_ep_size", "divide 'tp_size' (4)"),
     ({"model_kwargs": {"moe_ep_size": 2.0}}, "model_kwargs.moe_ep_size", "integer"),
     ({"max_seq_len": None}, "max_seq_len", "null"),
+    ({"prefix_cache": {"kda_snapshot_interval": 100}}, "prefix_cache.kda_snapshot_interval", "multiple of"),
+    ({"prefix_cache": {"enabled": "on"}}, "prefix_cache.enabled", "true or false"),
 ]
 
 

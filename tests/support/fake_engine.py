@@ -108,6 +108,7 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.finished: list[str] = []
         self.calls: list[FakeCall] = []
+        self.prefix_cache_resets = 0
         self._abort_requested: set[str] = set()
         self._think_prompt = tokenizer.encode_segments(generation_prompt(thinking=True))
         self._response_prompt = tokenizer.encode_segments(generation_prompt(thinking=False))
@@ -123,6 +124,9 @@ class FakeEngine:
 
     async def abort(self, request_id: str) -> None:
         self._abort_requested.add(request_id)
+
+    async def reset_prefix_cache(self) -> None:
+        self.prefix_cache_resets += 1
 
     # ---- what to generate ----------------------------------------------------------------------
 

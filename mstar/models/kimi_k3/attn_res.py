@@ -20,9 +20,12 @@ import torch
 
 from .norm import RMSNorm, at_least_fp32, rms_norm
 
-# (sources [n, T, D], proj weight [1, D], res norm weight, res eps, out norm weight, out eps) -> [T, D]:
-# the input of the next sublayer, out_norm(AttnRes(sources)). A serving backend passes a fused kernel (layer_ops.py).
-MixNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, float], torch.Tensor]
+# (sources [n, T, D], proj weight [1, D], res norm weight, res eps, out norm weight, out eps, residual [T, D] or
+# None) -> [T, D]: the input of the next sublayer, out_norm(AttnRes(sources)), after adding `residual` (the last
+# sublayer's output) into the live partial sum sources[-1] in place. A serving backend passes a fused kernel
+# (layer_ops.py).
+MixNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor, float, torch.Tensor | None],
+                   torch.Tensor]
 
 
 def attn_res_mix(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_weight: torch.Tensor,
@@ -36,8 +39,11 @@ def attn_res_mix(sources: list[torch.Tensor], proj_weight: torch.Tensor, norm_we
 
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
-                  out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
-    """The reference `MixNorm`: the AttnRes mix of the stacked sources [n, T, D], then the sublayer's RMSNorm."""
+                  out_norm_weight: torch.Tensor, out_eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference `MixNorm`: `residual` added into the partial sum sources[-1] (in place), the AttnRes mix of
+    the stacked sources [n, T, D], then the sublayer's RMSNorm."""
+    if residual is not None:
+        sources[-1].add_(residual)
     mixed = attn_res_mix(list(sources.unbind(0)), proj_weight, res_norm_weight, res_eps)
     return rms_norm(mixed, out_norm_weight, out_eps)
 
@@ -47,7 +53,9 @@ class ResidualStream:
 
     All sources live in one buffer [max blocks + 1, T, D] (block j at index j, the partial sum after
     the last block), so the mix reads them without stacking copies, and sublayer outputs are added
-    to the partial sum in place."""
+    to the partial sum in place. An output's add waits for what reads the partial sum next: the next
+    mix takes it as its `residual` (a fused kernel adds it in the pass that reads the sources anyway);
+    anything else that reads the partial sum applies it first."""
 
     def __init__(self, embedding: torch.Tensor, block_size: int, num_layers: int, mix_norm: MixNorm = attn_res_norm):
         self.block_size = block_size
@@ -56,9 +64,12 @@ class ResidualStream:
         self._buffer = embedding.new_empty(max_blocks + 1, *embedding.shape)
         self._buffer[0] = embedding
         self.num_blocks = 0
+        self._pending: torch.Tensor | None = None  # a sublayer output not yet added to the partial sum
 
     @property
     def partial(self) -> torch.Tensor:
+        """The live partial sum, every output added."""
+        self._apply_pending()
         return self._buffer[self.num_blocks]
 
     @property
@@ -71,16 +82,26 @@ class ResidualStream:
 
     def normed_input(self, proj: torch.nn.Linear, res_norm: RMSNorm, out_norm: RMSNorm) -> torch.Tensor:
         """out_norm(AttnRes(sources)): what the next sublayer (or the output head) reads."""
-        return self.mix_norm(self.stacked(), proj.weight, res_norm.weight, res_norm.eps, out_norm.weight, out_norm.eps)
+        pending, self._pending = self._pending, None
+        return self.mix_norm(self.stacked(), proj.weight, res_norm.weight, res_norm.eps, out_norm.weight, out_norm.eps,
+                             pending)
 
     def maybe_close_block(self, layer: int) -> None:
         """At the first layer of each block the partial sum is stored and a new one starts at 0."""
+        self._apply_pending()
         if layer % self.block_size == 0:
             self.num_blocks += 1
             self._buffer[self.num_blocks].zero_()
 
     def add(self, output: torch.Tensor) -> None:
-        self.partial.add_(output)
+        """Add a sublayer's output to the partial sum (when the partial sum is next read: class doc)."""
+        self._apply_pending()
+        self._pending = output
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            self._buffer[self.num_blocks].add_(self._pending)
+            self._pending = None
 
     def raw_sum(self) -> torch.Tensor:
         """The raw prefix-sum stream (embedding + every output so far): what DSpark taps."""

@@ -251,8 +251,10 @@ class GpuLayerOps(LayerOps):
         return attn_res_norm.rms_norm_rows(x, norm.weight, norm.eps)
 
     def mix_norm(self, sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor,
-                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
-        return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps)
+                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
+                                           residual=residual)
 
     def route(self, router: Router, x: torch.Tensor) -> Routing:
         cfg = router.config

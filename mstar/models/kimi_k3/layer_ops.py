@@ -32,9 +32,10 @@ class LayerOps:
         return norm(x)
 
     def mix_norm(self, sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor,
-                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float) -> torch.Tensor:
-        """out_norm(AttnRes(sources)) (attn_res.MixNorm)."""
-        return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps)
+                 res_eps: float, out_norm_weight: torch.Tensor, out_eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
+        """out_norm(AttnRes(sources)) after sources[-1] += residual (attn_res.MixNorm)."""
+        return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, residual)
 
     def route(self, router: Router, x: torch.Tensor) -> Routing:
         return router(x)
