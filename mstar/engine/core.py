@@ -84,7 +84,7 @@ from mstar.engine.step_results import LaunchedStep, pack
 from mstar.engine.structured_output import GrammarCompiler, apply_token_bitmask
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan
+from mstar.models.kimi_k3.serving import BatchPlan, StepKind
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.step import StepDecl
 from mstar.resources.transfer import HostCopy, to_device
@@ -431,7 +431,8 @@ class EngineCore:
             slot_ids=tuple(self.pool.slots[s.request_id] for s in decl.seqs),
             sample_rows=to_device(sample_rows, torch.long, self.device),
             verify=tuple(s.verify for s in decl.seqs),
-            decode=all(s.num_tokens == 1 and not s.verify for s in decl.seqs) and not self.pool.has_pending(decl),
+            kind=StepKind.DECODE if all(s.num_tokens == 1 and not s.verify for s in decl.seqs)
+            and not self.pool.has_pending(decl) else StepKind.GENERAL,
             advance=advance,
             max_advance=tuple(s.lag for s in decl.seqs) if lagging else (),
         )

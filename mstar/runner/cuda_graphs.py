@@ -36,10 +36,9 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
 from mstar.resources.latent_kv import LatentKVPlan
 from mstar.speculative.schedule import DraftSchedule
 
@@ -249,21 +248,19 @@ class DecodeGraphs(StepGraphs):
     def size_of(self, plan: BatchPlan) -> int:
         return len(plan.seq_starts) - 1
 
-    def _layout(self, slots: tuple[int, ...], pending: list[int],
-                exact: torch.Tensor | None = None) -> kda_fla.BlockLayout:
+    def _layout(self, slots: tuple[int, ...], pending: list[int], exact: torch.Tensor | None = None):
         """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence (`exact`: the
         pending prefixes on the device, `pending` their bounds; `BlockLayout.build`)."""
-        r, max_block = self.rows_per_seq, self.serving.pool.prefix_x.shape[2]
-        return kda_fla.BlockLayout.build(tuple(range(0, len(slots) * r + 1, r)), slots, pending, (True,) * len(slots),
-                                         max_block, self.kda_slots.device, capacity=r + max_block,
-                                         exact_pending=exact)
+        return GpuMixerOps.capture_blocks_layout(len(slots), self.rows_per_seq, slots, pending,
+                                                 self.serving.pool.prefix_x.shape[2], self.kda_slots.device, exact)
 
     def bucket_plan(self, bucket: int) -> BatchPlan:
         r, n = self.rows_per_seq, bucket * self.rows_per_seq
         # num_computed only sizes the MLA decode split count: the longest context any replay may see.
         return BatchPlan(**self._views(bucket), seq_starts=tuple(range(0, n + 1, r)),
                          num_computed=(self.max_seq_len - r,) * bucket, verify=(True,) * bucket if r > 1 else (),
-                         decode=r == 1, cu_seqlens=self.cu_seqlens.get(bucket), kda_layout=self.layouts.get(bucket))
+                         kind=StepKind.DECODE if r == 1 else StepKind.STAGED_BLOCKS,
+                         cu_seqlens=self.cu_seqlens.get(bucket), kda_layout=self.layouts.get(bucket))
 
     def can_run(self, plan: BatchPlan) -> bool:
         """A plan of this step's shape within the captured sizes, sampling every row (what the graphs
@@ -274,7 +271,7 @@ class DecodeGraphs(StepGraphs):
         if plan.kv.page_table.shape[1] > self.page_table.shape[1]:
             return False
         if r == 1:
-            return plan.decode
+            return plan.kind is StepKind.DECODE
         return (len(plan.verify) == batch and all(plan.verify)
                 and all(plan.seq_starts[b + 1] - plan.seq_starts[b] == r for b in range(batch)))
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels import kda_fla
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
 from mstar.resources.transfer import to_device
 from mstar.runner.cuda_graphs import StepGraphs
 
@@ -58,7 +58,7 @@ class PrefillGraphs(StepGraphs):
         super().__init__(serving, buckets if buckets is not None else prefill_buckets(max_tokens),
                          max_seq_len=max_seq_len, tap_layers=tap_layers)
         # one layout for all buckets (each uses its first rows), its slots the staged kda_slots
-        self.layout = kda_fla.PrefillLayout.allocate(self.buckets[-1], self.kda_slots)
+        self.layout = GpuMixerOps.capture_prefill_layout(self.buckets[-1], self.kda_slots)
 
     def bucket_shape(self, bucket: int) -> tuple[int, int, int]:
         # the step's sequences, the padding one, the empty ones: max_seqs + 1 in the kernels
@@ -76,7 +76,7 @@ class PrefillGraphs(StepGraphs):
             return False
         if plan.sample_rows.shape[0] > self.max_seqs or plan.kv.page_table.shape[1] > self.page_table.shape[1]:
             return False
-        if any(plan.verify) or plan.kda_layout is not None or plan.max_query_len is not None:
+        if any(plan.verify) or plan.kind in (StepKind.STAGED_BLOCKS, StepKind.STAGED_PREFILL):
             return False
         prefix_len = self.serving.pool.prefix_len
         return not any(prefix_len[s] for s in plan.host_slots())
@@ -84,8 +84,9 @@ class PrefillGraphs(StepGraphs):
     def bucket_plan(self, bucket: int) -> BatchPlan:
         seqs, rows, _ = self.bucket_shape(bucket)
         # seq_starts and num_computed describe the capture (all rows padding); a replay's lengths are those
-        # staged on the device, and max_query_len tells the mixers not to read these
+        # staged on the device, and the kind (STAGED_PREFILL) tells the mixers not to read these
         return BatchPlan(**self._views(bucket), seq_starts=(0,) + (rows,) * seqs, num_computed=(0,) * seqs,
+                         kind=StepKind.STAGED_PREFILL,
                          cu_seqlens=self.layout.cu_seqlens, kda_layout=self.layout.first_rows(rows),
                          max_query_len=rows)
 

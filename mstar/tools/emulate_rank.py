@@ -67,7 +67,7 @@ from mstar.models.kimi_k3.kda import GatedHeadNorm, KimiDeltaAttention, ShortCon
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.moe import Router
 from mstar.models.kimi_k3.norm import RMSNorm
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
 from mstar.models.kimi_k3.weights import is_expert_weight
 from mstar.quant.mxfp4 import random_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
@@ -293,7 +293,7 @@ def batch_plan(step: Step, page_size: int, vocab_slice: int, device: torch.devic
         slot_ids=tuple(range(1, step.batch + 1)),
         sample_rows=torch.tensor(list(sample), dtype=torch.long, device=device),
         verify=(verify,) * step.batch,
-        decode=step.kind == "decode",
+        kind=StepKind.DECODE if step.kind == "decode" else StepKind.GENERAL,
     )
 
 

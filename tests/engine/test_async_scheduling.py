@@ -16,6 +16,7 @@ from mstar.engine.sampler import gather_logprobs
 from mstar.engine.step_results import pack, unpack
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.models.kimi_k3.serving import StepKind
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 
@@ -199,7 +200,7 @@ def test_non_finite_logits_fail_only_that_request(tiny_model, tokenizer, overlap
         # From its fourth token on (tokens sampled before this step, in flight or not): decode steps,
         # one logits row per sequence.
         if bad is not None and bad.num_generated >= 3:
-            assert plan.decode
+            assert plan.kind is StepKind.DECODE
             logits = logits.clone()
             logits[plan.slot_ids.index(engine.pool.slots["bad"])] = float("nan")
         return logits, taps

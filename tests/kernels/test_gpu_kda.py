@@ -10,7 +10,7 @@ from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
-from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, StepKind, TorchMixerOps
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.make_tiny import k3_fixture
 
@@ -96,7 +96,7 @@ def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stac
     slots = torch.tensor([7, 2, 5, 1], device="cuda")
     x = torch.randn(4, hidden, device="cuda", dtype=dtype)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None, kda_slots=slots,
-                     sample_rows=None, decode=True)
+                     sample_rows=None, kind=StepKind.DECODE)
     ref_pool = clone_pool(pool)
     untouched = [s for s in range(pool.max_slots) if s not in slots.tolist()]
     before = pool.state[0, untouched].clone(), pool.conv[0, untouched].clone()
@@ -136,7 +136,7 @@ def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
                                        pool.prefix_x.shape[2], x.device, capacity=capacity)
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = GpuMixerOps(fused=True).kda(attn, 0, x, replace(plan, kda_layout=layout), pool)
+        y = GpuMixerOps(fused=True).kda(attn, 0, x, replace(plan, kind=StepKind.STAGED_BLOCKS, kda_layout=layout), pool)
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err

@@ -20,7 +20,7 @@ from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
-from mstar.models.kimi_k3.serving import BatchPlan, TorchMixerOps  # noqa: E402
+from mstar.models.kimi_k3.serving import BatchPlan, StepKind, TorchMixerOps  # noqa: E402
 from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
 from mstar.tools.make_tiny import k3_fixture  # noqa: E402
 
@@ -68,7 +68,7 @@ def test_decode_writes_the_pool_in_place_like_torch(stacked):
     attn, pool = layer_and_pool()
     slots = (7, 2, 5, 1)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None,
-                     kda_slots=torch.tensor(slots), sample_rows=None, decode=True, slot_ids=slots)
+                     kda_slots=torch.tensor(slots), sample_rows=None, kind=StepKind.DECODE, slot_ids=slots)
     ref = copy.deepcopy(pool)
     x = torch.randn(4, HIDDEN)
     expect = TorchMixerOps().kda(attn, 0, x, plan, ref)
@@ -110,7 +110,7 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
     layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
                                        pool.prefix_x.shape[2], x.device)
-    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, replace(plan, kda_layout=layout), pool)
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, replace(plan, kind=StepKind.STAGED_BLOCKS, kda_layout=layout), pool)
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
@@ -165,7 +165,8 @@ def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
     padding = [len(lengths)] * (num_rows - n)  # the padding sequence follows the step's
     assert layout.row_seq.tolist() == [b for b, m in enumerate(lengths) for _ in range(m)] + padding
     padded = torch.cat([x, torch.randn(num_rows - n, HIDDEN)])
-    y = GpuMixerOps(fused=stacked).kda(attn, 0, padded, replace(plan, kda_layout=layout), pool)
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, padded, replace(plan, kind=StepKind.STAGED_PREFILL, kda_layout=layout),
+                                       pool)
     assert y.shape == padded.shape and torch.isfinite(y).all()
     assert rel(y[:n], expect) < 1e-5, rel(y[:n], expect)
     for name in ("state", "conv"):  # slot 0 is the sink, which the padding sequence wrote

@@ -12,7 +12,7 @@ from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind, TorchMixerOps
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -57,10 +57,11 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
     for i, n in enumerate((3, 70, 1, 12)):
         core.add_request(f"r{i}", list(range(5, 5 + n)), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     run_to_completion(core)
-    assert any(p.decode for p in plans) and any(not p.decode for p in plans)
+    decode = [p.kind is StepKind.DECODE for p in plans]
+    assert any(decode) and not all(decode)
     for p in plans:
         one_row = all(p.seq_starts[b + 1] - p.seq_starts[b] == 1 for b in range(len(p.seq_starts) - 1))
-        assert p.decode == one_row, (p.seq_starts, p.decode)
+        assert (p.kind is StepKind.DECODE) == one_row, (p.seq_starts, p.kind)
         assert p.slot_ids == tuple(p.kda_slots.tolist())  # the host's copy, so that no layer syncs for it
 
 

@@ -18,7 +18,7 @@ from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -83,7 +83,8 @@ def decode_plan(cfg, contexts, slots, rows=1):
     ids = torch.randint(0, cfg.vocab_size, (n,), device="cuda")
     return BatchPlan(input_ids=ids, seq_starts=tuple(range(0, n + 1, rows)), num_computed=tuple(contexts), kv=kv,
                      kda_slots=torch.tensor(slots, device="cuda"), sample_rows=torch.arange(n, device="cuda"),
-                     decode=rows == 1, verify=(True,) * len(slots) if rows > 1 else (), slot_ids=tuple(slots))
+                     kind=StepKind.DECODE if rows == 1 else StepKind.GENERAL,
+                     verify=(True,) * len(slots) if rows > 1 else (), slot_ids=tuple(slots))
 
 
 def rel(a, b):
@@ -160,7 +161,7 @@ def test_a_pending_prefix_or_a_long_batch_runs_eagerly(model):
     graphs = DecodeGraphs(served(model, kv, pool), max_batch=4, max_seq_len=MAX_SEQ)
     plan = decode_plan(model.config, [5] * 6, list(range(1, 7)))
     assert not graphs.can_run(plan)
-    assert not graphs.can_run(replace(decode_plan(model.config, [5], [1]), decode=False))
+    assert not graphs.can_run(replace(decode_plan(model.config, [5], [1]), kind=StepKind.GENERAL))
     with pytest.raises(ValueError, match="at most 4"):
         graphs.run(plan)
 

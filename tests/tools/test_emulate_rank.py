@@ -15,6 +15,7 @@ from mstar.distributed.weight_bytes import rank_weight_bytes
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.kda import GatedHeadNorm
 from mstar.models.kimi_k3.norm import RMSNorm
+from mstar.models.kimi_k3.serving import StepKind
 from mstar.models.kimi_k3.weights import is_expert_weight, packed_names, packed_shapes
 from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.tools.emulate_draft import DEFAULT_ACCEPTANCE, implied_speedup, tokens_per_step
@@ -127,7 +128,7 @@ def test_plan_addresses_pages_and_slots(step):
             position = step.context + i
             assert int(slots[b, i]) == int(table[b, position // page_size]) * page_size + position % page_size
     assert plan.input_ids.shape == (step.tokens,) and plan.input_ids.min() >= 0 and plan.input_ids.max() < 50
-    assert plan.decode == (step.kind == "decode")
+    assert (plan.kind is StepKind.DECODE) == (step.kind == "decode")
     assert plan.verify == (step.kind == "verify",) * step.batch
     last_rows = [s - 1 for s in plan.seq_starts[1:]]
     assert plan.sample_rows.tolist() == (last_rows if step.kind == "prefill" else list(range(step.tokens)))
@@ -159,7 +160,7 @@ def test_verify_steps_have_pending_prefixes_and_decode_steps_none(config):
     verify = emulation.plan_for(steps[1])
     assert pool.prefix_len == [0, 2, 2]  # slots 1 and 2 hold the two sequences; 0 is the sink
     assert torch.isfinite(emulation.serving.forward(verify)[0]).all()  # replays them, then its blocks
-    assert emulation.plan_for(steps[0]).decode and pool.prefix_len == [0, 0, 0]
+    assert emulation.plan_for(steps[0]).kind is StepKind.DECODE and pool.prefix_len == [0, 0, 0]
 
 
 def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, capsys):

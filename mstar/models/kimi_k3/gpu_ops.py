@@ -47,7 +47,7 @@ from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
-from .serving import BatchPlan, TorchMixerOps
+from .serving import BatchPlan, StepKind, TorchMixerOps
 
 
 def stacked(linears: list[nn.Linear]) -> StackedLinear:
@@ -76,14 +76,14 @@ class GpuMixerOps(TorchMixerOps):
             pool: RecurrentStatePool) -> torch.Tensor:
         w = self._weights(attn)
         conv, state = pool.conv[layer], pool.state[layer]
-        if plan.decode:
+        if plan.kind is StepKind.DECODE:
             q, k, v, f, beta, gate = self._kda_inputs(attn, x)
             return self._kda_output(attn, kda_fla.decode(q, k, v, f, beta, conv, state, plan.kda_slots, w), gate)
-        if isinstance(plan.kda_layout, kda_fla.PrefillLayout):  # a captured prefill step: its layout is staged
+        if plan.kind is StepKind.STAGED_PREFILL:
             q, k, v, f, beta, gate = self._kda_inputs(attn, x)
             return self._kda_output(attn, kda_fla.prefill(q, k, v, f, beta, plan.kda_layout, conv, state, w), gate)
-        # a captured verify step stages its layout; otherwise short blocks and their pending prefixes: one pass
-        layout = plan.kda_layout if plan.kda_layout is not None else self._short_block_layout(plan, pool, x.device)
+        # short blocks and their pending prefixes in one pass, from a staged layout or one built for the step
+        layout = plan.kda_layout if plan.kind is StepKind.STAGED_BLOCKS else self.step_layout(plan, pool, x.device)
         if layout is not None:
             rows = kda_fla.block_rows(x, layout, pool.prefix_x[layer])
             q, k, v, f, beta, gate = self._kda_inputs(attn, rows)
@@ -155,10 +155,10 @@ class GpuMixerOps(TorchMixerOps):
             self._stacks[module] = stacked(linears)
         return self._stacks[module]
 
-    def _short_block_layout(self, plan: BatchPlan, pool: RecurrentStatePool,
-                            device: torch.device) -> kda_fla.BlockLayout | None:
-        """The step's short-block layout, or None when a sequence (with its pending prefix) is too long for
-        it; decided once per step for all its KDA layers."""
+    def step_layout(self, plan: BatchPlan, pool: RecurrentStatePool,
+                    device: torch.device) -> kda_fla.BlockLayout | None:
+        """The eager builder: a GENERAL step's short-block layout, or None when a sequence (with its pending
+        prefix) is too long for it; built once per step for all its KDA layers."""
         if self._layout is None or self._layout[0] is not plan:
             slots = plan.host_slots()
             pending, exact = plan.pending_bounds(pool)  # bounds, where a verify step in flight decides them
@@ -169,6 +169,23 @@ class GpuMixerOps(TorchMixerOps):
                                                    pool.prefix_x.shape[2], device, exact_pending=exact)
             self._layout = plan, layout
         return self._layout[1]
+
+    @staticmethod
+    def capture_blocks_layout(num_seqs: int, rows: int, slots: tuple[int, ...], pending: list[int], max_block: int,
+                              device: torch.device, exact_pending: torch.Tensor | None = None) -> kda_fla.BlockLayout:
+        """The capture builder of STAGED_BLOCKS steps: the KDA layout of `num_seqs` verify blocks of `rows` rows
+        on `slots` after `pending` prefix rows (`exact_pending`: the prefixes on the device, planned while a
+        verify step runs, `pending` their bounds), at a fixed capacity per sequence (so that one capture
+        serves any pending lengths: a replay copies a new layout into it)."""
+        return kda_fla.BlockLayout.build(tuple(range(0, num_seqs * rows + 1, rows)), slots, pending,
+                                         (True,) * num_seqs, max_block, device, capacity=rows + max_block,
+                                         exact_pending=exact_pending)
+
+    @staticmethod
+    def capture_prefill_layout(max_rows: int, kda_slots: torch.Tensor) -> kda_fla.PrefillLayout:
+        """The capture builder of STAGED_PREFILL steps: a prefill layout of up to `max_rows` rows over the
+        staged `kda_slots`, whose row offsets each replay stages (`first_rows(n).stage(seq_starts)`)."""
+        return kda_fla.PrefillLayout.allocate(max_rows, kda_slots)
 
     # --- MLA ---
     def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
@@ -184,14 +201,15 @@ class GpuMixerOps(TorchMixerOps):
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
         scale = attn.scale
         rows = [plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(plan.num_computed))]
-        if plan.max_query_len is not None:  # a captured prefill step: its lengths are on the device only
+        if plan.kind is StepKind.STAGED_PREFILL:  # its lengths are on the device only
             mla_attention.paged_mla_prefill(q_abs, cache, table, plan.cu_seqlens, lens, scale, out,
                                             max_query_len=plan.max_query_len)
         elif max(rows) == 1:
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
             mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
         else:  # verify blocks (and eager chunks): split the context as decode does, for the same reason
-            cu = plan.cu_seqlens if plan.cu_seqlens is not None else torch.tensor(plan.seq_starts, device=x.device)
+            cu = (plan.cu_seqlens if plan.kind is StepKind.STAGED_BLOCKS
+                  else torch.tensor(plan.seq_starts, device=x.device))
             splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + max(rows),
                                                   query_rows=max(rows))
             mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows),

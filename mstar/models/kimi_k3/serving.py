@@ -13,6 +13,7 @@ backend, chosen in backend.py.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, replace
 
 import torch
@@ -27,6 +28,24 @@ from .mla import GatedMLA, MLACache
 from .model import KimiK3ForCausalLM
 
 
+class StepKind(enum.Enum):
+    """How a step's rows reach the token mixers, fixed when the step is planned (engine/core.py for the steps
+    it plans, runner/ for a graph's bucket)."""
+
+    # Planned on the host, any mix: prefill chunks, decode rows, verify blocks, pending KDA prefixes. The
+    # backend derives what its kernels need from the plan's host values (gpu_ops.GpuMixerOps.step_layout).
+    GENERAL = "general"
+    # One row per sequence, none verifying, no KDA slot with a pending prefix: the KDA state is read and
+    # written in place by slot, with no host-side logic (what a decode graph replays).
+    DECODE = "decode"
+    # Short blocks whose KDA layout (`kda_layout`, a BlockLayout) and row offsets (`cu_seqlens`) are staged on
+    # the device: a verify graph's bucket.
+    STAGED_BLOCKS = "staged blocks"
+    # A prefill graph's bucket: its lengths exist only on the device (`cu_seqlens`, `kda_layout`, a
+    # PrefillLayout); `max_query_len` sizes the kernels, and no mixer reads seq_starts.
+    STAGED_PREFILL = "staged prefill"
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """The planned addressing of one step: rows of all requests concatenated in declaration order."""
@@ -38,18 +57,15 @@ class BatchPlan:
     kda_slots: torch.Tensor  # [B]
     sample_rows: torch.Tensor  # [S] rows whose logits are sampled
     verify: tuple[bool, ...] = ()  # [B] speculative rows: their KDA block stays pending
-    # Every sequence has one row, none verifies and no KDA slot has a pending prefix: the KDA state is
-    # read and written in place by slot, with no host-side logic (what a CUDA graph replays).
-    decode: bool = False
+    kind: StepKind = StepKind.GENERAL
     # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
     slot_ids: tuple[int, ...] = ()
-    # Device copies a captured step reads instead of making them from host values during capture:
-    # seq_starts (the MLA multi-row kernel's cu_seqlens) and the KDA layout: kda_fla.BlockLayout for short
-    # blocks, kda_fla.PrefillLayout for a prefill step.
+    # The staged kinds' step metadata, device buffers a captured step reads instead of making them from host
+    # values during capture, built by the backend's capture builders (gpu_ops.GpuMixerOps.capture_*_layout):
+    # seq_starts as the MLA multi-row kernel's cu_seqlens, the KDA layout, and (STAGED_PREFILL) the most rows
+    # any sequence may have.
     cu_seqlens: torch.Tensor | None = None
     kda_layout: object | None = None
-    # Set on a captured prefill step, whose lengths exist only on the device (in cu_seqlens and the KDA
-    # layout): the most rows any sequence may have, which sizes the kernels. No mixer reads seq_starts then.
     max_query_len: int | None = None
     # Planned while a verify step is in flight (async scheduling): sequence b's rows sit advance[b] positions
     # after num_computed[b] and its KDA slot's pending prefix is advance[b] rows longer than the pool's
