@@ -146,9 +146,11 @@ class RecurrentStatePool:
             slot = self.slots[s.request_id]
             self.prefix_len[slot] = s.committed if s.verify else 0
             # The forward folded in an ordinary row's tokens, but of a verify block only the pending prefix
-            # before it: the state is that at the block's start.
+            # before it: the state is that at the block's start. Where a verify block in flight decides that
+            # start (`SeqStep.lag`), the host does not know it: no snapshot (one labelled num_computed would
+            # hold the state of a later position).
             folded = s.num_computed if s.verify else s.committed_end
-            if self.snapshot_interval and folded and folded % self.snapshot_interval == 0:
+            if self.snapshot_interval and folded and folded % self.snapshot_interval == 0 and not s.lag:
                 self._snapshot(s.request_id, slot, folded)
 
     def _snapshot(self, request_id: str, slot: int, position: int) -> None:

@@ -175,9 +175,12 @@ def test_eviction_under_memory_pressure_and_preemption_of_sharing_requests(tiny_
     assert_pools_empty(engine)
 
 
-def test_dspark_reuses_the_drafts_cached_context(tiny_model, tokenizer, draft):
-    on = make_engine(tiny_model, tokenizer, draft=draft)
-    off = make_engine(tiny_model, tokenizer, draft=draft, cache=False)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dspark_reuses_the_drafts_cached_context(tiny_model, tokenizer, draft, overlap):
+    """Also with speculative steps overlapped: a verify block planned while the one before runs takes no
+    snapshot (its start is known only on the device), the others as in the synchronous loop."""
+    on = make_engine(tiny_model, tokenizer, draft=draft, overlap=overlap)
+    off = make_engine(tiny_model, tokenizer, draft=draft, cache=False, overlap=overlap)
     prompt = []
     for turn, message in enumerate(conversation(tiny_model, 3, first=40)):
         asked, answered = len(prompt) - 8 * (turn > 0), len(prompt)  # the last turn's prompt, and with its answer

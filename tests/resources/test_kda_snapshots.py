@@ -13,9 +13,10 @@ def make_pool(slots):
                               state_dtype=torch.float32, conv_dtype=torch.float32, snapshot_interval=INTERVAL)
 
 
-def run(pool, request_id, start, n, prefix=(), verify=False):
+def run(pool, request_id, start, n, prefix=(), verify=False, lag=0):
     """Admit a step of n rows, fill the slot with fresh values (what the forward would leave), commit."""
-    decl = StepDecl((SeqStep(request_id, start, tuple(range(n)), sample=True, verify=verify, prefix=prefix),))
+    decl = StepDecl((SeqStep(request_id, start, tuple(range(n)), sample=True, verify=verify, prefix=prefix,
+                             lag=lag),))
     assert pool.can_admit(decl)
     pool.admit(decl)
     slot = pool.slots[request_id]
@@ -48,6 +49,18 @@ def test_a_row_ending_on_a_boundary_leaves_a_snapshot_that_a_new_request_resumes
     b = pool.slots["b"]
     assert torch.equal(pool.state[:, b], state) and torch.equal(pool.conv[:, b], conv)
     assert pool.prefix_len[b] == 0
+
+
+def test_a_verify_block_placed_by_the_step_in_flight_leaves_no_snapshot():
+    """Planned while the verify block before runs (async scheduling), a block starts 0..lag positions past its
+    num_computed, known only on the device: a snapshot labelled num_computed could hold a later state."""
+    pool = make_pool(4)
+    run(pool, "a", 0, 5)
+    run(pool, "a", 5, 3, verify=True)  # the anchor row at 5 is committed at launch, the drafts pending
+    run(pool, "a", 8, 4, verify=True, lag=2)  # starts at 8, 9 or 10: no snapshot at 8
+    assert pool.num_snapshots == 0
+    run(pool, "a", 8, 4, verify=True)  # the same block settled at 8 (core.py `_settle`): now it is known
+    assert pool.num_snapshots == 1
 
 
 def test_unkeyed_snapshots_go_with_their_request_and_duplicates_are_dropped():
