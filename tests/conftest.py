@@ -64,3 +64,19 @@ def tiny_model_fp64(tiny_dir):
     from mstar.models.kimi_k3.weights import load_model
 
     return load_model(tiny_dir, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir):
+    """The tiny checkpoint's tokenizer (read only by every test that takes it)."""
+    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+    return KimiTokenizer.from_dir(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def draft(tiny_dirs):
+    """The tiny DSpark draft, fp32 (read only)."""
+    from mstar.models.dspark.model import K3DSparkModel
+
+    return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)

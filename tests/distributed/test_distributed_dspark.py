@@ -31,24 +31,12 @@ from mstar.distributed.worker import (
 )
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.speculative.oracle import OracleSpeculation
 
 CONFIG = ROOT / "configs" / "kimi_k3_tiny_tp2_dspark.yaml"
 TIMEOUTS = Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10)
 GREEDY = dict(temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_dirs):
-    return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")

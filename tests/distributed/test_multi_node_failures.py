@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 from live_server import wait_until
 from processes import free_port
-from two_nodes import Node, TwoNodes, overrides
+from two_nodes import Node
 
 from mstar.config import EngineConfig, Environment, parse_serve_config
 from mstar.distributed.comm_choice import CommConfig
@@ -23,15 +23,6 @@ from mstar.distributed.node_beats import NodeBeats
 from mstar.distributed.rendezvous import Rendezvous, RendezvousError
 from mstar.distributed.worker import EXIT_RANK_FAILED, build_tp_engine, follower_setup, start_ranks
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-
-
-@pytest.fixture
-def two_nodes(tiny_dirs, tmp_path):
-    nodes = TwoNodes(tmp_path, overrides(tiny_dirs))
-    try:
-        yield nodes.wait_ready()
-    finally:
-        nodes.close()
 
 
 def test_killing_node0_ends_node1(two_nodes):

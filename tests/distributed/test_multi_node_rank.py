@@ -8,22 +8,11 @@ import os
 import signal
 import time
 
-import pytest
 from live_server import wait_until
 from processes import is_spawned_rank
 from test_distributed_lifecycle import Stream
-from two_nodes import TwoNodes, overrides
 
 from mstar.distributed.worker import EXIT_RANK_FAILED
-
-
-@pytest.fixture
-def two_nodes(tiny_dirs, tmp_path):
-    nodes = TwoNodes(tmp_path, overrides(tiny_dirs))
-    try:
-        yield nodes.wait_ready()
-    finally:
-        nodes.close()
 
 
 def test_a_dead_rank_on_node1_ends_both_nodes_and_node0_names_it(two_nodes):

@@ -6,19 +6,9 @@ from __future__ import annotations
 
 import signal
 
-import pytest
 from greedy_ties import assert_greedy_matches, random_jobs
 from live_server import wait_until
-from two_nodes import TwoNodes, complete_all, overrides
-
-
-@pytest.fixture
-def two_nodes(tiny_dirs, tmp_path):
-    nodes = TwoNodes(tmp_path, overrides(tiny_dirs))
-    try:
-        yield nodes.wait_ready()
-    finally:
-        nodes.close()
+from two_nodes import complete_all
 
 
 def test_two_nodes_serve_greedy_identical_then_sigterm_drains_both(two_nodes, tiny_model):

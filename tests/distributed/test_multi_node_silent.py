@@ -9,21 +9,10 @@ import os
 import signal
 import time
 
-import pytest
 from live_server import wait_until
 from test_distributed_lifecycle import Stream
-from two_nodes import TwoNodes, overrides
 
 from mstar.distributed.worker import EXIT_RANK_FAILED
-
-
-@pytest.fixture
-def two_nodes(tiny_dirs, tmp_path):
-    nodes = TwoNodes(tmp_path, overrides(tiny_dirs))
-    try:
-        yield nodes.wait_ready()
-    finally:
-        nodes.close()
 
 
 def _signal_tree(node, sig: int) -> None:

@@ -14,20 +14,8 @@ from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
 from mstar.engine.sampler import gather_logprobs
 from mstar.engine.step_results import pack, unpack
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.serving import StepKind
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_dirs):
-    return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
 
 
 def make_engine(model, tokenizer, *, overlap, pages=256, slots=9, page_size=8, draft=None,

@@ -8,28 +8,15 @@ occur, so the shifts the device takes are not all zero."""
 import random
 
 import pytest
-import torch
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.speculative.oracle import OracleSpeculation
 
 K = 4
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_dirs):
-    return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,8 @@ from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 NUM_REQUESTS = 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")

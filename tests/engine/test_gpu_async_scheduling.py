@@ -15,16 +15,10 @@ from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.tools.make_tiny import real_dims_raw_config
 
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
 PAGE, MAX_SEQ, MAX_BATCH = 64, 1024, 8
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")

@@ -4,27 +4,14 @@ hits where the pages and a KDA snapshot are, shared pages under preemption and e
 import random
 
 import pytest
-import torch
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 PAGE, INTERVAL = 8, 16
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
-
-
-@pytest.fixture(scope="module")
-def draft(tiny_dirs):
-    return K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
 
 
 def make_engine(model, tokenizer, *, cache=True, pages=128, slots=9, draft=None, max_num_seqs=4, budget=64,

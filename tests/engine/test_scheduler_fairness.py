@@ -8,21 +8,13 @@ from __future__ import annotations
 
 import random
 
-import pytest
-
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 STREAMS = 4
 BUDGET = 40  # scheduler.max_num_batched_tokens: the decode rows plus one prefill chunk
 LONG_PROMPT = 300
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 def test_a_long_prefill_gives_running_streams_a_token_every_step(tiny_model, tokenizer):

@@ -19,7 +19,6 @@ from mstar.models.kimi_k3.backend import select_backend
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.runner.cuda_graphs import DecodeGraphs, decode_buckets
@@ -29,11 +28,6 @@ from mstar.tools.make_tiny import real_dims_raw_config
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
 BF16 = torch.bfloat16
 PAGE, MAX_SEQ, MAX_BATCH, DRAFTS = 64, 1024, 16, 3
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")

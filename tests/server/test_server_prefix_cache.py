@@ -14,7 +14,6 @@ from mstar.config import EngineConfig
 from mstar.engine.async_engine import AsyncEngine
 from mstar.engine.core import EngineCore
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.server import build_app
 from mstar.server.options import ServerOptions
 
@@ -29,11 +28,6 @@ def start_engine(model, tokenizer, enabled):
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
                        prefix_cache={"enabled": enabled, "kda_snapshot_interval": INTERVAL})
     return AsyncEngine(EngineCore(model, tokenizer, cfg), MODEL).start()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
-    return KimiTokenizer.from_dir(tiny_dir)
 
 
 @pytest.fixture(scope="module")
