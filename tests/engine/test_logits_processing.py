@@ -9,11 +9,9 @@ import random
 
 import pytest
 import torch
-from engine_run import run_to_completion
+from engine_run import MODES, mode_engine, run_to_completion
 from logits_reference import ref_process, reference_processed_greedy
 
-from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.logits_processing import (
     LogitsProcessing,
     RowHistory,
@@ -21,9 +19,7 @@ from mstar.engine.logits_processing import (
     apply_repetition_penalty,
 )
 from mstar.engine.params import ParamError, SamplingParams
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
 VOCAB = 40
 
@@ -108,22 +104,13 @@ def test_out_of_range_values_name_the_field(kwargs, name):
 # ---- the engine --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "dspark"])
-def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tiny_dirs, mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_greedy_with_processing_equals_the_reference(tiny_model, tokenizer, draft, mode):
     """With DSpark the processed requests get no drafts (their verify row is their one sampled row); the
     plain request is drafted for and stays greedy-exact."""
-    tokenizer = KimiTokenizer.from_dir(tiny_dirs[0])
     rng = random.Random()
     vocab = tiny_model.config.vocab_size
-    spec = None
-    if mode == "dspark":
-        spec = SpeculativeModels(K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32))
-    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 128},
-                                                   "kda_state": {"max_slots": 9}},
-                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 128},
-                       model_kwargs={"async_scheduling": mode == "async",
-                                     "speculative_tokens": 3 if spec is not None else 0})
-    engine = EngineCore(tiny_model, tokenizer, cfg, spec)
+    engine = mode_engine(tiny_model, tokenizer, mode, draft)
     prompts = [[rng.randrange(vocab - 256) for _ in range(rng.randint(3, 40))] for _ in range(6)]
     free_run = greedy_generate(tiny_model, prompts[0], 10)
     stop = free_run[2]  # the plain run would stop at its third token; min_tokens holds it off

@@ -10,13 +10,12 @@ import re
 
 import pytest
 import torch
-from engine_run import run_to_completion
+from engine_run import MODES, mode_engine, run_to_completion
 
 from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore, SpeculativeModels
+from mstar.engine.core import EngineCore
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.structured_output import Grammar, apply_token_bitmask, choice_grammar
-from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
@@ -48,20 +47,11 @@ SCHEMA = {"type": "object",
           "required": ["n", "ok"], "additionalProperties": False}
 
 
-@pytest.mark.parametrize("mode", ["sync", "async", "dspark"])
-def test_engine_outputs_match_their_grammar(tiny_model, tiny_dirs, mode):
-    tokenizer = KimiTokenizer.from_dir(tiny_dirs[0])
+@pytest.mark.parametrize("mode", MODES)
+def test_engine_outputs_match_their_grammar(tiny_model, tokenizer, draft, mode):
     rng = random.Random()
     vocab = tiny_model.config.vocab_size
-    spec = None
-    if mode == "dspark":
-        spec = SpeculativeModels(K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32))
-    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 128},
-                                                   "kda_state": {"max_slots": 9}},
-                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 128},
-                       model_kwargs={"async_scheduling": mode == "async", "cuda_graphs": False,
-                                     "speculative_tokens": 3 if spec else 0})
-    engine = EngineCore(tiny_model, tokenizer, cfg, spec)
+    engine = mode_engine(tiny_model, tokenizer, mode, draft)
     prompts = [[rng.randrange(vocab - 256) for _ in range(rng.randint(3, 30))] for _ in range(4)]
     grammars = [Grammar("regex", "[0-9]{3}-[a-z]{2}", "guided_regex"), choice_grammar(["yes", "no", "maybe"],
                 "guided_choice"), Grammar("json_schema", json.dumps(SCHEMA), "response_format")]

@@ -6,10 +6,29 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import SamplingParams
 
 Job = tuple[str, list[int], SamplingParams]  # (request id, prompt ids, params): `add_request`'s arguments
+
+
+MODES = ("sync", "async", "dspark")
+
+
+def mode_engine(model, tokenizer, mode: str, draft=None) -> EngineCore:
+    """A 256-token engine of 8 sequences in one of MODES: the synchronous loop, async scheduling, or DSpark
+    with `draft` at 3 drafts (eager: these are CPU tests)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    spec = SpeculativeModels(draft) if mode == "dspark" else None
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 128},
+                                                   "kda_state": {"max_slots": 9}},
+                       scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 128},
+                       model_kwargs={"async_scheduling": mode == "async", "cuda_graphs": False,
+                                     "speculative_tokens": 3 if spec else 0})
+    return EngineCore(model, tokenizer, cfg, spec)
 
 
 def greedy(max_tokens: int) -> SamplingParams:
