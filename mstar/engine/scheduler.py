@@ -11,7 +11,8 @@ are released and it waits at the front of the queue to be recomputed (prompt + o
 Waiting requests are admitted strictly first come, first served.
 
 With prefix caching (prefix_cache.py) a request admitted from the queue (new, or preempted) first
-looks up the longest cached prefix of its tokens; its first chunk then starts after that prefix and
+looks up the longest cached prefix of its tokens (unless it asks for prompt_logprobs, which need the
+logits of every prompt row); its first chunk then starts after that prefix and
 maps the prefix's pages and KDA snapshot in the same atomic admission. A prefill chunk (chunked_prefill)
 that crosses a KDA snapshot boundary ends at the last one it crosses (or at the last one inside the
 cached pages it shares past its hit: prefix_cache.py), so that the state there is snapshotted.
@@ -135,7 +136,9 @@ class Scheduler:
                 break
             if is_new and len(self.running) >= cfg.max_num_seqs:
                 break
-            prefix, shared = self.prefix.lookup(request) if is_new and self.prefix is not None else ((), 0)
+            # a request scoring its prompt (prompt_logprobs) needs the logits of rows a cached prefix skips
+            looks_up = is_new and self.prefix is not None and request.params.prompt_logprobs is None
+            prefix, shared = self.prefix.lookup(request) if looks_up else ((), 0)
             start = len(prefix) * self.prefix.page_size if prefix else request.num_computed
             n = request.num_tokens - start
             if n > budget:

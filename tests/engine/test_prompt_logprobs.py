@@ -1,0 +1,129 @@
+"""prompt_logprobs: each prompt token's logprob, rank and best alternatives, against the reference model's
+full-sequence log-softmax (fp32, CPU), with the prompt split into prefill chunks, another request
+decoding in the same steps, async scheduling on and off and DSpark on; the generated tokens of both
+requests stay the reference's greedy ones."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_run import MODES, greedy, mode_engine, run_to_completion
+from greedy_ties import assert_greedy_matches
+
+from mstar.config import EngineConfig
+from mstar.engine.core import EngineCore
+from mstar.engine.outputs import PromptLogprob
+from mstar.engine.params import ParamError, SamplingParams
+from mstar.models.kimi_k3.generate import greedy_generate
+
+TOL = 2e-4  # fp32: a batched step against one sequence alone, through a dozen layers
+
+
+def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt), vocab] fp32 log-softmax of the reference model's logits over the whole prompt."""
+    with torch.no_grad():
+        logits = model(torch.tensor(prompt, dtype=torch.long), None).logits
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def assert_prompt_logprobs(model, prompt: list[int], got: list[PromptLogprob], k: int) -> None:
+    """Entry i - 1 scores prompt token i given tokens 0..i-1: logprob, rank (ties within TOL either way) and
+    the k best (ids whose reference logprobs are the k best ones, within TOL)."""
+    ref = reference_logprobs(model, prompt)
+    assert [e.token_id for e in got] == prompt[1:]
+    for i, entry in enumerate(got, start=1):
+        row = ref[i - 1]
+        want = float(row[prompt[i]])
+        assert entry.logprob == pytest.approx(want, abs=TOL), f"prompt token {i}"
+        assert int((row >= want + TOL).sum()) <= entry.rank <= int((row >= want - TOL).sum()), f"rank of token {i}"
+        assert len(entry.top) == k
+        best = row.topk(k).values.tolist()
+        for (token, logprob), value in zip(entry.top, best, strict=True):
+            assert logprob == pytest.approx(float(row[token]), abs=TOL) and logprob == pytest.approx(value, abs=TOL)
+
+
+def _prompt(model, n: int) -> list[int]:
+    rng = random.Random()
+    return [rng.randrange(model.config.vocab_size - 256) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_prompt_logprobs_equal_the_reference(tiny_model, tokenizer, draft, mode):
+    """A long prompt (two or three 128-token chunks) arrives while a short request decodes: both share steps."""
+    engine = mode_engine(tiny_model, tokenizer, mode, draft)
+    decoding = _prompt(tiny_model, random.randint(2, 9))
+    scored = _prompt(tiny_model, random.randint(140, 230))
+    k = random.randint(0, 5)
+    jobs = [("decoding", decoding, greedy(24)),
+            ("scored", scored, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=k,
+                                              logprobs=2))]
+
+    def arrive(step: int) -> None:
+        if step == 3:
+            engine.add_request(*jobs[1])
+
+    run = run_to_completion(engine, jobs[:1], before_step=arrive)
+    first = run.outputs["scored"][0]
+    assert first.prompt_logprobs is not None
+    assert all(out.prompt_logprobs is None for out in run.outputs["scored"][1:] + run.outputs["decoding"])
+    assert_prompt_logprobs(tiny_model, scored, first.prompt_logprobs, k)
+    expect = [(decoding, 24, greedy_generate(tiny_model, decoding, 24)), (scored, 3, greedy_generate(tiny_model,
+                                                                                                  scored, 3))]
+    assert_greedy_matches(tiny_model, expect, [run.tokens("decoding"), run.tokens("scored")])
+
+
+def test_short_prompts_and_many_requests_at_once(tiny_model, tokenizer):
+    """Prompts of one token (no entry), two, and several others in one step, each asking for its own k."""
+    engine = mode_engine(tiny_model, tokenizer, "sync")
+    prompts = [_prompt(tiny_model, n) for n in (1, 2, 7, 30, 61)]
+    ks = [3, 0, 5, 1, 2]
+    jobs = [(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=k))
+            for i, (p, k) in enumerate(zip(prompts, ks, strict=True))]
+    run = run_to_completion(engine, jobs)
+    for i, (prompt, k) in enumerate(zip(prompts, ks, strict=True)):
+        got = run.outputs[f"r{i}"][0].prompt_logprobs
+        assert_prompt_logprobs(tiny_model, prompt, got, k)
+
+
+def test_preempted_request_reports_each_prompt_token_once(tiny_model, tokenizer):
+    """A pool too small for both: the later request preempts, recomputes its prompt, and still reports one
+    entry per prompt token (the recompute claims no prompt rows that a launch already computed)."""
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 8, "max_num_pages": 41},
+                                                   "kda_state": {"max_slots": 3}},
+                       scheduler={"max_num_seqs": 2, "max_num_batched_tokens": 64},
+                       model_kwargs={"cuda_graphs": False})
+    engine = EngineCore(tiny_model, tokenizer, cfg)
+    prompts = [_prompt(tiny_model, 150), _prompt(tiny_model, 140)]
+    jobs = [(f"r{i}", p, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True, prompt_logprobs=2))
+            for i, p in enumerate(prompts)]
+    run = run_to_completion(engine, jobs)
+    assert engine.scheduler.num_preemptions > 0
+    for i, prompt in enumerate(prompts):
+        assert_prompt_logprobs(tiny_model, prompt, run.outputs[f"r{i}"][0].prompt_logprobs, 2)
+
+
+def test_a_scoring_request_bypasses_the_prefix_cache(tiny_model, tokenizer):
+    """The same prompt twice: the second finds it cached, unless it asks for prompt_logprobs (cached rows
+    have no logits), which it then gets in full."""
+    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 16, "max_num_pages": 64},
+                                                   "kda_state": {"max_slots": 12}},
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 128},
+                       model_kwargs={"cuda_graphs": False},
+                       prefix_cache={"enabled": True, "kda_snapshot_interval": 32})
+    engine = EngineCore(tiny_model, tokenizer, cfg)
+    prompt = _prompt(tiny_model, 100)
+    run_to_completion(engine, [("warm", prompt, greedy(2))])
+    cached = run_to_completion(engine, [("cached", prompt, greedy(2))])
+    assert cached.outputs["cached"][-1].num_cached_tokens > 0
+    scored = run_to_completion(engine, [("scored", prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                                          prompt_logprobs=1))])
+    assert scored.outputs["scored"][-1].num_cached_tokens == 0
+    assert_prompt_logprobs(tiny_model, prompt, scored.outputs["scored"][0].prompt_logprobs, 1)
+
+
+def test_prompt_logprobs_out_of_range_is_refused():
+    for bad in (-1, 21):
+        with pytest.raises(ParamError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad)
