@@ -8,40 +8,14 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 from engine_run import MODES, greedy, mode_engine, run_to_completion
 from greedy_ties import assert_greedy_matches
+from prompt_scores import assert_prompt_logprobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
-from mstar.engine.outputs import PromptLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.models.kimi_k3.generate import greedy_generate
-
-TOL = 2e-4  # fp32: a batched step against one sequence alone, through a dozen layers
-
-
-def reference_logprobs(model, prompt: list[int]) -> torch.Tensor:
-    """[len(prompt), vocab] fp32 log-softmax of the reference model's logits over the whole prompt."""
-    with torch.no_grad():
-        logits = model(torch.tensor(prompt, dtype=torch.long), None).logits
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
-def assert_prompt_logprobs(model, prompt: list[int], got: list[PromptLogprob], k: int) -> None:
-    """Entry i - 1 scores prompt token i given tokens 0..i-1: logprob, rank (ties within TOL either way) and
-    the k best (ids whose reference logprobs are the k best ones, within TOL)."""
-    ref = reference_logprobs(model, prompt)
-    assert [e.token_id for e in got] == prompt[1:]
-    for i, entry in enumerate(got, start=1):
-        row = ref[i - 1]
-        want = float(row[prompt[i]])
-        assert entry.logprob == pytest.approx(want, abs=TOL), f"prompt token {i}"
-        assert int((row >= want + TOL).sum()) <= entry.rank <= int((row >= want - TOL).sum()), f"rank of token {i}"
-        assert len(entry.top) == k
-        best = row.topk(k).values.tolist()
-        for (token, logprob), value in zip(entry.top, best, strict=True):
-            assert logprob == pytest.approx(float(row[token]), abs=TOL) and logprob == pytest.approx(value, abs=TOL)
 
 
 def _prompt(model, n: int) -> list[int]:
