@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from engine_run import MODES, greedy, mode_engine, run_to_completion
 from greedy_ties import assert_greedy_matches
 from prompt_scores import assert_prompt_logprobs
@@ -15,7 +16,11 @@ from prompt_scores import assert_prompt_logprobs
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.engine.sampler import gather_logprobs, token_ranks
+from mstar.engine.step_results import LaunchedStep, pack, pack_prompt
 from mstar.models.kimi_k3.generate import greedy_generate
+from mstar.resources.step import StepDecl
+from mstar.resources.transfer import HostCopy
 
 
 def _prompt(model, n: int) -> list[int]:
@@ -95,6 +100,32 @@ def test_a_scoring_request_bypasses_the_prefix_cache(tiny_model, tokenizer):
                                                                           prompt_logprobs=1))])
     assert scored.outputs["scored"][-1].num_cached_tokens == 0
     assert_prompt_logprobs(tiny_model, prompt, scored.outputs["scored"][0].prompt_logprobs, 1)
+
+
+@pytest.mark.parametrize("sampled", [0, 3])
+def test_one_copy_holds_the_sampled_and_the_prompt_rows(sampled):
+    """The sampled rows' block, then the prompt rows' block, flattened into one tensor, read back apart
+    (a non-final chunk has prompt rows and no sampled row)."""
+    vocab, prompt = 300, 5
+    logits = torch.randn(sampled + prompt, vocab) * 4
+    logits[sampled + 1, 7] = float("nan")
+    tokens, targets = torch.randint(0, vocab, (sampled,)), torch.randint(0, vocab, (prompt,))
+    mine = logits[sampled:]
+    block = pack_prompt(torch.isfinite(mine).all(-1), gather_logprobs(mine, targets, 4), token_ranks(mine, targets))
+    head = pack(torch.isfinite(logits[:sampled]).all(-1), tokens, torch.zeros_like(tokens),
+                gather_logprobs(logits[:sampled], tokens, 2))
+    step = LaunchedStep(0, StepDecl(()), (), (), rows=((0, sampled),), results=HostCopy(torch.cat(
+        [head.flatten(), block.flatten()])), newest=tokens, accepted=tokens, prompt_rows=((0, prompt),),
+        prompt_width=block.shape[-1])
+    rows, scored = step.fetch()
+    assert [r.token for r in rows] == tokens.tolist()
+    assert [r.finite for r in scored] == [i != 1 for i in range(prompt)]
+    for i, r in enumerate(scored):
+        row = torch.log_softmax(mine[i], -1)
+        assert r.entry.token_id == int(targets[i]) and r.entry.rank == int((mine[i] >= mine[i, targets[i]]).sum())
+        if r.finite:
+            assert r.entry.logprob == pytest.approx(float(row[targets[i]]), abs=1e-5)
+            assert [t for t, _ in r.entry.top] == row.topk(4).indices.tolist()
 
 
 def test_prompt_logprobs_out_of_range_is_refused():
