@@ -19,6 +19,10 @@ cached pages it shares past its hit: prefix_cache.py), so that the state there i
 Preemption publishes the victim's pages before releasing it (its references only; pages that other
 requests share stay theirs), so its recompute resumes from them where they are still cached.
 
+A request scoring its prompt (prompt_logprobs) gets logits for every prompt row of its chunks, [rows,
+vocab] in fp32 and more while they are scored; its chunks (with chunked_prefill) are at most
+PROMPT_SCORING_CHUNK tokens, so that one long prompt cannot take gigabytes of device memory in one step.
+
 With async scheduling (core.py) the next step is declared while the last one still runs: a
 request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
 request whose in-flight tokens reach max_tokens (`sampling_done`) is not scheduled again; it only
@@ -39,6 +43,10 @@ from mstar.config import SchedulerConfig
 from mstar.engine.prefix_cache import PrefixCache
 from mstar.engine.request import Request, Status
 from mstar.resources.step import SeqStep, StepDecl
+
+# Most tokens of a prefill chunk of a request with prompt_logprobs: 1,024 rows of K3's 163,840-token
+# vocabulary are 0.67 GB of fp32 logits on every tensor-parallel rank (the lm_head gathers the vocabulary).
+PROMPT_SCORING_CHUNK = 1024
 
 
 class Resource(Protocol):
@@ -146,6 +154,8 @@ class Scheduler:
                     n = budget
                 elif seqs:
                     break  # an unchunked prompt waits for a step of its own
+            if cfg.chunked_prefill and request.params.prompt_logprobs is not None:
+                n = min(n, PROMPT_SCORING_CHUNK)
             if self.prefix is not None and cfg.chunked_prefill:
                 n = self._to_snapshot_boundary(start, n, shared)
             seq = self._seq(request, n, start, prefix)

@@ -29,6 +29,7 @@ closes, and a last chunk per choice with an empty delta and its `finish_reason`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -284,6 +285,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                                     ctx.options.max_tokens)
     request_id = new_request_id("chatcmpl")
     specs = choices_for_prompt(request_id, 0, prompt_ids, params, req.n, max_tokens, req.min_tokens)
+    # the choices share the prompt: the first one scores it (prompt_logprobs), the others need not
+    specs[1:] = [dataclasses.replace(s, params=dataclasses.replace(s.params, prompt_logprobs=None)) for s in specs[1:]]
     log_request(ctx.options.log_requests, "/v1/chat/completions", request_id,
                 [m.model_dump(exclude_none=True) for m in req.messages], specs[0].params, req.n)
 

@@ -14,6 +14,7 @@ from greedy_ties import assert_greedy_matches
 from prompt_scores import assert_prompt_logprobs
 
 from mstar.config import EngineConfig
+from mstar.engine import scheduler
 from mstar.engine.core import EngineCore
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.sampler import gather_logprobs, token_ranks
@@ -81,6 +82,29 @@ def test_preempted_request_reports_each_prompt_token_once(tiny_model, tokenizer)
     assert engine.scheduler.num_preemptions > 0
     for i, prompt in enumerate(prompts):
         assert_prompt_logprobs(tiny_model, prompt, run.outputs[f"r{i}"][0].prompt_logprobs, 2)
+
+
+def test_a_scoring_request_prefills_in_bounded_chunks(tiny_model, tokenizer, monkeypatch):
+    """Its chunks stay within PROMPT_SCORING_CHUNK tokens (its logits rows bound the step's memory), whatever
+    the step budget; another request's chunks do not."""
+    monkeypatch.setattr(scheduler, "PROMPT_SCORING_CHUNK", 24)
+    engine = mode_engine(tiny_model, tokenizer, "sync")
+    chunks: dict[str, list[int]] = {"scored": [], "plain": []}
+    inner = engine.executor
+
+    class Recording:
+        def execute(self, step):
+            for s in step.decl.seqs:
+                chunks[s.request_id].append(s.num_tokens)
+            return inner.execute(step)
+
+    engine.executor = Recording()
+    prompt = _prompt(tiny_model, 100)
+    run = run_to_completion(engine, [("scored", prompt, SamplingParams(max_tokens=2, temperature=0,
+                                                                       prompt_logprobs=1)),
+                                     ("plain", _prompt(tiny_model, 100), greedy(2))])
+    assert max(chunks["scored"]) == 24 and max(chunks["plain"]) > 24
+    assert_prompt_logprobs(tiny_model, prompt, run.outputs["scored"][0].prompt_logprobs, 1)
 
 
 def test_a_scoring_request_bypasses_the_prefix_cache(tiny_model, tokenizer):
