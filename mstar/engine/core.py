@@ -412,6 +412,8 @@ class EngineCore:
         preempted since the launch holds nothing of this step any more."""
         s, request = step.decl.seqs[b], step.requests[b]
         if request.finished or request.num_preemptions != step.preemptions[b]:
+            if request.last_launch == step.number:
+                request.unresolved = 0  # a request preempted since may be recomputed now (scheduler.py)
             return
         request.num_computed += accepted
         if request.last_launch == step.number:

@@ -29,7 +29,8 @@ request whose in-flight tokens reach max_tokens (`sampling_done`) is not schedul
 holds its resources until its last token reaches the host and it finishes. After a verify block in
 flight, a request's next rows sit up to that block's draft count further on than the host knows
 (`SeqStep.lag`, `Request.unresolved`): admission reserves room for the most, and its drafts count
-the block as keeping all of its own. Without steps in flight
+the block as keeping all of its own; one preempted meanwhile is recomputed only once that block's tokens
+have reached the host. Without steps in flight
 (synchronous mode) neither case arises and the rules above are all there is.
 """
 
@@ -142,8 +143,8 @@ class Scheduler:
         for request, is_new in [(r, False) for r in continuing] + [(r, True) for r in waiting]:
             if len(seqs) >= cfg.max_prefill_seqs or budget <= 0:
                 break
-            if is_new and len(self.running) >= cfg.max_num_seqs:
-                break
+            if is_new and (len(self.running) >= cfg.max_num_seqs or request.unresolved):
+                break  # full, or (FCFS) the first waiting one was preempted with a verify block in flight
             # a request scoring its prompt (prompt_logprobs) needs the logits of rows a cached prefix skips
             looks_up = is_new and self.prefix is not None and request.params.prompt_logprobs is None
             prefix, shared = self.prefix.lookup(request) if looks_up else ((), 0)
@@ -222,7 +223,8 @@ class Scheduler:
             r.release(request.request_id)
         self.running.remove(request)
         request.num_computed = 0
-        request.unresolved = 0  # its recompute starts from the host's tokens
+        # Its recompute starts from the host's tokens; `unresolved` stays until the verify block in flight
+        # reaches the host (core.py `_settle`): until then how many tokens it emits is known only on the device.
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
