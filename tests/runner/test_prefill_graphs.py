@@ -232,13 +232,9 @@ def test_the_padding_sequence_attends_to_nothing_and_empty_ones_are_harmless():
     assert (out[15:] == 0).all()
 
 
-@interpreted
-def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model, tiny_dir):
-    """The engine (fp32 tiny model, chunked prefill with a 32-token budget) with its prefill steps run
-    through PrefillGraphs.run over eager stand-ins of the graphs: greedy tokens equal the reference's, and
-    chunked continuations went through the staged steps."""
-    pytest.importorskip("fla.ops.kda")
-    jobs = random_jobs(tiny_model, (3, 45, 20), (4, 6))
+def staged_engine(tiny_model, tiny_dir) -> tuple[EngineCore, PrefillGraphs, list]:
+    """An engine (fp32 tiny model, chunked prefill with a 32-token budget) whose prefill steps run through
+    PrefillGraphs.run over eager stand-ins of the graphs; the list collects the plans it staged."""
     cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 40},
                                                                     "kda_state": {"max_slots": 5}},
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
@@ -251,6 +247,17 @@ def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model,
     run = graphs.run
     graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
     core.runner.graphs = [graphs]
+    return core, graphs, staged
+
+
+@interpreted
+def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model, tiny_dir):
+    """The engine (fp32 tiny model, chunked prefill with a 32-token budget) with its prefill steps run
+    through PrefillGraphs.run over eager stand-ins of the graphs: greedy tokens equal the reference's, and
+    chunked continuations went through the staged steps."""
+    pytest.importorskip("fla.ops.kda")
+    jobs = random_jobs(tiny_model, (3, 45, 20), (4, 6))
+    core, graphs, staged = staged_engine(tiny_model, tiny_dir)
     got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
     rows = [(c, p.seq_starts[b + 1] - p.seq_starts[b]) for p in staged for b, c in enumerate(p.num_computed)]
     assert any(cached and n > 1 for cached, n in rows)  # a chunked prompt's continuation ran staged
@@ -264,18 +271,7 @@ def test_staged_prefill_steps_score_prompt_rows_like_the_reference(tiny_model, t
     rows replay staged steps too (the others run eagerly): their scores equal the reference's."""
     pytest.importorskip("fla.ops.kda")
     prompts = [p for p, _, _ in random_jobs(tiny_model, (3, 5, 20), (1, 1))]
-    cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 40},
-                                                                    "kda_state": {"max_slots": 5}},
-                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
-    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
-    core.runner.serving.ops = gpu_mixers(tiny_model)
-    graphs = PrefillGraphs(core.runner.serving, max_tokens=32, max_seqs=cfg.scheduler.max_prefill_seqs,
-                           max_seq_len=cfg.max_seq_len, buckets=(16, 32))
-    capture_eagerly(graphs)
-    staged = []
-    run = graphs.run
-    graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
-    core.runner.graphs = [graphs]
+    core, graphs, staged = staged_engine(tiny_model, tiny_dir)
     jobs = [(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)) for i, p in enumerate(prompts)]
     out = run_to_completion(core, jobs, per_step=1).outputs
     assert any(p.sample_rows.shape[0] > len(p.seq_starts) - 1 for p in staged)  # prompt rows replayed
