@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.torch
+import llguidance.numpy
 import torch
 from llguidance.tiktoken import lltokenizer_from_encoding
 
@@ -84,8 +84,11 @@ class GrammarCompiler:
         """[R, ceil(V / 32)] int32 on the device: bit t % 32 of word t // 32 is set if token t is allowed."""
         words = (self.vocab_size + 31) // 32
         mask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        # llguidance.numpy, not .torch: the same fill, but llguidance.torch defines a torch.compile'd function,
+        # and importing it loads dynamo and inductor (~2.5 s in every process that imports the engine).
+        words_view = mask.numpy()
         for i, matcher in enumerate(matchers):
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, i)
+            llguidance.numpy.fill_next_token_bitmask(matcher, words_view, i)
         return mask.to(device, non_blocking=True)
 
 

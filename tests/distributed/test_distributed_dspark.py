@@ -5,10 +5,15 @@ heads), every rank verifies, and greedy output equals the single-rank reference.
   state through verify steps with accepted drafts (the pending prefix lengths travel in the messages);
 - real gloo processes: TP2, EP2 and TP4 x EP2 with the real tiny draft, concurrent requests, preemption;
   rank 0's draft context equals the one made from the single-rank model's taps;
-- mstar-serve over HTTP with configs/kimi_k3_tiny_tp2_dspark.yaml.
+- mstar-serve over HTTP with configs/kimi_k3_tiny_tp2_dspark.yaml; then a follower killed mid-request ends
+  rank 0 within 10 s, naming the rank, and the client is told.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -17,11 +22,14 @@ from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches, random_jobs
 from live_server import start_mstar_serve
 from paths import ROOT
+from processes import descendants, is_spawned_rank
+from test_distributed_lifecycle import Stream
 from test_distributed_sharding import _Healthy, _Recorder
 
 from mstar.config import EngineConfig
 from mstar.distributed.loader import load_vocab_heads
 from mstar.distributed.worker import (
+    EXIT_RANK_FAILED,
     LeaderExecutor,
     Timeouts,
     follower_runner,
@@ -142,7 +150,7 @@ def test_rank0_draft_context_comes_from_the_whole_models_taps(tiny_dir, tiny_mod
         ranks.stop()
 
 
-def test_mstar_serve_tp2_dspark_greedy_over_http(tiny_dirs, tiny_model):
+def test_mstar_serve_tp2_dspark_greedy_over_http_then_a_dead_follower_ends_it(tiny_dirs, tiny_model):
     target_dir, draft_dir = tiny_dirs
     proc, url = start_mstar_serve(
         [
@@ -166,6 +174,22 @@ def test_mstar_serve_tp2_dspark_greedy_over_http(tiny_dirs, tiny_model):
         name = "mstar_spec_decode_num_draft_tokens_total{"
         drafted = next(line for line in metrics.splitlines() if line.startswith(name))
         assert float(drafted.split()[1]) > 0, "the server did not speculate"
+
+        # A follower dies mid-request (an OOM kill, a GPU fault), on this server rather than one of its own.
+        stream = Stream(url, list(range(3, 20)), max_tokens=400)
+        stream.start()
+        assert stream.first.wait(60)
+        [follower] = [pid for pid in descendants(proc.pid) if is_spawned_rank(pid)]
+        start = time.monotonic()
+        os.kill(follower, signal.SIGKILL)
+        status = proc.wait(timeout=30)
+        elapsed = time.monotonic() - start
     finally:
-        proc.terminate()
-        assert proc.wait(timeout=60) == 0
+        proc.kill()
+    log = proc.stdout.read()
+    assert status == EXIT_RANK_FAILED, log
+    assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to stop"
+    assert f"rank 1 (pid {follower}) exited with status -9" in log
+    stream.join(10)
+    assert not stream.is_alive(), "the client was left waiting"
+    assert stream.finish_reason != "length" and f"rank 1 (pid {follower})" in (stream.error or ""), stream.error

@@ -1,6 +1,7 @@
 """Rank processes behind the HTTP server (tests/support/tp_server.py, serve.py's TP path) on
-configs/kimi_k3_tiny_tp2.yaml: greedy over HTTP equals the reference, SIGTERM drains every rank, and a dead rank
-ends everything in seconds."""
+configs/kimi_k3_tiny_tp2.yaml: greedy over HTTP equals the reference, SIGTERM drains every rank, and a dead or
+hung rank 0 ends its followers in seconds (a dead follower ending rank 0: test_distributed_dspark.py, on
+mstar-serve itself)."""
 
 from __future__ import annotations
 
@@ -155,8 +156,9 @@ def test_greedy_over_http_then_sigterm_drains_all_ranks(server, tiny_model):
 
 
 @pytest.mark.parametrize("server", [{"config": EP2_CONFIG}], indirect=True, ids=["ep2"])
-def test_expert_parallel_ranks_serve_greedy_identical(server, tiny_model):
-    """kimi_k3_tiny_ep2.yaml: each rank holds half of the routed experts whole; the output is unchanged."""
+def test_expert_parallel_ranks_serve_greedy_identical_then_killing_rank0_ends_the_followers(server, tiny_model):
+    """kimi_k3_tiny_ep2.yaml: each rank holds half of the routed experts whole; the output is unchanged. Then
+    rank 0 dies (on this server rather than one of its own: a server start is most of a test's time)."""
     assert "ep_size=2" in server.log()
     prompt = list(range(7, 40))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True,
@@ -164,25 +166,6 @@ def test_expert_parallel_ranks_serve_greedy_identical(server, tiny_model):
     choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
     assert choice["token_ids"] == greedy_generate(tiny_model, prompt, 10)
 
-
-def test_killing_a_follower_ends_rank0_within_seconds(server):
-    stream = Stream(server.url, list(range(3, 20)), max_tokens=400)
-    stream.start()
-    assert stream.first.wait(60)
-    [follower] = server.followers
-    start = time.monotonic()
-    os.kill(follower, signal.SIGKILL)
-    status = server.proc.wait(timeout=30)
-    elapsed = time.monotonic() - start
-    assert status == EXIT_RANK_FAILED, server.log()
-    assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to stop"
-    assert f"rank 1 (pid {follower}) exited with status -9" in server.log()
-    stream.join(10)
-    assert not stream.is_alive(), "the client was left waiting"
-    assert stream.finish_reason != "length" and f"rank 1 (pid {follower})" in (stream.error or ""), stream.error
-
-
-def test_killing_rank0_ends_the_followers(server):
     [follower] = server.followers
     os.kill(server.proc.pid, signal.SIGKILL)
     server.proc.wait(10)

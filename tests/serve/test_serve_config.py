@@ -81,7 +81,7 @@ def test_pruned75_configs():
     assert (base.resources.mla_kv.max_num_pages, base.resources.mla_kv.page_size) == (1792, 64)
     assert base.resources.kda_state.max_slots == 97 and not base.speculative  # 64 requests, 32 snapshots
     spec = load_serve_config(CONFIGS / "kimi_k3_pruned75_tp8_dspark_sched.yaml")
-    assert spec.speculative and spec.resources.dspark_kv is not None
+    assert spec.speculative and spec.resources.dspark_kv is not None and spec.resources.kda_state.max_slots == 97
     assert dict(spec.model_kwargs.speculative_schedule) == {16: 7, 32: 4, 64: 0}
 
 
@@ -91,7 +91,7 @@ def test_full_k3_two_node_configs():
         cfg = load_serve_config(CONFIGS / name)
         assert (cfg.tp_size, cfg.model_kwargs.moe_ep_size, cfg.dtype, cfg.device) == (16, 2, "bfloat16", "cuda")
         assert cfg.checkpoint == CONFIGS.parent / "models" / "Kimi-K3"
-        assert cfg.resources.kda_state.max_slots == 65 and cfg.scheduler.max_num_seqs == 64
+        assert cfg.resources.kda_state.max_slots == 97 and cfg.scheduler.max_num_seqs == 64  # 32 snapshots
     spec = load_serve_config(CONFIGS / "kimi_k3_tp16_ep2_dspark_sched.yaml")
     assert spec.speculative and spec.resources.dspark_kv is not None
     assert dict(spec.model_kwargs.speculative_schedule) == {16: 7, 32: 4, 64: 0}

@@ -1,6 +1,6 @@
 """Prefix caching through HTTP with the tiny engine: usage.prompt_tokens_details.cached_tokens (completions,
-chat, streaming), the vLLM-named counters, POST /reset_prefix_cache (behind the API key), and the same
-tokens with the cache on and off."""
+chat, streaming), the vLLM-named counters, POST /reset_prefix_cache (behind the API key), the same tokens
+with the cache on and off, and at TP2 (two gloo ranks) the same tokens and cached counts as at TP1."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from mstar.config import EngineConfig
+from mstar.distributed.worker import Timeouts, TPEngine, start_ranks
 from mstar.engine.async_engine import AsyncEngine
 from mstar.engine.core import EngineCore
 from mstar.models.kimi_k3.generate import greedy_generate
@@ -22,12 +23,15 @@ INTERVAL = 16
 KEY = "sk-prefix-test"
 
 
+def engine_config(enabled: bool) -> EngineConfig:
+    return EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 8, "max_num_pages": 96},
+                                                    "kda_state": {"max_slots": 5}},
+                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
+                        prefix_cache={"enabled": enabled, "kda_snapshot_interval": INTERVAL})
+
+
 def start_engine(model, tokenizer, enabled):
-    cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 8, "max_num_pages": 96},
-                                                   "kda_state": {"max_slots": 5}},
-                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
-                       prefix_cache={"enabled": enabled, "kda_snapshot_interval": INTERVAL})
-    return AsyncEngine(EngineCore(model, tokenizer, cfg), MODEL).start()
+    return AsyncEngine(EngineCore(model, tokenizer, engine_config(enabled)), MODEL).start()
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +112,40 @@ def test_reset_route_empties_the_cache_and_needs_the_key(clients, tiny_model, en
     core = engines[0].core
     assert core.kv.allocator.num_cached == 0 and core.pool.num_snapshots == 0
     assert complete(on, prompt, 2)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+@pytest.fixture
+def tp2_client(tiny_dir, tokenizer):
+    """The cache-on engine at tp_size 2: rank 0 in this process, its follower spawned, gloo between them."""
+    core, ranks = start_ranks(tiny_dir, tokenizer, engine_config(True), tp_size=2,
+                              timeouts=Timeouts(startup_s=120, control_s=20, collective_s=60, stop_s=10))
+    engine = TPEngine(core, MODEL, ranks).start()
+    try:
+        with TestClient(build_app(engine, served_model_name=MODEL)) as client:
+            yield client
+        assert ranks.failed is None
+    finally:
+        engine.shutdown()
+    assert [p.exitcode for p in ranks.processes] == [0]  # STOP ended the follower cleanly
+
+
+def test_tp2_multi_turn_hits_equal_tp1_and_the_reference(tp2_client, clients, tiny_model):
+    """Two conversations on one system prompt, their turns interleaved: from its second turn each one resumes
+    from a cached prefix (its own earlier turns; the first turn of the second, from the system prompt), at TP2
+    as at TP1, with the reference's tokens."""
+    tp1, _ = clients
+    tp1.post("/reset_prefix_cache")  # what earlier tests cached would count at TP1 alone
+    system = words(tiny_model, INTERVAL + 3)
+    chats = [system + words(tiny_model, 9), system + words(tiny_model, 4)]
+    hits = 0
+    for turn in range(3):
+        for c, prompt in enumerate(chats):
+            at_tp2, at_tp1 = complete(tp2_client, prompt, 5), complete(tp1, prompt, 5)
+            [choice] = at_tp2["choices"]
+            assert choice["token_ids"] == at_tp1["choices"][0]["token_ids"] == greedy_generate(tiny_model, prompt, 5)
+            cached = at_tp2["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached == at_tp1["usage"]["prompt_tokens_details"]["cached_tokens"], (turn, c)
+            assert (cached > 0) == (turn > 0 or c > 0) and cached % INTERVAL == 0, (turn, c, cached)
+            hits += cached
+            chats[c] = prompt + choice["token_ids"] + words(tiny_model, 6)
+    assert counter(tp2_client, "mstar_prefix_cache_hits_total") == hits
