@@ -94,13 +94,22 @@ def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         raise APIError(f"'{param}' holds token id {bad}, outside the vocabulary 0..{vocab - 1}", param=param)
-    if len(ids) >= engine.max_seq_len:
-        raise APIError(
-            f"The prompt is {len(ids)} tokens; this model's maximum context is {engine.max_seq_len} tokens, "
-            "which must also hold at least one generated token. Shorten the prompt.",
-            param=param,
-            code="context_length_exceeded",
-        )
+    if len(ids) > longest_prompt(engine):
+        raise prompt_too_long(len(ids), engine, param)
+
+
+def longest_prompt(engine: EngineClient) -> int:
+    """The most prompt ids the context holds with room for one generated token (the tokenizer's `limit`)."""
+    return engine.max_seq_len - 1
+
+
+def prompt_too_long(num_tokens: int, engine: EngineClient, param: str) -> APIError:
+    return APIError(
+        f"The prompt is {num_tokens} tokens; this model's maximum context is {engine.max_seq_len} tokens, "
+        "which must also hold at least one generated token. Shorten the prompt.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def check_stop_token_ids(ids: list[int] | None, engine: EngineClient) -> None:
