@@ -129,7 +129,15 @@ def _start_worker(directory: str) -> None:
     # Tokenizing a huge prompt is throughput work; the server's event loop and engine thread are latency work:
     # where cores are few, they get the CPU first.
     os.nice(WORKER_NICENESS)
+    # A worker holds its own copy of the task queue's write end, so it would not see the queue close if the
+    # server were killed (SIGKILL, OOM): it watches the server process instead.
+    threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), daemon=True).start()
     _worker_tokenizer = KimiTokenizer.from_dir(directory)
+
+
+def _exit_with(server: multiprocessing.process.BaseProcess) -> None:
+    server.join()  # returns once the server process is gone, however it ended
+    os._exit(0)
 
 
 def _in_worker(op: Callable[..., Any], args: bytes) -> Any:

@@ -14,6 +14,8 @@ import json
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -255,3 +257,20 @@ def test_mstar_serve_starts_its_workers_and_stops_them_on_sigterm(tiny_dir, toke
         if proc.poll() is None:
             proc.kill()
     assert "tokenized in worker processes" in proc.stdout.read()
+
+
+def test_workers_end_when_the_server_is_killed(tiny_dir):
+    """SIGKILL leaves no cleanup to the server: its workers notice it is gone and exit."""
+    code = ("import sys; from mstar.models.kimi_k3.tokenizer import KimiTokenizer; "
+            "from mstar.server.tokenize_pool import TokenizePool; "
+            "pool = TokenizePool(KimiTokenizer.from_dir(sys.argv[1]), sys.argv[1], workers=2); pool.start(); "
+            "print(*pool.worker_pids(), flush=True); sys.stdin.read()")
+    server = subprocess.Popen([sys.executable, "-c", code, str(tiny_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in server.stdout.readline().split()]
+        assert len(workers) == 2 and not any(gone(pid) for pid in workers)
+    finally:
+        server.kill()
+        server.wait()
+    assert wait_until(lambda: all(gone(pid) for pid in workers), timeout=10), "a worker outlived its killed server"
