@@ -79,7 +79,7 @@ def main() -> None:
     print(f"| plain decoding | 1.00 | {out_tokens / plain_steps:.2f} | {plain_s:.2f} | 1.00x |")
     for e in [float(x) for x in args.error_rates.split(",")]:
         eng = engine(True)
-        eng.spec = OracleSpeculation(eng.spec, refs, e, random.Random(1))
+        eng.spec = OracleSpeculation(eng.spec, refs, e, seed=1)
         outs, steps, secs = run(eng, prompts, args.max_tokens)
         assert outs == plain_out, "speculative greedy output differs from plain decoding"
         stats = eng.stats()

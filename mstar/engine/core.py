@@ -47,6 +47,15 @@ publishes the full pages and KDA snapshots of its requests under their content k
 ends publishes its last ones before it is released (a failed one does not: its rows may be garbage).
 The KDA slot copies this makes travel with the next step to tensor-parallel followers (`slot_copies`).
 
+Prompt logprobs (`SamplingParams.prompt_logprobs`, what evaluation harnesses score prompts with): each
+prefill chunk of such a request adds its rows that score a next prompt token to the step's logits rows,
+after the sampled ones (`_claim_prompt_rows`: a recompute after preemption claims no position twice, and
+the prompt's first token has no row). Their log-softmax at the prompt token, its rank and the best
+alternatives are computed on the device and travel in the step's one result copy (step_results.py); the
+entries reach the request's first output. Such a request does not resume from the prefix cache (cached
+rows have no logits). A step without such rows computes and copies what it did before. On tensor-parallel
+ranks the lm_head gathers the whole vocabulary of every logits row, these rows too.
+
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
 - a step holding a request with a grammar (structured_output.py): the mask of its next step is
   computed on the host from the matcher, which needs this step's token;
@@ -72,15 +81,15 @@ from mstar.config import NO_ENV, EngineConfig, Environment
 from mstar.engine.client import EngineStats
 from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
-from mstar.engine.outputs import RequestOutput, RequestTimes, TokenLogprob
+from mstar.engine.outputs import PromptLogprob, RequestOutput, RequestTimes, TokenLogprob
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.prefix_cache import PrefixCache
 from mstar.engine.profiling import StepProfiler
 from mstar.engine.request import PLACEHOLDER, Request, Status
-from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator
+from mstar.engine.sampler import Sampler, SamplingBatch, gather_logprobs, request_generator, token_ranks
 from mstar.engine.scheduler import Scheduler
 from mstar.engine.speculation import Speculation
-from mstar.engine.step_results import LaunchedStep, pack
+from mstar.engine.step_results import LaunchedStep, pack, pack_prompt
 from mstar.engine.structured_output import GrammarCompiler, apply_token_bitmask
 from mstar.models.dspark.model import DraftProposal, K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
@@ -308,7 +317,8 @@ class EngineCore:
         for request in requests:
             if request.scheduled_at is None:
                 request.scheduled_at = now
-        plan = self._plan(decl, requests)
+        prompt_rows = self._claim_prompt_rows(decl, requests)
+        plan = self._plan(decl, requests, prompt_rows)
         drafts = self.spec.propose(decl, self.requests, plan.input_ids, plan.advance) if self.spec else {}
         if drafts:  # each block's drafts follow its anchor
             rows = [plan.seq_starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
@@ -316,7 +326,7 @@ class EngineCore:
             plan.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
         logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else (),
                                                        slot_copies=tuple(self.pool.take_copies())))
-        launched = self._choose_tokens(next(self._launches), decl, requests, drafts, plan, logits)
+        launched = self._choose_tokens(next(self._launches), decl, requests, drafts, plan, logits, prompt_rows)
         self._commit_launched(decl, requests, taps)
         for request in launched.token_row:
             request.num_inflight += 1
@@ -342,10 +352,19 @@ class EngineCore:
 
         Requests that finished since the launch (a stop in the step before, an abort) are skipped:
         their rows ran, but nothing of them is reported and what they held is already released."""
-        results = step.fetch()
+        results, prompt_results = step.fetch()
         new_tokens: list[tuple[Request, list[int], list[TokenLogprob] | None]] = []
         poisoned: list[Request] = []
+        prompt_at = 0  # where sequence b's rows start in the prompt block
         for b, (s, request) in enumerate(zip(step.decl.seqs, step.requests, strict=True)):
+            position, m = step.prompt_rows[b] if step.prompt_rows else (0, 0)
+            if m:
+                scored = prompt_results[prompt_at : prompt_at + m]
+                prompt_at += m
+                if not all(r.finite for r in scored):
+                    poisoned.append(request)
+                    continue
+                self._add_prompt_logprobs(request, position, [r.entry for r in scored])
             first, n = step.rows[b]
             if not n:
                 continue
@@ -375,6 +394,16 @@ class EngineCore:
         for request in poisoned:
             self._fail(request, "the model produced non-finite logits (NaN or inf) for this request")
 
+    @staticmethod
+    def _add_prompt_logprobs(request: Request, position: int, entries: list[PromptLogprob]) -> None:
+        """Record the entries of prompt positions `position`.. (steps finish in launch order, and each
+        prompt position is launched once: `_claim_prompt_rows`), cut to the alternatives it asked for."""
+        if position != len(request.prompt_logprobs):
+            raise RuntimeError(f"request {request.request_id}: prompt logprobs of position {position} arrived "
+                               f"after {len(request.prompt_logprobs)} of them; they must arrive in order")
+        k = request.params.prompt_logprobs
+        request.prompt_logprobs += [replace(e, top=e.top[:k]) for e in entries]
+
     def _settle(self, step: LaunchedStep, b: int, accepted: int) -> None:
         """Sequence b of `step` is a verify block that kept `accepted` drafts: its request's length grows by
         them. Its resources take the verdict too, unless a later step with a row of the request was launched
@@ -383,6 +412,8 @@ class EngineCore:
         preempted since the launch holds nothing of this step any more."""
         s, request = step.decl.seqs[b], step.requests[b]
         if request.finished or request.num_preemptions != step.preemptions[b]:
+            if request.last_launch == step.number:
+                request.unresolved = 0  # a request preempted since may be recomputed now (scheduler.py)
             return
         request.num_computed += accepted
         if request.last_launch == step.number:
@@ -390,11 +421,29 @@ class EngineCore:
             self.scheduler.commit(StepDecl((replace(s, num_computed=start, lag=0, accepted=accepted + 1),)))
             request.unresolved = 0
 
-    def _plan(self, decl: StepDecl, requests: tuple[Request, ...]) -> BatchPlan:
+    @staticmethod
+    def _claim_prompt_rows(decl: StepDecl, requests: tuple[Request, ...]) -> tuple[tuple[int, int], ...]:
+        """Per sequence: (first prompt position, rows) whose logits this step computes for prompt_logprobs:
+        the positions of its chunk that score a next prompt token and that no earlier launch computed (a
+        preempted request recomputes its prompt, but its entries are already on their way). Empty: none."""
+        claimed = []
+        for s, request in zip(decl.seqs, requests, strict=True):
+            if request.params.prompt_logprobs is None or s.verify:
+                claimed.append((0, 0))
+                continue
+            first = max(s.num_computed, request.prompt_rows_launched)
+            end = min(s.num_computed + len(s.token_ids), len(request.prompt_ids) - 1)
+            claimed.append((first, max(0, end - first)))
+            request.prompt_rows_launched = max(request.prompt_rows_launched, end)
+        return tuple(claimed) if any(n for _, n in claimed) else ()
+
+    def _plan(self, decl: StepDecl, requests: tuple[Request, ...], prompt_rows: tuple[tuple[int, int], ...]
+              ) -> BatchPlan:
         """Rows of all requests concatenated; verify rows feed their anchor then their drafts (filled in by
         the launch). Values that exist only on the device are taken there, so planning never waits for the
         GPU: the tokens the step in flight samples, and (`BatchPlan.advance`) how far a request's rows sit
-        past what the host knows when the step in flight holds its verify block."""
+        past what the host knows when the step in flight holds its verify block. The logits rows are the
+        sampled ones, then the `prompt_rows` of each sequence."""
         starts, tokens, sample_rows = [0], [], []
         in_flight_rows, in_flight_src = [], []  # rows fed a token the step in flight samples, and where it is
         lagging, lagging_src = [], []  # sequences after a verify block in flight, and where its verdict is
@@ -413,6 +462,9 @@ class EngineCore:
                 sample_rows += range(starts[b], starts[b + 1])
             elif s.sample:
                 sample_rows.append(starts[b + 1] - 1)
+        for b, (position, n) in enumerate(prompt_rows):
+            row = starts[b] + position - decl.seqs[b].num_computed
+            sample_rows += range(row, row + n)
         input_ids = to_device(tokens, torch.long, self.device)
         if in_flight_rows:
             sampled = self._in_flight.newest[to_device(in_flight_src, torch.long, self.device)]
@@ -438,10 +490,12 @@ class EngineCore:
         )
 
     def _choose_tokens(self, number: int, decl: StepDecl, requests: tuple[Request, ...],
-                       drafts: dict[int, DraftProposal], plan: BatchPlan, logits: torch.Tensor) -> LaunchedStep:
+                       drafts: dict[int, DraftProposal], plan: BatchPlan, logits: torch.Tensor,
+                       prompt_rows: tuple[tuple[int, int], ...]) -> LaunchedStep:
         """Queue the choice of every logits row's token (sampled, or verified against the drafts), the
-        finite check and the logprobs, packed for one copy to the host (step_results.py). Nothing here
-        reads a device value: rows with non-finite logits are sampled too, and the host drops them."""
+        finite check and the logprobs, and the prompt rows' logprobs, packed for one copy to the host
+        (step_results.py). Nothing here reads a device value: rows with non-finite logits are sampled too,
+        and the host drops them."""
         rows, sampled, verifying = [], [], []
         row = 0
         for b, s in enumerate(decl.seqs):
@@ -451,6 +505,8 @@ class EngineCore:
                 (verifying if s.verify else sampled).append(b)
             row += n
         device = logits.device
+        prompt_block = self._score_prompt(requests, prompt_rows, logits[row:]) if prompt_rows else None
+        logits = logits[:row]
         tokens = torch.zeros(row, dtype=torch.long, device=device)
         accepted = torch.zeros(row, dtype=torch.long, device=device)
         raw_logits = logits  # logprobs are the raw ones; tokens are chosen from the processed logits
@@ -487,13 +543,32 @@ class EngineCore:
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
         logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
-        results = HostCopy(pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs))
+        packed = pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs)
+        if prompt_block is not None:
+            packed = torch.cat([packed.flatten(), prompt_block.flatten()])
+        results = HostCopy(packed)
         chosen = [b for b in range(len(decl.seqs)) if rows[b][1]]
         first = to_device([rows[b][0] for b in chosen], torch.long, device)
         kept = accepted[first]
         return LaunchedStep(number, decl, requests, tuple(r.num_preemptions for r in requests), tuple(rows), results,
                             newest=tokens[first + kept], accepted=kept,
-                            token_row={requests[b]: i for i, b in enumerate(chosen)})
+                            token_row={requests[b]: i for i, b in enumerate(chosen)},
+                            prompt_rows=prompt_rows,
+                            prompt_width=prompt_block.shape[-1] if prompt_block is not None else 0)
+
+    def _score_prompt(self, requests: tuple[Request, ...], prompt_rows: tuple[tuple[int, int], ...],
+                      logits: torch.Tensor) -> torch.Tensor:
+        """The prompt rows' results (step_results.pack_prompt): log-softmax of their raw logits at the prompt's
+        next token, its rank, and the best alternatives (as many as the most any of them asked for)."""
+        targets, most = [], 0
+        for (position, n), request in zip(prompt_rows, requests, strict=True):
+            if n:
+                targets += request.prompt_ids[position + 1 : position + 1 + n]
+                most = max(most, request.params.prompt_logprobs)
+        raw = logits.float()
+        target_ids = to_device(targets, torch.long, raw.device)
+        scored = gather_logprobs(raw, target_ids, most)
+        return pack_prompt(torch.isfinite(raw).all(-1), scored, token_ranks(raw, target_ids))
 
     @staticmethod
     def _histories(decl: StepDecl, requests: tuple[Request, ...], plan: BatchPlan, rows: list[tuple[int, int]],
@@ -551,6 +626,8 @@ class EngineCore:
             num_output_tokens=len(request.output_ids),
             num_cached_tokens=request.num_cached_tokens,
             prompt_token_ids=list(request.prompt_ids) if first else None,
+            prompt_logprobs=list(request.prompt_logprobs) if first and request.params.prompt_logprobs is not None
+            else None,
             times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
             if finished else None,
         ))

@@ -13,6 +13,16 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class PromptLogprob:
+    """A prompt token's log-probability given the tokens before it (`SamplingParams.prompt_logprobs`)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # how many tokens of the vocabulary are at least as likely there, itself included (vLLM's rank)
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob) alternatives, best first
+
+
+@dataclass(frozen=True)
 class RequestTimes:
     """When the engine saw a request's milestones (time.perf_counter() of the engine's process)."""
 
@@ -56,4 +66,6 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     error: str | None = None
     prompt_token_ids: list[int] | None = field(default=None, repr=False)  # on the first delta only
+    # On the first delta of a request that asked (SamplingParams.prompt_logprobs): prompt tokens 1.. in order
+    prompt_logprobs: list[PromptLogprob] | None = field(default=None, repr=False)
     times: RequestTimes | None = None  # on the finishing delta

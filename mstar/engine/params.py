@@ -35,6 +35,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids (the model's end-of-message id is always one)
     ignore_eos: bool = False  # do not stop on the model's stop ids (stop_token_ids still apply)
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob plus the top k alternatives
+    # None: none; k >= 0: each prompt token's logprob and rank given the tokens before it, plus the top k
+    # alternatives there (the first token has none). Such a request bypasses the prefix cache (cached rows
+    # have no logits).
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     # Logits processing (engine/logits_processing.py), all off at these values. min_tokens: the stop ids
     # (and stop strings) do not end the request before it has this many tokens.
@@ -56,6 +60,8 @@ class SamplingParams:
             (0 <= self.top_k < 2**63, "top_k", "must be >= 0 (and fit in int64), or -1 for no limit"),
             (0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be between 0 and 20"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+             "must be between 0 and 20"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "entries must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
             (0 <= self.min_tokens <= self.max_tokens, "min_tokens", f"must be in 0..max_tokens ({self.max_tokens})"),

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from mstar.engine.output_text import OutputText
+from mstar.engine.outputs import PromptLogprob
 from mstar.engine.params import SamplingParams
 
 # A token that a step still in flight samples (async scheduling): its value is not on the host yet,
@@ -42,6 +43,10 @@ class Request:
     num_preemptions: int = 0
     aborted: bool = False
     prompt_reported: bool = False
+    # prompt_logprobs: the entries of prompt tokens 1.. that reached the host, and the prompt positions
+    # (0..len(prompt) - 2, each row's logits scoring the next token) whose rows a launched step computes
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)
+    prompt_rows_launched: int = 0
     # Tokens sampled by launched steps that have not reached the host yet (async scheduling: at most
     # the step in flight's, plus the next one's while it is being launched). They follow output_ids.
     num_inflight: int = 0

@@ -193,6 +193,12 @@ def gather_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs:
     return result
 
 
+def token_ranks(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[R] long: how many tokens of each row score at least as high as `token_ids` there (1: the best;
+    vLLM's rank, ties counted against the token)."""
+    return (logits >= logits.gather(-1, token_ids.unsqueeze(-1))).sum(-1)
+
+
 class Sampler:
     """Samples one token per row. `generator` is the engine's shared generator for unseeded rows
     (None: torch's default generator of the logits' device)."""

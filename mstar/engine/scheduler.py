@@ -11,12 +11,17 @@ are released and it waits at the front of the queue to be recomputed (prompt + o
 Waiting requests are admitted strictly first come, first served.
 
 With prefix caching (prefix_cache.py) a request admitted from the queue (new, or preempted) first
-looks up the longest cached prefix of its tokens; its first chunk then starts after that prefix and
+looks up the longest cached prefix of its tokens (unless it asks for prompt_logprobs, which need the
+logits of every prompt row); its first chunk then starts after that prefix and
 maps the prefix's pages and KDA snapshot in the same atomic admission. A prefill chunk (chunked_prefill)
 that crosses a KDA snapshot boundary ends at the last one it crosses (or at the last one inside the
 cached pages it shares past its hit: prefix_cache.py), so that the state there is snapshotted.
 Preemption publishes the victim's pages before releasing it (its references only; pages that other
 requests share stay theirs), so its recompute resumes from them where they are still cached.
+
+A request scoring its prompt (prompt_logprobs) gets logits for every prompt row of its chunks, [rows,
+vocab] in fp32 and more while they are scored; its chunks (with chunked_prefill) are at most
+PROMPT_SCORING_CHUNK tokens, so that one long prompt cannot take gigabytes of device memory in one step.
 
 With async scheduling (core.py) the next step is declared while the last one still runs: a
 request's newest token may be in flight (`request.PLACEHOLDER` among the declared token ids), and a
@@ -24,7 +29,8 @@ request whose in-flight tokens reach max_tokens (`sampling_done`) is not schedul
 holds its resources until its last token reaches the host and it finishes. After a verify block in
 flight, a request's next rows sit up to that block's draft count further on than the host knows
 (`SeqStep.lag`, `Request.unresolved`): admission reserves room for the most, and its drafts count
-the block as keeping all of its own. Without steps in flight
+the block as keeping all of its own; one preempted meanwhile is recomputed only once that block's tokens
+have reached the host. Without steps in flight
 (synchronous mode) neither case arises and the rules above are all there is.
 """
 
@@ -38,6 +44,10 @@ from mstar.config import SchedulerConfig
 from mstar.engine.prefix_cache import PrefixCache
 from mstar.engine.request import Request, Status
 from mstar.resources.step import SeqStep, StepDecl
+
+# Most tokens of a prefill chunk of a request with prompt_logprobs: 1,024 rows of K3's 163,840-token
+# vocabulary are 0.67 GB of fp32 logits on every tensor-parallel rank (the lm_head gathers the vocabulary).
+PROMPT_SCORING_CHUNK = 1024
 
 
 class Resource(Protocol):
@@ -133,9 +143,11 @@ class Scheduler:
         for request, is_new in [(r, False) for r in continuing] + [(r, True) for r in waiting]:
             if len(seqs) >= cfg.max_prefill_seqs or budget <= 0:
                 break
-            if is_new and len(self.running) >= cfg.max_num_seqs:
-                break
-            prefix, shared = self.prefix.lookup(request) if is_new and self.prefix is not None else ((), 0)
+            if is_new and (len(self.running) >= cfg.max_num_seqs or request.unresolved):
+                break  # full, or (FCFS) the first waiting one was preempted with a verify block in flight
+            # a request scoring its prompt (prompt_logprobs) needs the logits of rows a cached prefix skips
+            looks_up = is_new and self.prefix is not None and request.params.prompt_logprobs is None
+            prefix, shared = self.prefix.lookup(request) if looks_up else ((), 0)
             start = len(prefix) * self.prefix.page_size if prefix else request.num_computed
             n = request.num_tokens - start
             if n > budget:
@@ -143,6 +155,8 @@ class Scheduler:
                     n = budget
                 elif seqs:
                     break  # an unchunked prompt waits for a step of its own
+            if cfg.chunked_prefill and request.params.prompt_logprobs is not None:
+                n = min(n, PROMPT_SCORING_CHUNK)
             if self.prefix is not None and cfg.chunked_prefill:
                 n = self._to_snapshot_boundary(start, n, shared)
             seq = self._seq(request, n, start, prefix)
@@ -209,7 +223,8 @@ class Scheduler:
             r.release(request.request_id)
         self.running.remove(request)
         request.num_computed = 0
-        request.unresolved = 0  # its recompute starts from the host's tokens
+        # Its recompute starts from the host's tokens; `unresolved` stays until the verify block in flight
+        # reaches the host (core.py `_settle`): until then how many tokens it emits is known only on the device.
         request.status = Status.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

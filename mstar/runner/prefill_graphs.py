@@ -12,7 +12,8 @@ buffers of `StepGraphs` (cuda_graphs.py) and a `kda_fla.PrefillLayout`: its row 
 fixed count, and each row's sequence, both made on the device from the offsets. The rows past T are
 one padding sequence on the sinks, which attends to no cached row (context 0: its rows come out zero,
 at no cost), and the sequences after it are empty. The logits are computed for `max_seqs` rows: the
-step's sampled rows (the last row of each sequence that samples), then row 0 as padding.
+step's logits rows (the last row of each sequence that samples, and the prompt rows of a request scoring
+its prompt, engine/core.py), then row 0 as padding; a step with more logits rows runs eagerly.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class PrefillGraphs(StepGraphs):
         return plan.input_ids.shape[0]
 
     def can_run(self, plan: BatchPlan) -> bool:
-        """At most `max_seqs` sequences sampling a row each at most, within the largest bucket, no
+        """At most `max_seqs` sequences and logits rows, within the largest bucket, no
         verify block, no pending KDA prefix (its replay would need a layout of its own), and an ordinary
         plan (not one of the staged ones)."""
         batch = len(plan.seq_starts) - 1

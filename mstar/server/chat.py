@@ -16,6 +16,8 @@ With "auto" `parallel_tool_calls` constrains nothing (the model decides). The pr
 note for both (K3's format has no note naming one function). `chat_template` is a 400 (K3's format only).
 `max_completion_tokens` (or the older `max_tokens`) defaults to all the room the context leaves.
 The reasoning is sent both as `reasoning_content` and as `reasoning` (current vLLM's name).
+`prompt_logprobs` (vLLM's extension) scores the rendered prompt's tokens; as in vLLM the list is beside
+the choices, and it is a 400 with `stream`.
 
 Streaming: one role chunk per choice, then for each engine delta the chunks of the text it released
 (`reasoning_content` while in the think channel, `content` after; a delta that crosses the boundary
@@ -26,6 +28,7 @@ closes, and a last chunk per choice with an empty delta and its `finish_reason`.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -45,7 +48,7 @@ from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
-from mstar.server.logprobs import chat_logprobs
+from mstar.server.logprobs import chat_logprobs, prompt_logprobs
 from mstar.server.output_segments import AlignedSegmenter
 from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice
 from mstar.server.request_log import log_request
@@ -175,6 +178,7 @@ class _ChoiceOutput:
         self.token_ids: list[int] = []
         self._logprobs: list = []
         self._finished: RequestOutput | None = None
+        self.prompt_logprobs: responses.PromptLogprobs | None = None
 
     def _finish_reason(self, has_tool_calls: bool) -> str | None:
         out = self._finished
@@ -184,6 +188,8 @@ class _ChoiceOutput:
 
     def _released(self, out: RequestOutput) -> list[Segment]:
         self.token_ids.extend(out.new_token_ids)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs(self._tokenizer, out.prompt_logprobs)
         if out.logprobs:
             self._logprobs.extend(out.logprobs)
         segments = self._segmenter.push(out.new_token_ids, out.text)
@@ -276,7 +282,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # before the prompt is rendered: what is wrong with the fields is found without tokenizing
     params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format,
-                         tool_calls=_forced_tool_calls(req))
+                         tool_calls=_forced_tool_calls(req), prompt_logprobs=req.prompt_logprobs)
     prompt_ids = await chat_prompt_ids(req, ctx.tokenize, engine, keep=req.truncate_prompt_tokens)
     check_prompt_ids(prompt_ids, engine, "messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
@@ -284,6 +290,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                                     ctx.options.max_tokens)
     request_id = new_request_id("chatcmpl")
     specs = choices_for_prompt(request_id, 0, prompt_ids, params, req.n, max_tokens, req.min_tokens)
+    # the choices share the prompt: the first one scores it (prompt_logprobs), the others need not
+    specs[1:] = [dataclasses.replace(s, params=dataclasses.replace(s.params, prompt_logprobs=None)) for s in specs[1:]]
     log_request(ctx.options.log_requests, "/v1/chat/completions", request_id,
                 [m.model_dump(exclude_none=True) for m in req.messages], specs[0].params, req.n)
 
@@ -330,6 +338,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
             choices=[o.whole() for o in outputs],
             usage=usage(),
             prompt_token_ids=prompt_token_ids,
+            prompt_logprobs=outputs[0].prompt_logprobs,  # of the prompt every choice shares
         )
 
     return json_response(await until_disconnected(request, generate()))

@@ -3,9 +3,13 @@
 `prompt` is a string, a list of token ids, a list of strings or a list of token-id lists. Several
 prompts are supported: prompt p's n choices get indices p*n .. p*n+n-1 (OpenAI's order), each its
 own engine request. `echo` puts the prompt's text before each choice's text (in the first chunk when
-streaming); with `logprobs` it would need the prompt's logprobs, so that pair is refused (400), as
-are `suffix` and `best_of` other than n. `truncate_prompt_tokens` keeps each prompt's last N tokens.
-`max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
+streaming); with `logprobs` the prompt's tokens lead the choice's logprobs too (the first with None),
+scored by the engine (`prompt_logprobs`, which defaults to `logprobs` then, as in vLLM), and with
+`max_tokens: 0` the prompt alone is returned (the engine samples one token, which is dropped: vLLM's
+way). `prompt_logprobs` (vLLM's extension) gives each choice vLLM's `prompt_logprobs` list; it is a 400
+with `stream`, as in vLLM (echo with logprobs streams: the prompt's part rides on the first chunk).
+`suffix` and `best_of` other than n are refused (400). `truncate_prompt_tokens` keeps each prompt's
+last N tokens. `max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
 With `stream`, each engine delta of each choice becomes one chunk (choices interleave, each in
 order); with `stream_options.include_usage`, a last chunk with no choices carries the usage, and with
 `continuous_usage_stats` every chunk carries the usage so far.
@@ -13,6 +17,7 @@ order); with `stream_options.include_usage`, a last chunk with no choices carrie
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -26,7 +31,7 @@ from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError
 from mstar.server.generation import ChoiceSpec, GenerationRun
-from mstar.server.logprobs import CompletionLogprobsBuilder
+from mstar.server.logprobs import CompletionLogprobsBuilder, prompt_logprobs
 from mstar.server.protocol import CompletionRequest
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
@@ -81,13 +86,27 @@ def _echo_text(req: CompletionRequest, p: int, ids: list[int], tokenizer: KimiTo
 
 def _check_supported(req: CompletionRequest) -> None:
     check_supported(req)
-    if req.echo and req.logprobs is not None:
-        raise APIError("echo with logprobs needs the prompt's logprobs, which this server does not compute yet; "
-                       "omit one of them", param="echo", code="unsupported")
     if req.suffix:
         raise APIError("suffix is not supported; omit it", param="suffix", code="unsupported")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of is not supported; omit it or set it equal to n", param="best_of", code="unsupported")
+
+
+def _echo_only(req: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt is the whole choice."""
+    return req.echo and req.max_tokens == 0
+
+
+def _prompt_logprobs(req: CompletionRequest) -> int | None:
+    """What the engine scores the prompt with: `prompt_logprobs`, or with echo `logprobs` (vLLM's default)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return req.logprobs if req.echo else None
+
+
+def _extend(logprobs: responses.CompletionLogprobs, more: responses.CompletionLogprobs) -> None:
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        getattr(logprobs, name).extend(getattr(more, name))
 
 
 class _ChoiceOutput:
@@ -95,24 +114,35 @@ class _ChoiceOutput:
 
     def __init__(self, spec: ChoiceSpec, tokenizer: KimiTokenizer, req: CompletionRequest, echo: str):
         self.spec = spec
+        self._tokenizer = tokenizer
         self._echo = echo  # the prompt's text when `echo`, else ""
-        self._logprobs = CompletionLogprobsBuilder(tokenizer) if req.logprobs is not None else None
+        self._echo_only = _echo_only(req)
+        self._echo_logprobs = req.echo and req.logprobs is not None
+        self._logprobs = CompletionLogprobsBuilder(tokenizer, req.logprobs) if req.logprobs is not None else None
         self._token_ids = req.return_token_ids
         self._sent_first = False
         self.text: list[str] = [echo]
         self.token_ids: list[int] = []
         self.logprobs = responses.CompletionLogprobs() if self._logprobs else None
+        self.prompt_logprobs: responses.PromptLogprobs | None = None
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
 
     def add(self, out: RequestOutput) -> responses.CompletionChoice | None:
         """Record a delta; return it as a streaming chunk's choice, or None if it carries nothing to send."""
+        if self._echo_only:  # the one token the engine sampled is not part of the choice
+            out = dataclasses.replace(out, new_token_ids=[], text="", logprobs=None)
         self.text.append(out.text)
         self.token_ids.extend(out.new_token_ids)
-        logprobs = self._logprobs.build(out.logprobs or ()) if self._logprobs else None
-        if logprobs is not None:
-            for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-                getattr(self.logprobs, name).extend(getattr(logprobs, name))
+        logprobs = None
+        if self._logprobs is not None:
+            logprobs = responses.CompletionLogprobs()
+            if self._echo_logprobs and out.prompt_logprobs is not None:  # the first delta: the prompt leads
+                _extend(logprobs, self._logprobs.prompt(self.spec.prompt_ids, out.prompt_logprobs, self._echo))
+            _extend(logprobs, self._logprobs.build(out.logprobs or ()))
+            _extend(self.logprobs, logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs(self._tokenizer, out.prompt_logprobs)
         if out.finished:
             self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         first = not self._sent_first
@@ -136,6 +166,7 @@ class _ChoiceOutput:
             logprobs=self.logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            prompt_logprobs=self.prompt_logprobs,
             prompt_token_ids=self.spec.prompt_ids if self._token_ids else None,
             token_ids=self.token_ids if self._token_ids else None,
         )
@@ -160,12 +191,13 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     for p, ids in enumerate(prompts):
         check_prompt_ids(ids, engine, "prompt" if len(prompts) == 1 else f"prompt[{p}]")
     check_stop_token_ids(req.stop_token_ids, engine)
-    params = base_params(req, req.logprobs, engine)
+    params = base_params(req, req.logprobs, engine, prompt_logprobs=_prompt_logprobs(req))
     request_id = new_request_id("cmpl")
     specs: list[ChoiceSpec] = []
     for p, ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len, DEFAULT_MAX_TOKENS, "max_tokens",
-                                        ctx.options.max_tokens)
+        max_tokens = 1 if _echo_only(req) else resolve_max_tokens(req.max_tokens, len(ids), engine.max_seq_len,
+                                                                   DEFAULT_MAX_TOKENS, "max_tokens",
+                                                                   ctx.options.max_tokens)
         specs += choices_for_prompt(request_id, p * req.n, ids, params, req.n, max_tokens, req.min_tokens)
     log_request(ctx.options.log_requests, "/v1/completions", request_id, req.prompt, specs[0].params, req.n)
 

@@ -123,8 +123,8 @@ def _chat_prompt_fields(props: dict, model_name: str) -> None:
     props["chat_template"] = {"type": "null", "default": None, "description": "Refused: K3's own format only"}
 
 
-def _max_tokens(options: ServerOptions, max_seq_len: int) -> dict:
-    return _nullable({"type": "integer", "minimum": 1, "maximum": options.cap_max_tokens(max_seq_len - 1)})
+def _max_tokens(options: ServerOptions, max_seq_len: int, minimum: int = 1) -> dict:
+    return _nullable({"type": "integer", "minimum": minimum, "maximum": options.cap_max_tokens(max_seq_len - 1)})
 
 
 def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, max_seq_len: int) -> dict[str, Any]:
@@ -143,7 +143,7 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     completion["prompt"] = {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1,
                                                   "maxItems": MAX_PROMPTS},
                                       {"type": "array", "items": ids, "minItems": 1, "maxItems": MAX_PROMPTS}]}
-    completion["max_tokens"] = _max_tokens(options, max_seq_len)
+    completion["max_tokens"] = _max_tokens(options, max_seq_len, minimum=0)  # 0: with echo only (the prompt alone)
     completion["suffix"] = _nullable({"type": "string", "maxLength": 0})
     completion["best_of"] = _nullable({"type": "integer", "minimum": 1, "maximum": options.max_n})
     chat = schemas["ChatCompletionRequest"]["properties"]

@@ -65,13 +65,11 @@ class StreamOptions(_Body):
 
 
 _STRUCTURED = "is not supported (structured outputs use llguidance; omit it)"
-_NO_PROMPT_LOGITS = "needs the prompt's logits, which this server does not compute yet; omit it"
 
 # field -> (neutral value, why it is refused). Both endpoints.
 REFUSED: dict[str, tuple[Any, str]] = {
     "guided_decoding_backend": (None, _STRUCTURED),
     "guided_whitespace_pattern": (None, _STRUCTURED),
-    "prompt_logprobs": (None, _NO_PROMPT_LOGITS),
     "use_beam_search": (False, "beam search is not supported; omit it or pass false"),
     "length_penalty": (1.0, "is used by beam search only, which is not supported; omit it or pass 1"),
     "bad_words": (None, "is not supported; omit it"),
@@ -115,6 +113,8 @@ class SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias
     min_tokens: Int | None = None
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
+    # vLLM's: each prompt token's logprob and rank plus the top N (not with stream, as in vLLM)
+    prompt_logprobs: TopLogprobs | None = None
     # REFUSED's fields, any JSON value: checked against their neutral value (sampling.check_supported)
     structured_outputs: Any = None
     guided_json: Any = None
@@ -123,7 +123,6 @@ class SamplingFields(_Body):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    prompt_logprobs: Any = None
     use_beam_search: Any = False
     length_penalty: Any = 1.0
     bad_words: Any = None
@@ -150,7 +149,7 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[Int] | list[str] | list[list[Int]]
-    max_tokens: Int | None = None
+    max_tokens: Int | None = None  # 0 only with echo: the prompt alone is returned (OpenAI's and vLLM's)
     logprobs: TopLogprobs | None = None
     echo: bool = False
     best_of: Int | None = None

@@ -51,12 +51,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptTokenLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`, under its token id (a JSON object key: a string)."""
+
+    logprob: float
+    rank: int  # how many tokens are at least as likely there, itself included
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: one entry per prompt token, None for the first (nothing comes before it), else
+# the prompt's token and the top N alternatives
+PromptLogprobs = list[dict[str, PromptTokenLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = _omitted()
+    prompt_logprobs: PromptLogprobs | None = _omitted()
     prompt_token_ids: list[int] | None = _omitted()
     token_ids: list[int] | None = _omitted()
 
@@ -129,6 +143,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_token_ids: list[int] | None = _omitted()
+    prompt_logprobs: PromptLogprobs | None = _omitted()  # vLLM: of the request, beside the choices
 
 
 class ToolCallDelta(BaseModel):

@@ -35,10 +35,14 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 
 
 def check_supported(req: SamplingFields) -> None:
-    """Fields this server does not implement (protocol.REFUSED) are a 400 unless at their neutral value."""
+    """Fields this server does not implement (protocol.REFUSED) are a 400 unless at their neutral value, and
+    so is `prompt_logprobs` with `stream` (vLLM's rule: no streamed response carries them)."""
     for name, (neutral, why) in REFUSED.items():
         if not json_equal(getattr(req, name), neutral):
             raise APIError(f"{name} {why}", param=name, code="unsupported")
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError("prompt_logprobs are not available with stream=true (as in vLLM); omit one of them",
+                       param="prompt_logprobs", code="unsupported")
 
 
 def logit_bias(req: SamplingFields, engine: EngineClient) -> tuple[tuple[int, float], ...]:
@@ -152,7 +156,7 @@ def resolve_max_tokens(
 
 def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
                 renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None,
-                tool_calls: Grammar | None = None) -> SamplingParams:
+                tool_calls: Grammar | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later);
     `tool_calls` is the grammar of a forced tool_choice (structured_outputs.forced_tool_calls)."""
     optional = {
@@ -169,6 +173,7 @@ def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
             stop_token_ids=tuple(req.stop_token_ids or ()),
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, engine),
             grammar=request_grammar(req, response_format, tool_calls),

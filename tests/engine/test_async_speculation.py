@@ -33,8 +33,8 @@ def references(tiny_model, prompts):
 
 def make_engine(model, tokenizer, draft, *, overlap, oracle=None, pages=256, slots=9, max_seq_len=256, **sched):
     """An engine drafting K tokens per verify at every batch size; `oracle` (references, error rate) replaces
-    the draft by the oracle, whose random choices are seeded, so two engines that draft the same blocks in
-    the same order draw the same drafts."""
+    the draft by the oracle, whose errors are seeded per block, so two engines that draft the same block draw
+    the same drafts."""
     cfg = EngineConfig(max_seq_len=max_seq_len, resources={"mla_kv": {"page_size": 8, "max_num_pages": pages},
                                                    "kda_state": {"max_slots": slots}},
                        scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 64} | sched,
@@ -42,7 +42,7 @@ def make_engine(model, tokenizer, draft, *, overlap, oracle=None, pages=256, slo
     engine = EngineCore(model, tokenizer, cfg, SpeculativeModels(draft))
     if oracle is not None:
         truths, error_rate = oracle
-        engine.spec = OracleSpeculation(engine.spec, truths, error_rate, random.Random(5))
+        engine.spec = OracleSpeculation(engine.spec, truths, error_rate, seed=5)
     return engine
 
 

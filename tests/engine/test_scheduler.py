@@ -143,6 +143,30 @@ def test_the_latest_arrival_is_preempted_when_a_decode_row_needs_a_page():
     h.assert_everything_returned()
 
 
+def test_a_request_preempted_with_a_verify_block_in_flight_waits_for_its_tokens():
+    """With speculative steps overlapped, a preempted request whose verify block is still in flight emits an
+    unknown number of tokens (1 to drafts + 1): it is recomputed only once they reached the host, and no
+    later arrival overtakes it meanwhile."""
+    h = Harness(pages=6, max_num_batched_tokens=1000)
+    h.add("a", 4, max_tokens=3)
+    h.add("b", 8, max_tokens=3)
+    h.add("c", 8, max_tokens=5)
+    h.add("d", 1, max_tokens=1)
+    h.step()
+    c = h.requests["c"]
+    c.unresolved = 3  # as core.py's launch leaves it: a verify block of 3 drafts in flight
+    assert h.step() == {"a": 1, "b": 1}  # c is preempted
+    assert c.status == Status.WAITING and c.unresolved == 3
+    assert h.step() == {"a": 1, "b": 1}  # a and b finish
+    assert not h.scheduler.running and h.scheduler.schedule() is None  # c (and d behind it) wait
+    c.output_ids += [7, 7]  # the block's tokens reach the host (core.py `_settle`)
+    c.unresolved = 0
+    assert h.step() == {"c": 11, "d": 1}  # c recomputes its prompt and the block's tokens
+    while h.scheduler.has_work():
+        h.step()
+    h.assert_everything_returned()
+
+
 def test_a_request_refused_by_one_resource_holds_nothing_of_the_other():
     """Two free KDA slots, three prompts that fit the KV: the third is refused by the slot pool, and the KV
     cache, which could have taken it, holds none of its pages; it starts once a slot is back."""

@@ -12,9 +12,11 @@ import pytest
 import torch
 from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches, random_jobs
+from prompt_scores import assert_prompt_logprobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
+from mstar.engine.params import SamplingParams
 from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
@@ -254,3 +256,28 @@ def test_the_engine_prefills_through_staged_steps_like_the_reference(tiny_model,
     assert any(cached and n > 1 for cached, n in rows)  # a chunked prompt's continuation ran staged
     assert graphs.replays == len(staged) > 0
     assert_greedy_matches(tiny_model, jobs, got)
+
+
+@interpreted
+def test_staged_prefill_steps_score_prompt_rows_like_the_reference(tiny_model, tiny_dir):
+    """Requests with prompt_logprobs whose logits rows (prompt rows and sampled rows) fit a graph's max_seqs
+    rows replay staged steps too (the others run eagerly): their scores equal the reference's."""
+    pytest.importorskip("fla.ops.kda")
+    prompts = [p for p, _, _ in random_jobs(tiny_model, (3, 5, 20), (1, 1))]
+    cfg = EngineConfig(max_seq_len=PAGE * PAGES_PER_SEQ, resources={"mla_kv": {"page_size": PAGE, "max_num_pages": 40},
+                                                                    "kda_state": {"max_slots": 5}},
+                       scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 32})
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
+    core.runner.serving.ops = gpu_mixers(tiny_model)
+    graphs = PrefillGraphs(core.runner.serving, max_tokens=32, max_seqs=cfg.scheduler.max_prefill_seqs,
+                           max_seq_len=cfg.max_seq_len, buckets=(16, 32))
+    capture_eagerly(graphs)
+    staged = []
+    run = graphs.run
+    graphs.run = lambda plan: (staged.append(plan), run(plan))[1]
+    core.runner.graphs = [graphs]
+    jobs = [(f"r{i}", p, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=2)) for i, p in enumerate(prompts)]
+    out = run_to_completion(core, jobs, per_step=1).outputs
+    assert any(p.sample_rows.shape[0] > len(p.seq_starts) - 1 for p in staged)  # prompt rows replayed
+    for i, prompt in enumerate(prompts):
+        assert_prompt_logprobs(tiny_model, prompt, out[f"r{i}"][0].prompt_logprobs, 2, 1e-4)

@@ -55,7 +55,7 @@ class BatchPlan:
     num_computed: tuple[int, ...]  # [B] tokens already cached before this step
     kv: LatentKVPlan
     kda_slots: torch.Tensor  # [B]
-    sample_rows: torch.Tensor  # [S] rows whose logits are sampled
+    sample_rows: torch.Tensor  # [S] rows whose logits the step computes (sampled, or prompt rows scored)
     verify: tuple[bool, ...] = ()  # [B] speculative rows: their KDA block stays pending
     kind: StepKind = StepKind.GENERAL
     # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
