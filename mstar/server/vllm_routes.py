@@ -44,11 +44,11 @@ async def tokenize(request: Request, ctx: ServerContext) -> Response:
     raw = await request.body()
     tokenizer = ctx.engine.tokenizer
     if _is_chat(raw):
-        chat = parse_request(raw, TokenizeChatRequest)
+        chat = await ctx.tokenize.parse(raw, TokenizeChatRequest)
         check_model(chat.model, ctx.served_model_name)
         ids, want_strs = await chat_prompt_ids(chat, ctx.tokenize, ctx.engine), chat.return_token_strs
     else:
-        text = parse_request(raw, TokenizeCompletionRequest)
+        text = await ctx.tokenize.parse(raw, TokenizeCompletionRequest)
         check_model(text.model, ctx.served_model_name)
         check_text_fits(len(text.prompt), ctx.engine, "prompt")
         try:
