@@ -69,9 +69,9 @@ async def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[list[int]
             raise prompt_too_long(err.count, ctx.engine, param) from None
     if not prompt:
         raise APIError("The prompt is empty; 'prompt' must hold at least one token", param="prompt")
-    if isinstance(prompt[0], int):
-        return [truncate_prompt(list(prompt), req)]
-    return [truncate_prompt(list(ids), req) for ids in prompt]
+    if isinstance(prompt[0], int):  # cut before the copy: a body may hold millions of ids
+        return [list(truncate_prompt(prompt, req))]
+    return [list(truncate_prompt(ids, req)) for ids in prompt]
 
 
 def _echo_text(req: CompletionRequest, p: int, ids: list[int], tokenizer: KimiTokenizer) -> str:
@@ -180,11 +180,11 @@ async def create_completion(request: Request, ctx: ServerContext) -> Response:
     check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
-    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    for p, text in enumerate(texts):
-        if isinstance(text, str):
-            check_text_fits(len(text), engine, "prompt" if isinstance(req.prompt, str) else f"prompt[{p}]",
-                            truncated=req.truncate_prompt_tokens is not None)
+    sent = req.prompt
+    texts = [sent] if isinstance(sent, str) else sent if sent and isinstance(sent[0], str) else []
+    for p, text in enumerate(texts):  # (not a loop over the ids of a prompt of ids: there may be millions)
+        check_text_fits(len(text), engine, "prompt" if isinstance(req.prompt, str) else f"prompt[{p}]",
+                        truncated=req.truncate_prompt_tokens is not None)
     prompts = await _prompts(req, ctx)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request", param="n")

@@ -94,12 +94,12 @@ def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
     """Refuse what cannot run: an empty prompt, ids outside the vocabulary, no room to generate."""
     if not ids:
         raise APIError(f"The prompt is empty; '{param}' must hold at least one token", param=param)
+    if len(ids) > longest_prompt(engine):  # first: a body of millions of ids is refused without a scan of them
+        raise prompt_too_long(len(ids), engine, param)
     vocab = engine.tokenizer.vocab_size
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         raise APIError(f"'{param}' holds token id {bad}, outside the vocabulary 0..{vocab - 1}", param=param)
-    if len(ids) > longest_prompt(engine):
-        raise prompt_too_long(len(ids), engine, param)
 
 
 def longest_prompt(engine: EngineClient) -> int:

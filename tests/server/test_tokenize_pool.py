@@ -98,10 +98,16 @@ def served(tokenizer, tiny_dir):
             yield server, options, tokenize
 
 
-def _largest_body(options: ServerOptions, chat: bool) -> bytes:
-    """The largest body the limits accept: text (mixed scripts, so not ASCII's fast paths) that fills the
-    body limit, accepted because truncate_prompt_tokens keeps its last 8 tokens."""
+def _largest_body(options: ServerOptions, kind: str) -> bytes:
+    """The largest body the limits accept: text (mixed scripts, so not ASCII's fast paths) or token ids
+    that fill the body limit, accepted because truncate_prompt_tokens keeps the last 8 tokens."""
     rng = random.Random()
+    if kind == "ids":
+        ids = [rng.randrange(1000) for _ in range(options.max_body_bytes // 4)]
+        head = b'{"max_tokens": 1, "truncate_prompt_tokens": 8, "prompt": ['
+        content = head + ",".join(map(str, ids)).encode()[: options.max_body_bytes - len(head) - 8]
+        return content[: content.rfind(b",")] + b"]}"
+    chat = kind == "chat"
     words = ["alpha ", "naïve ", "日本語 ", "x = [1, 2]\n", "return ", "😀 "]
     sizes = {word: len(json.dumps(word, ensure_ascii=False).encode()) - 2 for word in words}  # in the JSON body
     fields = {"max_tokens": 1, "truncate_prompt_tokens": 8}
@@ -175,15 +181,16 @@ def _while_posting(server: LiveServer, path: str, content: bytes) -> tuple[httpx
     return answer[0], worst - idle, max(during) - _median(before)
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_the_largest_prompt_does_not_pause_other_clients(served, path):
+@pytest.mark.parametrize("kind", ["text", "ids", "chat"])
+def test_the_largest_prompt_does_not_pause_other_clients(served, kind):
     """The median of 3 sends: other processes on a shared machine only ever add latency, in bursts, and
     the median of three is what the server adds. Measured at load 7 on 2 cores: with the workers, medians
     +37/+30 ms (/health) and +68/+64 ms (stream gap) for completions/chat; with tokenize_workers=0,
     +116/+178 ms and +248/+317 ms (single sends up to +1.2 s)."""
     server, options, _ = served
     healths, gaps = [], []
-    content = _largest_body(options, chat="chat" in path)
+    content = _largest_body(options, kind)
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     for _ in range(3):
         r, health, gap = _while_posting(server, path, content)
         assert r.status_code == 200, r.text
@@ -205,6 +212,9 @@ def test_large_bodies_parse_in_a_worker_as_inline(pool):
     raw = json.dumps(fields, ensure_ascii=False).encode()
     assert len(raw) >= PARSE_MIN_BYTES
     assert asyncio.run(pool.parse(raw, CompletionRequest)) == parse_request(raw, CompletionRequest)
+    ids = [rng.randrange(-2**63, 2**63) for _ in range(PARSE_MIN_BYTES // 8)]  # ids travel as 8-byte words
+    raw = json.dumps({"prompt": [ids, [1, 2], ids[:70_000]], "max_tokens": 1}).encode()
+    assert asyncio.run(pool.parse(raw, CompletionRequest)).prompt == [ids, [1, 2], ids[:70_000]]
     raw = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": "many"},
                      ensure_ascii=False).encode()
     with pytest.raises(APIError) as err:
@@ -217,7 +227,7 @@ def test_large_bodies_parse_in_a_worker_as_inline(pool):
 def test_a_dead_worker_fails_its_request_and_is_replaced(served, tokenizer):
     server, options, tokenize = served
     [worker] = tokenize.worker_pids()
-    content = _largest_body(options, chat=False)  # seconds of encoding: the worker is killed while it holds it
+    content = _largest_body(options, "text")  # seconds of encoding: the worker is killed while it holds it
     answer: list[httpx.Response] = []
     sender = threading.Thread(target=lambda: answer.append(httpx.post(
         server.url + "/v1/completions", content=content, headers={"content-type": "application/json"}, timeout=60)))
