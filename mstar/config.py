@@ -217,6 +217,10 @@ class ServerSection(_Section):
     # with an error and the server goes on.
     max_step_failures: int = Field(3, ge=1)
     log_requests: bool = False  # log each request's prompt and parameters (never logged otherwise)
+    # Processes that parse bodies of 1 MiB or more and tokenize prompts of 64K characters or more, so that
+    # a large request does not pause other clients' streams (server/tokenize_pool.py); smaller ones are
+    # tokenized in a thread. 0: no processes.
+    tokenize_workers: int = Field(2, ge=0, le=64)
     max_headers: int = 100  # requests with more headers are refused with 431
     max_url_bytes: int = 8 * 1024  # a longer request path plus query string is refused with 414
     body_timeout_s: float = 30.0  # a request body must arrive whole within this long, else 408 (slow clients)

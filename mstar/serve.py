@@ -30,6 +30,7 @@ import socket
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -46,10 +47,12 @@ from mstar.config import (
     torch_dtype,
 )
 from mstar.distributed.rendezvous import Rendezvous, add_rendezvous_args, resolve_rendezvous
-from mstar.engine.async_engine import AsyncEngine
-from mstar.engine.core import EngineCore, SpeculativeModels
-from mstar.engine.faults import FaultInjector
 from mstar.server.options import ServerOptions
+
+if TYPE_CHECKING:  # the engine (torch) is imported where it is built: a tokenizer worker re-imports this module
+    from mstar.engine.async_engine import AsyncEngine
+    from mstar.engine.core import SpeculativeModels
+    from mstar.engine.faults import FaultInjector
 
 log = logging.getLogger("mstar.serve")
 
@@ -85,6 +88,7 @@ def speculative_models(cfg: ServeConfig, device: str) -> SpeculativeModels | Non
     kw = cfg.model_kwargs
     if not cfg.speculative:
         return None
+    from mstar.engine.core import SpeculativeModels
     from mstar.models.dspark.model import K3DSparkModel
 
     log.info("loading the DSpark draft %s (k=%d, schedule %s)", kw.speculative_draft, kw.speculative_tokens,
@@ -99,6 +103,9 @@ def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool 
     """Load the model and start the engine thread. `faults` (tests only) defaults to what
     `env.fault_inject` (MSTAR_FAULT_INJECT) asks for, when it is set. `rendezvous`: the nodes of a
     tensor-parallel config (default: all its ranks on this one)."""
+    from mstar.engine.async_engine import AsyncEngine
+    from mstar.engine.core import EngineCore
+    from mstar.engine.faults import FaultInjector
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
 
@@ -223,8 +230,19 @@ def serve_main(argv: list[str] | None = None) -> None:
 
     from mstar.server import access_log
     from mstar.server.app import build_app
+    from mstar.server.tokenize_pool import TokenizePool
 
-    app = build_app(engine, served_model_name=cfg.served_model_name, options=options)
+    tokenize = TokenizePool(engine.tokenizer, cfg.checkpoint, cfg.server.tokenize_workers)
+    try:
+        tokenize.start()
+    except ValueError as e:
+        engine.shutdown()
+        print(f"mstar-serve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if tokenize.workers:
+        log.info("prompts of %d characters or more are tokenized in worker processes %s", tokenize.inline_max_chars,
+                 tokenize.worker_pids())
+    app = build_app(engine, served_model_name=cfg.served_model_name, options=options, tokenize=tokenize)
     access_log.install()  # query strings (which may hold a key) never reach the access log
     server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=120, **connection_settings(cfg)))
@@ -240,6 +258,7 @@ def serve_main(argv: list[str] | None = None) -> None:
     try:
         server.run(sockets=[http_socket])
     finally:
+        tokenize.close()
         engine.shutdown()
     if engine.fatal_error is not None:
         print(f"mstar-serve: the engine stopped: {engine.fatal_error}. Exiting with status {EXIT_ENGINE_FAILED} "

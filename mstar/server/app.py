@@ -22,16 +22,18 @@ from mstar.server.openapi import build_openapi
 from mstar.server.options import ServerOptions
 from mstar.server.responses_api import create_response
 from mstar.server.streaming import json_response
+from mstar.server.tokenize_pool import TokenizePool
 from mstar.server.vllm_routes import add_vllm_routes
 
 logger = logging.getLogger("mstar.server")
 
 
 def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMetrics | None = None,
-              options: ServerOptions | None = None) -> FastAPI:
+              options: ServerOptions | None = None, tokenize: TokenizePool | None = None) -> FastAPI:
     """An app serving `engine` under the model name `served_model_name`. `metrics` defaults to a
     fresh `ServerMetrics` with its own registry, `options` to `ServerOptions()` (open, no bound on
-    requests in flight)."""
+    requests in flight), `tokenize` to a pool without workers (every prompt tokenized in a thread); the
+    caller starts and closes a pool it gives."""
     options = options if options is not None else ServerOptions()
     metrics = metrics if metrics is not None else ServerMetrics(served_model_name)
     ctx = ServerContext(
@@ -41,6 +43,7 @@ def build_app(engine: EngineClient, *, served_model_name: str, metrics: ServerMe
         created=int(time.time()),
         options=options,
         admission=Admission(options.max_in_flight, options.retry_after_s, metrics),
+        tokenize=tokenize if tokenize is not None else TokenizePool(engine.tokenizer),
     )
     # redirect_slashes off: Starlette's redirect for a trailing slash is built from the client's Host
     # header (an open redirect that a following client re-sends its body to); such a path is a 404.

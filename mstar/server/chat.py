@@ -28,7 +28,6 @@ closes, and a last chunk per choice with an empty delta and its `finish_reason`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -37,11 +36,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from mstar.engine.client import EngineClient
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError
 from mstar.engine.structured_output import Grammar
 from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece, parse_assistant_output
-from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think, encode_chat
+from mstar.models.kimi_k3.chat import THINKING_EFFORTS, continues_in_think
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, Segment
 from mstar.server import responses
 from mstar.server.context import ServerContext
@@ -50,7 +50,7 @@ from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs, prompt_logprobs
 from mstar.server.output_segments import AlignedSegmenter
-from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice, parse_request
+from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
@@ -62,12 +62,14 @@ from mstar.server.sampling import (
     check_text_fits,
     choices_for_prompt,
     conversation_chars,
+    longest_prompt,
     new_request_id,
+    prompt_too_long,
     resolve_max_tokens,
-    truncate_prompt,
 )
 from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
 from mstar.server.structured_outputs import forced_tool_calls
+from mstar.server.tokenize_pool import TokenizePool, TooManyTokens
 
 
 def _tools(req: ChatPromptFields) -> list[dict[str, Any]] | None:
@@ -100,8 +102,10 @@ def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
     return req.reasoning_effort, "reasoning_effort"
 
 
-def chat_prompt_ids(req: ChatPromptFields, tokenizer: KimiTokenizer) -> list[int]:
-    """The conversation rendered in K3's format (400s name the field at fault)."""
+async def chat_prompt_ids(req: ChatPromptFields, tokenize: TokenizePool, engine: EngineClient,
+                          keep: int | None = None) -> list[int]:
+    """The conversation rendered in K3's format and tokenized off the event loop, its last `keep` ids when
+    `keep` is set (400s name the field at fault; one that cannot fit in the context is refused)."""
     if not req.messages:
         raise APIError("'messages' must hold at least one message", param="messages")
     if req.chat_template is not None:
@@ -126,8 +130,12 @@ def chat_prompt_ids(req: ChatPromptFields, tokenizer: KimiTokenizer) -> list[int
     options["continue_final_message"] = req.continue_final_message
     options["add_generation_prompt"] = req.add_generation_prompt
     messages = [message.for_template() for message in req.messages]
+    num_chars = conversation_chars(messages)
+    check_text_fits(num_chars, engine, "messages", truncated=keep is not None)
     try:
-        return encode_chat(tokenizer, messages, tools, **options)
+        return await tokenize.encode_chat(num_chars, messages, tools, options, keep=keep, limit=longest_prompt(engine))
+    except TooManyTokens as err:
+        raise prompt_too_long(err.count, engine, "messages") from None
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The messages cannot be rendered for K3: {err}", param="messages") from None
 
@@ -263,7 +271,7 @@ async def create_chat_completion(request: Request, ctx: ServerContext) -> Respon
 async def _create(request: Request, ctx: ServerContext) -> Response:
     arrival = time.perf_counter()
     created = int(time.time())
-    req = parse_request(await request.body(), ChatCompletionRequest)
+    req = await ctx.tokenize.parse(await request.body(), ChatCompletionRequest)  # a large body: in a worker
     check_model(req.model, ctx.served_model_name)
     check_n(req.n, ctx.options.max_n)
     check_supported(req)
@@ -275,10 +283,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
     # before the prompt is rendered: what is wrong with the fields is found without tokenizing
     params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format,
                          tool_calls=_forced_tool_calls(req), prompt_logprobs=req.prompt_logprobs)
-    check_text_fits(conversation_chars([m.for_template() for m in req.messages]), engine, "messages",
-                    truncated=req.truncate_prompt_tokens is not None)
-    # Off the event loop: rendering and tokenizing a large conversation would stall other clients' streams.
-    prompt_ids = truncate_prompt(await asyncio.to_thread(chat_prompt_ids, req, engine.tokenizer), req)
+    prompt_ids = await chat_prompt_ids(req, ctx.tokenize, engine, keep=req.truncate_prompt_tokens)
     check_prompt_ids(prompt_ids, engine, "messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(req.requested_max_tokens, len(prompt_ids), engine.max_seq_len, None, max_param,

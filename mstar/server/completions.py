@@ -17,7 +17,6 @@ order); with `stream_options.include_usage`, a last chunk with no choices carrie
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -33,7 +32,7 @@ from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import CompletionLogprobsBuilder, prompt_logprobs
-from mstar.server.protocol import CompletionRequest, parse_request
+from mstar.server.protocol import CompletionRequest
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
@@ -44,26 +43,35 @@ from mstar.server.sampling import (
     check_supported,
     check_text_fits,
     choices_for_prompt,
+    longest_prompt,
     new_request_id,
+    prompt_too_long,
     resolve_max_tokens,
     truncate_prompt,
 )
 from mstar.server.streaming import SSEResponse, json_response, sse_body, sse_event
+from mstar.server.tokenize_pool import TooManyTokens
 
 DEFAULT_MAX_TOKENS = 16
 MAX_CHOICES = 256  # prompts x n in one request
 
 
-def _prompts(prompt: str | list, tokenizer: KimiTokenizer) -> list[list[int]]:
-    if isinstance(prompt, str):
-        return [tokenizer.encode(prompt)]
+async def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[list[int]]:
+    """Each prompt's ids, truncated as `truncate_prompt_tokens` asks; text is tokenized off the event loop
+    (ctx.tokenize), where text of more tokens than the context holds is refused without its ids."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or (prompt and isinstance(prompt[0], str)):
+        texts = [prompt] if isinstance(prompt, str) else prompt
+        try:
+            return await ctx.tokenize.encode(texts, keep=req.truncate_prompt_tokens, limit=longest_prompt(ctx.engine))
+        except TooManyTokens as err:
+            param = "prompt" if len(texts) == 1 else f"prompt[{err.index}]"
+            raise prompt_too_long(err.count, ctx.engine, param) from None
     if not prompt:
         raise APIError("The prompt is empty; 'prompt' must hold at least one token", param="prompt")
-    if isinstance(prompt[0], int):
-        return [list(prompt)]
-    if isinstance(prompt[0], str):
-        return [tokenizer.encode(text) for text in prompt]
-    return [list(ids) for ids in prompt]
+    if isinstance(prompt[0], int):  # cut before the copy: a body may hold millions of ids
+        return [list(truncate_prompt(prompt, req))]
+    return [list(truncate_prompt(ids, req)) for ids in prompt]
 
 
 def _echo_text(req: CompletionRequest, p: int, ids: list[int], tokenizer: KimiTokenizer) -> str:
@@ -167,18 +175,17 @@ class _ChoiceOutput:
 async def create_completion(request: Request, ctx: ServerContext) -> Response:
     arrival = time.perf_counter()
     created = int(time.time())
-    req = parse_request(await request.body(), CompletionRequest)
+    req = await ctx.tokenize.parse(await request.body(), CompletionRequest)  # a large body: in a worker
     check_model(req.model, ctx.served_model_name)
     check_n(req.n, ctx.options.max_n)
     _check_supported(req)
     engine = ctx.engine
-    texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-    for p, text in enumerate(texts):
-        if isinstance(text, str):
-            check_text_fits(len(text), engine, "prompt" if isinstance(req.prompt, str) else f"prompt[{p}]",
-                            truncated=req.truncate_prompt_tokens is not None)
-    # Off the event loop: tokenizing megabytes takes long enough to stall every other client's stream.
-    prompts = [truncate_prompt(ids, req) for ids in await asyncio.to_thread(_prompts, req.prompt, engine.tokenizer)]
+    sent = req.prompt
+    texts = [sent] if isinstance(sent, str) else sent if sent and isinstance(sent[0], str) else []
+    for p, text in enumerate(texts):  # (not a loop over the ids of a prompt of ids: there may be millions)
+        check_text_fits(len(text), engine, "prompt" if isinstance(req.prompt, str) else f"prompt[{p}]",
+                        truncated=req.truncate_prompt_tokens is not None)
+    prompts = await _prompts(req, ctx)
     if len(prompts) * req.n > MAX_CHOICES:
         raise APIError(f"{len(prompts)} prompts x n={req.n} exceeds {MAX_CHOICES} choices per request", param="n")
     for p, ids in enumerate(prompts):

@@ -13,6 +13,7 @@ its body is read is logged at INFO without a traceback. Values echoed from the r
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import time
@@ -75,6 +76,10 @@ class APIError(Exception):
         self.code = code
         self.headers = headers
         self.type = type or _TYPE_BY_STATUS.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+    def __reduce__(self):  # raised in a worker process (server/tokenize_pool.py parses large bodies there)
+        return functools.partial(APIError, self.message, status=self.status, param=self.param, code=self.code,
+                                 type=self.type, headers=self.headers), ()
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)

@@ -23,7 +23,6 @@ response.output_text.delta, .done and response.content_part.done; response.funct
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import uuid
@@ -37,13 +36,13 @@ from starlette.responses import JSONResponse, Response
 from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.structured_output import Grammar
 from mstar.models.kimi_k3.assistant_output import AssistantOutputParser, Piece
-from mstar.models.kimi_k3.chat import THINKING_EFFORTS, encode_chat
+from mstar.models.kimi_k3.chat import THINKING_EFFORTS
 from mstar.server.context import ServerContext
 from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import GenerationRun
 from mstar.server.output_segments import AlignedSegmenter
-from mstar.server.protocol import Int, parse_request
+from mstar.server.protocol import Int
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     check_model,
@@ -51,10 +50,13 @@ from mstar.server.sampling import (
     check_text_fits,
     choices_for_prompt,
     conversation_chars,
+    longest_prompt,
+    prompt_too_long,
     resolve_max_tokens,
 )
 from mstar.server.streaming import SSEResponse, sse_body
 from mstar.server.structured_outputs import forced_tool_calls
+from mstar.server.tokenize_pool import TooManyTokens
 
 # ---- the request ----------------------------------------------------------------------------
 
@@ -206,7 +208,7 @@ def tool_call_grammar(req: ResponsesRequest) -> Grammar | None:
     return forced_tool_calls(chat_tools(req), name, starts_in_think=True, parallel=req.parallel_tool_calls)
 
 
-def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
+async def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
     effort = req.reasoning.effort if req.reasoning is not None else None
     if effort is not None and effort not in THINKING_EFFORTS:
         raise APIError(f"reasoning.effort={effort!r} is not supported; use one of {THINKING_EFFORTS}",
@@ -217,9 +219,13 @@ def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
     if effort is not None:
         options["thinking_effort"] = effort
     messages = chat_messages(req)
-    check_text_fits(conversation_chars(messages), ctx.engine, "input")
+    num_chars = conversation_chars(messages)
+    check_text_fits(num_chars, ctx.engine, "input")
     try:
-        return encode_chat(ctx.engine.tokenizer, messages, tools or None, **options)
+        return await ctx.tokenize.encode_chat(num_chars, messages, tools or None, options,
+                                              limit=longest_prompt(ctx.engine))
+    except TooManyTokens as err:
+        raise prompt_too_long(err.count, ctx.engine, "input") from None
     except (ValueError, TypeError, KeyError) as err:
         raise APIError(f"The input cannot be rendered for K3: {err}", param="input") from None
 
@@ -323,11 +329,10 @@ async def create_response(request: Request, ctx: ServerContext) -> Response:
 async def _create(request: Request, ctx: ServerContext) -> Response:
     arrival = time.perf_counter()
     created = int(time.time())
-    req = parse_request(await request.body(), ResponsesRequest)
+    req = await ctx.tokenize.parse(await request.body(), ResponsesRequest)  # a large body: in a worker
     check_model(req.model, ctx.served_model_name)
     engine = ctx.engine
-    # Off the event loop: rendering and tokenizing a large input would stall other clients' streams.
-    prompt_ids = await asyncio.to_thread(_prompt_ids, req, ctx)
+    prompt_ids = await _prompt_ids(req, ctx)
     check_prompt_ids(prompt_ids, engine, "input")
     max_tokens = resolve_max_tokens(req.max_output_tokens, len(prompt_ids), engine.max_seq_len, None,
                                     "max_output_tokens", ctx.options.max_tokens)

@@ -94,17 +94,26 @@ def check_prompt_ids(ids: list[int], engine: EngineClient, param: str) -> None:
     """Refuse what cannot run: an empty prompt, ids outside the vocabulary, no room to generate."""
     if not ids:
         raise APIError(f"The prompt is empty; '{param}' must hold at least one token", param=param)
+    if len(ids) > longest_prompt(engine):  # first: a body of millions of ids is refused without a scan of them
+        raise prompt_too_long(len(ids), engine, param)
     vocab = engine.tokenizer.vocab_size
     bad = next((i for i in ids if not 0 <= i < vocab), None)
     if bad is not None:
         raise APIError(f"'{param}' holds token id {bad}, outside the vocabulary 0..{vocab - 1}", param=param)
-    if len(ids) >= engine.max_seq_len:
-        raise APIError(
-            f"The prompt is {len(ids)} tokens; this model's maximum context is {engine.max_seq_len} tokens, "
-            "which must also hold at least one generated token. Shorten the prompt.",
-            param=param,
-            code="context_length_exceeded",
-        )
+
+
+def longest_prompt(engine: EngineClient) -> int:
+    """The most prompt ids the context holds with room for one generated token (the tokenizer's `limit`)."""
+    return engine.max_seq_len - 1
+
+
+def prompt_too_long(num_tokens: int, engine: EngineClient, param: str) -> APIError:
+    return APIError(
+        f"The prompt is {num_tokens} tokens; this model's maximum context is {engine.max_seq_len} tokens, "
+        "which must also hold at least one generated token. Shorten the prompt.",
+        param=param,
+        code="context_length_exceeded",
+    )
 
 
 def check_stop_token_ids(ids: list[int] | None, engine: EngineClient) -> None:

@@ -4,7 +4,9 @@ GET /version, and GET or POST /ping (vLLM's health probe for SageMaker-style loa
 /tokenize takes a `prompt` (text) or `messages` (a conversation, rendered exactly as chat
 completions render it, with `tools`, `chat_template_kwargs`, `reasoning_effort`,
 `add_generation_prompt` and `continue_final_message`) and answers `count`, `max_model_len`,
-`tokens` and, with `return_token_strs`, each token's text (special tokens by name).
+`tokens` and, with `return_token_strs`, each token's text (special tokens by name). Text of more tokens
+than the context holds is a 400 that gives the count (as completions refuse it): its ids would be
+megabytes of JSON built on the event loop.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from mstar.server.chat import chat_prompt_ids
 from mstar.server.context import ServerContext
 from mstar.server.errors import APIError, guarded
 from mstar.server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, parse_request
-from mstar.server.sampling import check_model
+from mstar.server.sampling import check_model, check_text_fits, longest_prompt, prompt_too_long
+from mstar.server.tokenize_pool import TooManyTokens
 
 
 def package_version() -> str:
@@ -41,13 +44,18 @@ async def tokenize(request: Request, ctx: ServerContext) -> Response:
     raw = await request.body()
     tokenizer = ctx.engine.tokenizer
     if _is_chat(raw):
-        chat = parse_request(raw, TokenizeChatRequest)
+        chat = await ctx.tokenize.parse(raw, TokenizeChatRequest)
         check_model(chat.model, ctx.served_model_name)
-        ids, want_strs = chat_prompt_ids(chat, tokenizer), chat.return_token_strs
+        ids, want_strs = await chat_prompt_ids(chat, ctx.tokenize, ctx.engine), chat.return_token_strs
     else:
-        text = parse_request(raw, TokenizeCompletionRequest)
+        text = await ctx.tokenize.parse(raw, TokenizeCompletionRequest)
         check_model(text.model, ctx.served_model_name)
-        ids, want_strs = tokenizer.encode(text.prompt), text.return_token_strs
+        check_text_fits(len(text.prompt), ctx.engine, "prompt")
+        try:
+            [ids] = await ctx.tokenize.encode([text.prompt], limit=longest_prompt(ctx.engine))
+        except TooManyTokens as err:
+            raise prompt_too_long(err.count, ctx.engine, "prompt") from None
+        want_strs = text.return_token_strs
     return JSONResponse({
         "count": len(ids),
         "max_model_len": ctx.engine.max_seq_len,
