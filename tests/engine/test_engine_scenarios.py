@@ -5,9 +5,10 @@ occurs) or the tiny draft, the prefix cache on or off with its page size and sna
 enough to preempt or large, the batch and token budget, requests with a shared system prompt or not, with
 prompt_logprobs and logprobs or not, arriving all at once or a few per step, and sometimes an abort. Every
 request that is not aborted must give the reference's greedy tokens (ties excepted) and its prompt scores,
-and the pools must end empty. The features' own tests check each one alone; these catch what only their
-combination breaks (an overlapped verify block and a preemption found a wrong-token bug this way). The
-scenarios are fresh each run; a failure names its seed: `scenario(tiny_model, tokenizer, draft, SEED)`.
+and the pools must end empty. The features' own tests check each one alone, and their chosen corners
+(test_async_speculation.py's preemption while a verify block is in flight, which no random scenario here
+reliably reaches); these look for what only a combination breaks. The scenarios are fresh each run; a
+failure names its seed: `scenario(tiny_model, tokenizer, draft, SEED)`.
 """
 
 from __future__ import annotations
