@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import io
 import logging
 import multiprocessing
@@ -52,6 +53,7 @@ Body = TypeVar("Body")
 INLINE_MAX_CHARS = 64 * 1024
 PARSE_MIN_BYTES = 1 << 20  # request bodies this large are parsed in a worker too (`parse`)
 WORKER_NICENESS = 10
+WORKER_NAME = "mstar-tokenize"  # the workers' process name (at most 15 characters: Linux's comm)
 START_TIMEOUT_S = 120.0  # a worker imports the tokenizer and reads the model folder's tiktoken.model
 # Text whose ids the workers must give exactly as the server's tokenizer does (checked when they start).
 _PROBE = "def f(x):\n    return x  # café 日本語 😀 <|open|> [EOS]" + " " * 40 + "z" * 300
@@ -145,10 +147,18 @@ def _start_worker(directory: str) -> None:
     # Tokenizing a huge prompt is throughput work; the server's event loop and engine thread are latency work:
     # where cores are few, they get the CPU first.
     os.nice(WORKER_NICENESS)
+    _name_process(WORKER_NAME)
     # A worker holds its own copy of the task queue's write end, so it would not see the queue close if the
     # server were killed (SIGKILL, OOM): it watches the server process instead.
     threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), daemon=True).start()
     _worker_tokenizer = KimiTokenizer.from_dir(directory)
+
+
+def _name_process(name: str) -> None:
+    """The name `ps`, `top` and /proc/PID/comm show (Linux; elsewhere the worker keeps python's), so that an
+    operator, and a test, can tell the tokenizer workers from the spawned tensor-parallel ranks."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name)
 
 
 def _exit_with(server: multiprocessing.process.BaseProcess) -> None:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from paths import ROOT, SUPPORT
 from processes import gone as _gone
+from processes import is_spawned_rank
 
 from mstar.distributed.worker import EXIT_RANK_FAILED
 from mstar.models.kimi_k3.generate import greedy_generate
@@ -37,11 +38,10 @@ def _children(pid: int) -> list[int]:
             continue
         try:
             stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == pid and b"spawn_main" in cmdline:
+        if ppid == pid and is_spawned_rank(int(entry.name)):
             found.append(int(entry.name))
     return found
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
+from mstar.server.tokenize_pool import WORKER_NAME
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -38,8 +40,10 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_spawned_rank(pid: int) -> bool:
-    """A process started by multiprocessing's spawn (a rank), not its resource tracker."""
+    """A process started by multiprocessing's spawn (a rank), not its resource tracker nor a tokenizer worker
+    (mstar/server/tokenize_pool.py names those)."""
     try:
-        return b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        spawned = b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        return spawned and Path(f"/proc/{pid}/comm").read_text().strip() != WORKER_NAME
     except OSError:
         return False
