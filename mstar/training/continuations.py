@@ -48,6 +48,17 @@ class Continuations:
         raw = torch.load(path)
         return cls(sequences=raw["sequences"], prompt_lens=raw["prompt_lens"], temperature=raw["temperature"])
 
+    @classmethod
+    def load_all(cls, paths: list[Path]) -> Continuations:
+        """The sequences of several files (generated with different seeds, say) as one set."""
+        parts = [cls.load(p) for p in paths]
+        temperatures = {p.temperature for p in parts}
+        if len(temperatures) > 1:
+            raise ValueError(f"the files {[str(p) for p in paths]} mix temperatures {sorted(temperatures)}: "
+                             "give files of one temperature")
+        return cls(sequences=[s for p in parts for s in p.sequences],
+                   prompt_lens=[n for p in parts for n in p.prompt_lens], temperature=parts[0].temperature)
+
     def num_continuation_tokens(self) -> int:
         return sum(s.numel() - p for s, p in zip(self.sequences, self.prompt_lens, strict=True))
 

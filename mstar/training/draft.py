@@ -460,12 +460,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=DraftTrainConfig.seq_len)
     p.add_argument("--anchors", type=int, default=DraftTrainConfig.anchors, help="blocks per window")
     p.add_argument("--lr", type=float, default=DraftTrainConfig.lr)
+    p.add_argument("--warmup", type=int, default=DraftTrainConfig.warmup, help="steps of linear warmup")
     p.add_argument("--eval-windows", type=int, default=DraftTrainConfig.eval_windows)
     p.add_argument("--served-tokens", type=int, default=96,
                    help="greedy target tokens after each held-out prompt, for the served acceptance")
     p.add_argument("--served-eval-every", type=int, default=DraftTrainConfig.served_eval_every,
                    help="steps between points of the served acceptance's learning curve")
-    p.add_argument("--train-data", type=Path, help="the target's continuations (python -m "
+    p.add_argument("--train-data", type=Path, nargs="+", help="files of the target's continuations (python -m "
                    "mstar.training.continuations) to train on instead of corpus windows")
     p.add_argument("--init", type=Path, help="a draft checkpoint to start from (its config and weights) instead "
                    "of random weights")
@@ -477,6 +478,7 @@ def main(argv: list[str] | None = None) -> None:
         seq_len=args.seq_len,
         anchors=args.anchors,
         lr=args.lr,
+        warmup=args.warmup,
         eval_windows=args.eval_windows,
         served_eval_every=args.served_eval_every,
     )
@@ -490,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
         f"target: {args.target_dir} ({target.config.num_hidden_layers} layers); corpus: "
         f"{corpus.train.numel():,} train tokens, {corpus.held_out.numel():,} held out"
     )
-    train_data = corpus.train if args.train_data is None else Continuations.load(args.train_data)
+    train_data = corpus.train if args.train_data is None else Continuations.load_all(args.train_data)
     if args.init is None:
         raw = mini_dspark_raw_config(target.config)
         model = new_draft(raw, cfg.seed, device)
@@ -534,7 +536,7 @@ def main(argv: list[str] | None = None) -> None:
         train_seconds=round(train_seconds, 1),
         tokens_per_s=round(tokens / train_seconds, 1),
         train_data=dict(source="corpus windows") if args.train_data is None else dict(
-            source="the target's continuations of training-stream prompts", file=str(args.train_data),
+            source="the target's continuations of training-stream prompts", files=[str(f) for f in args.train_data],
             sequences=len(train_data.sequences), continuation_tokens=train_data.num_continuation_tokens(),
             temperature=train_data.temperature),
         init=None if args.init is None else str(args.init),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from greedy_ties import assert_greedy_matches
 
@@ -34,6 +35,11 @@ def test_greedy_continuations_are_the_references_and_the_file_round_trips(tiny_m
     assert all(torch.equal(a, b) for a, b in zip(back.sequences, data.sequences, strict=True))
     lens = zip(data.sequences, data.prompt_lens, strict=True)
     assert back.num_continuation_tokens() == sum(s.numel() - p for s, p in lens)
+    both = Continuations.load_all([tmp_path / "c.pt", tmp_path / "c.pt"])
+    assert both.prompt_lens == 2 * data.prompt_lens and len(both.sequences) == 2 * len(data.sequences)
+    Continuations(sequences=data.sequences, prompt_lens=data.prompt_lens, temperature=0.7).save(tmp_path / "t.pt")
+    with pytest.raises(ValueError, match="mix temperatures"):
+        Continuations.load_all([tmp_path / "c.pt", tmp_path / "t.pt"])
 
 
 def test_sampled_continuations_follow_the_seed(tiny_model, tokenizer):
