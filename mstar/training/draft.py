@@ -436,6 +436,26 @@ def held_out_prompts(tokenizer: KimiTokenizer) -> list[list[int]]:
     return [tokenizer.encode(t) for t in texts]
 
 
+def served_continuations(target: KimiK3ForCausalLM, tokenizer: KimiTokenizer, new_tokens: int,
+                         cache: Path | None) -> Continuations:
+    """The held-out prompts and the target's greedy continuation of each, read from `cache` where it exists
+    (written there otherwise: they depend only on the target)."""
+    prompts = held_out_prompts(tokenizer)
+    if cache is not None and cache.exists():
+        data = Continuations.load(cache)
+        lens = data.prompt_lens
+        longest = max(s.numel() - n for s, n in zip(data.sequences, lens, strict=True))  # a stop id ends some early
+        if lens != [len(p) for p in prompts] or longest != new_tokens:
+            raise ValueError(f"{cache} does not hold the held-out prompts continued by {new_tokens} tokens: "
+                             "delete it (it is regenerated) or pass the --served-tokens it was made with")
+        return data
+    with torch.no_grad():
+        data = generate(target, tokenizer, prompts, [new_tokens] * len(prompts), 0.0, seed=0)
+    if cache is not None:
+        data.save(cache)
+    return data
+
+
 # --- the command --------------------------------------------------------------------------------------------
 
 
@@ -464,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-windows", type=int, default=DraftTrainConfig.eval_windows)
     p.add_argument("--served-tokens", type=int, default=96,
                    help="greedy target tokens after each held-out prompt, for the served acceptance")
+    p.add_argument("--served-data", type=Path, help="cache file of the held-out prompts' greedy continuations "
+                   "(read if it exists, else written)")
     p.add_argument("--served-eval-every", type=int, default=DraftTrainConfig.served_eval_every,
                    help="steps between points of the served acceptance's learning curve")
     p.add_argument("--train-data", type=Path, nargs="+", help="files of the target's continuations (python -m "
@@ -504,9 +526,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"draft: {parameters:,} parameters, taps on target layers {raw['target_layer_ids']}, block size {BLOCK_SIZE}")
 
     eval_windows = fixed_windows(corpus.held_out, cfg.seq_len, cfg.eval_windows).to(device)
-    with torch.no_grad():
-        prompts = held_out_prompts(tokenizer)
-        held_out = generate(target, tokenizer, prompts, [args.served_tokens] * len(prompts), 0.0, cfg.seed)
+    held_out = served_continuations(target, tokenizer, args.served_tokens, args.served_data)
     served = ServedAcceptance(target, held_out, model.config.target_layer_ids)
     before = evaluate(model.eval(), target, eval_windows, cfg.eval_anchor_stride)
     served_before = served.evaluate(model)
@@ -546,8 +566,8 @@ def main(argv: list[str] | None = None) -> None:
             after=after,
         ),
         served_acceptance=dict(
-            method=f"the {len(prompts)} held-out prompts continued by {args.served_tokens} greedy target tokens; "
-            "blocks drafted where the previous verify left off, greedy verification",
+            method=f"the {len(held_out.sequences)} held-out prompts continued by {args.served_tokens} greedy target "
+            "tokens; blocks drafted where the previous verify left off, greedy verification",
             before=served_before,
             after=served_after,
             curve=curve,

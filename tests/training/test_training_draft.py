@@ -209,6 +209,7 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
     out = tmp_path / "draft"
     flags = ["--steps", "3", "--batch", "1", "--seq-len", "40", "--anchors", "4", "--eval-windows", "1",
              "--served-tokens", "12", "--served-eval-every", "2", "--train-data", str(tmp_path / "c.pt"),
+             "--served-data", str(tmp_path / "held_out.pt"),
              "--init", str(tiny_dirs[1])]
     trainer.main([str(tiny_dirs[0]), str(out), *flags, "--device", "cpu"])
     report = json.loads((out / "training.json").read_text())
@@ -218,5 +219,8 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
     assert served["curve"][-1]["mean_accepted_length"] == served["after"]["mean_accepted_length"]
     assert 1 <= served["before"]["mean_accepted_length"] <= BLOCK_SIZE + 1
     assert served["before"]["num_blocks"] > 0 and report["tokens_seen"] == report["history"][-1]["tokens"] > 0
+    held_out = Continuations.load(tmp_path / "held_out.pt")  # cached for the next run
+    new_tokens = [s.numel() - n for s, n in zip(held_out.sequences, held_out.prompt_lens, strict=True)]
+    assert len(new_tokens) == 24 and max(new_tokens) == 12 and min(new_tokens) >= 1
     text = card.draft_card(out, tiny_dirs[0], report, curve_plotted=False)
     assert "| 2 |" in text and "| 3 |" in text and "continuation tokens" in text and str(tiny_dirs[1]) in text
