@@ -2,8 +2,9 @@
 
     python -m mstar.training.card TARGET_DIR DRAFT_DIR
 
-writes TARGET_DIR/README.md (with sample completions), DRAFT_DIR/README.md and TARGET_DIR/loss.png
-(both loss curves), so the cards always carry the numbers of the weights next to them.
+writes TARGET_DIR/README.md (with sample completions), DRAFT_DIR/README.md, TARGET_DIR/loss.png (both loss
+curves) and DRAFT_DIR/acceptance.png (the draft's served acceptance as it trained), so the cards always carry
+the numbers of the weights next to them.
 """
 
 from __future__ import annotations
@@ -57,13 +58,35 @@ def plot_losses(target: dict, draft: dict, path: Path) -> bool:
     return True
 
 
+def plot_served_curve(draft: dict, path: Path) -> bool:
+    """The learning curve: mean accepted length per verify as serving sees it, against the tokens trained on."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    served = draft["served_acceptance"]
+    curve = [dict(tokens=0, mean_accepted_length=served["before"]["mean_accepted_length"]), *served["curve"]]
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot([c["tokens"] / 1e3 for c in curve], [c["mean_accepted_length"] for c in curve], marker="o")
+    ax.set_title(f"draft: served acceptance at k={draft['block_size']}")
+    ax.set_xlabel("thousand tokens trained on (this run)")
+    ax.set_ylabel("mean accepted length")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: dict) -> str:
     cfg = parse_config(json.loads((target_dir / "config.json").read_text()))
     la = cfg.linear_attn
     kda = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
     mla = [i for i in range(cfg.num_hidden_layers) if i not in kda]
     ppl = "\n".join(f"| {name} | {value:.3f} |" for name, value in report["held_out_perplexity"].items())
-    acc = draft_report["acceptance"]["trained"]
+    acc = draft_report["served_acceptance"]["after"]
     lines = [
         "# kimi_k3_mini",
         "",
@@ -103,7 +126,8 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
         "",
         f"## Its DSpark draft: `{draft_dir.name}`",
         "",
-        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify (offline, greedy, held-out); "
+        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify (greedy, held-out prompts, as "
+        "served); "
         f"see {draft_dir.name}/README.md.",
         "",
         "## Samples (greedy, 48 tokens)",
@@ -115,11 +139,32 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
     return "\n".join(lines) + "\n"
 
 
-def draft_card(draft_dir: Path, target_dir: Path, report: dict) -> str:
-    before, after = report["acceptance"]["untrained"], report["acceptance"]["trained"]
-    rates = " | ".join(f"{r:.2f}" for r in after["acceptance_per_position"])
-    positions = " | ".join(str(i + 1) for i in range(len(after["acceptance_per_position"])))
+def rates_table(report: dict) -> list[str]:
+    rates = " | ".join(f"{r:.2f}" for r in report["acceptance_per_position"])
+    positions = " | ".join(str(i + 1) for i in range(len(report["acceptance_per_position"])))
+    return [
+        f"| draft position | {positions} |",
+        "|---" * (len(report["acceptance_per_position"]) + 1) + "|",
+        f"| P(accepted given the earlier ones were) | {rates} |",
+    ]
+
+
+def data_line(report: dict) -> str:
+    data = report["train_data"]
+    if data["source"] == "corpus windows":
+        return "- data: windows of the training corpus (teacher-forced corpus text)"
+    how = "greedy" if data["temperature"] == 0 else f"sampled at temperature {data['temperature']}"
+    return (f"- data: {data['source']}: {data['sequences']} sequences, {data['continuation_tokens']:,} continuation "
+            f"tokens ({how}, through the engine: `python -m mstar.training.continuations`); anchors in the "
+            "continuations only")
+
+
+def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: bool) -> str:
+    before, after = report["acceptance"]["before"], report["acceptance"]["after"]
+    served = report["served_acceptance"]
     w = report["loss_weights"]
+    start = "random weights" if report["init"] is None else f"the draft at `{report['init']}`"
+    curve_rows = [f"| {c['step']} | {c['tokens']:,} | {c['mean_accepted_length']:.2f} |" for c in served["curve"]]
     return "\n".join([
         f"# {draft_dir.name}",
         "",
@@ -131,24 +176,37 @@ def draft_card(draft_dir: Path, target_dir: Path, report: dict) -> str:
         "",
         "## Training (`python -m mstar.training.draft`)",
         "",
-        f"- frozen target, {report['train']['steps']} steps of {report['train']['batch']} windows x "
-        f"{report['train']['seq_len']} tokens, {report['train']['anchors']} random anchors per window "
-        f"({report['tokens_seen']:,} tokens)",
+        data_line(report),
+        f"- from {start}, frozen target, {report['train']['steps']} steps of {report['train']['batch']} "
+        f"sequences of up to {report['train']['seq_len']} tokens, {report['train']['anchors']} random anchors per "
+        f"sequence ({report['tokens_seen']:,} tokens)",
         f"- loss {w['ce']} CE + {w['l1']} L1 to the target's distribution (decay {w['l1_decay']}) + "
-        f"{w['confidence']} confidence BCE; final "
-        f"{report['history'][-1]['loss']:.3f}",
+        f"{w['confidence']} confidence BCE; final {report['history'][-1]['loss']:.3f}",
         f"- {report['parameters']:,} parameters; {report['minutes']} min on {report['device']}",
         "",
-        "## Acceptance (offline: greedy drafts vs the target's greedy tokens, held-out windows)",
+        "## Acceptance as served (greedy, held-out prompts, k = 7)",
         "",
-        f"Mean accepted length per verify (accepted drafts + 1): {before['mean_accepted_length']:.2f} untrained, "
-        f"**{after['mean_accepted_length']:.2f}** trained ({after['num_blocks']} blocks).",
+        f"{served['method']}. Mean accepted length per verify (accepted drafts + 1): "
+        f"{served['before']['mean_accepted_length']:.2f} before this run, "
+        f"**{served['after']['mean_accepted_length']:.2f}** after ({served['after']['num_blocks']} blocks).",
         "",
-        f"| draft position | {positions} |",
-        "|---" * (len(after["acceptance_per_position"]) + 1) + "|",
-        f"| P(accepted given the earlier ones were) | {rates} |",
+        *rates_table(served["after"]),
         "",
-        "Served acceptance and speed per concurrency: benchmarks/mini_pair/.",
+        "Learning curve (served acceptance during this run):",
+        "",
+        "| step | tokens | mean accepted length |",
+        "|---|---|---|",
+        *curve_rows,
+        "",
+        *(["![served acceptance](acceptance.png)", ""] if curve_plotted else []),
+        "## Acceptance on corpus text (greedy drafts vs the target's greedy tokens, held-out corpus windows)",
+        "",
+        f"Mean accepted length per verify: {before['mean_accepted_length']:.2f} before, "
+        f"**{after['mean_accepted_length']:.2f}** after ({after['num_blocks']} blocks).",
+        "",
+        *rates_table(after),
+        "",
+        "Served speed per concurrency: benchmarks/mini_pair/.",
     ]) + "\n"
 
 
@@ -160,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     report = json.loads((args.target_dir / "training.json").read_text())
     draft_report = json.loads((args.draft_dir / "training.json").read_text())
     (args.target_dir / "README.md").write_text(target_card(args.target_dir, args.draft_dir, report, draft_report))
-    (args.draft_dir / "README.md").write_text(draft_card(args.draft_dir, args.target_dir, draft_report))
+    plotted = plot_served_curve(draft_report, args.draft_dir / "acceptance.png")
+    (args.draft_dir / "README.md").write_text(draft_card(args.draft_dir, args.target_dir, draft_report, plotted))
     plot_losses(report, draft_report, args.target_dir / "loss.png")
     print(f"wrote {args.target_dir / 'README.md'} and {args.draft_dir / 'README.md'}")
 

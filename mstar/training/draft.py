@@ -1,16 +1,19 @@
 """Train a DSpark draft (K3DSparkModel) on a frozen Kimi K3 target, on the Python standard library.
 
     python -m mstar.training.draft TARGET_DIR OUT_DIR [--steps N] [--device cpu|cuda]
+        [--train-data CONTINUATIONS_FILE] [--init DRAFT_DIR]
 
 writes OUT_DIR/ as a draft checkpoint (config.json + safetensors in the Inferact layout) and OUT_DIR/training.json
-(config, loss history, timing, offline acceptance before and after training).
+(config, loss history, timing, acceptance before and after training, and the served acceptance's learning curve).
 
-Each step takes `batch` windows of the train stream. The target runs each window once (no grad), giving the taps
-the draft's context reads and its next-token distributions p_t. `anchors` random positions per window each start
-a block [anchor, mask x 6] at positions a .. a + 6, and all blocks of a window run in one masked attention: a
-block's queries see the context rows below its anchor and the 7 slots of their own block, exactly what inference
-shows one block (DSpark "anchor as first prediction": slot k predicts the token at a + k + 1, matched to the
-target's softmax at a + k). The loss (DSpark paper eqs. 9-12; research notes dspark.md 1.2, 1.4):
+Each step takes `batch` windows of the train stream, or with `--train-data` `batch` sequences of the target's own
+continuations of training-stream prompts (mstar/training/continuations.py: self-distillation, the text the draft
+sees when served), anchors then drawn in the continuation part only. The target runs each window once (no grad),
+giving the taps the draft's context reads and its next-token distributions p_t. `anchors` random positions per
+window each start a block [anchor, mask x 6] at positions a .. a + 6, and all blocks of a window run in one masked
+attention: a block's queries see the context rows below its anchor and the 7 slots of their own block, exactly what
+inference shows one block (DSpark "anchor as first prediction": slot k predicts the token at a + k + 1, matched to
+the target's softmax at a + k). The loss (DSpark paper eqs. 9-12; research notes dspark.md 1.2, 1.4):
 
     0.1 CE + 0.9 sum_k exp(-k/4) ||p_d,k - p_t,k||_1 + 1.0 BCE(c_k, c*_k),   c*_k = 1 - ||p_d,k - p_t,k||_1 / 2
 
@@ -39,6 +42,7 @@ from mstar.models.kimi_k3.norm import at_least_fp32
 from mstar.models.kimi_k3.tokenizer import NUM_SPECIAL_SLOTS, KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
 from mstar.tools.make_tiny import tiny_dspark_raw_config
+from mstar.training.continuations import Continuations, generate
 from mstar.training.corpus import build_corpus, fixed_windows, random_windows
 from mstar.training.target import TrainConfig, lr_at, make_optimizer, use_training_chunks
 
@@ -178,12 +182,33 @@ def dspark_loss(model: K3DSparkModel, blocks: DraftBlocks, target_logits: Tensor
     return loss, {name: float(v.detach()) for name, v in parts.items()}
 
 
+class TargetPass:
+    """The frozen target's taps and logits on a window. With `keep`, they are computed once per sequence and kept:
+    the target's continuations are a fixed set of sequences, visited again and again, and the target's forward is
+    most of a step's cost. Sequences are told apart by their storage (they live as long as the training data)."""
+
+    def __init__(self, target: KimiK3ForCausalLM, taps: tuple[int, ...], keep: bool):
+        self.target, self.taps, self.keep = target, taps, keep
+        self.kept: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, ids: Tensor) -> tuple[Tensor, Tensor]:
+        key = (ids.data_ptr(), ids.numel())
+        if key in self.kept:
+            return self.kept[key]
+        with torch.no_grad():
+            out = self.target(ids, tap_layers=self.taps)
+        if self.keep:
+            self.kept[key] = (out.taps, out.logits)
+        return out.taps, out.logits
+
+
 def window_loss(
-    model: K3DSparkModel, target: KimiK3ForCausalLM, ids: Tensor, anchors: Tensor
+    model: K3DSparkModel, target: KimiK3ForCausalLM, ids: Tensor, anchors: Tensor, target_pass: TargetPass | None = None
 ) -> tuple[Tensor, dict[str, float]]:
-    out = target(ids, tap_layers=model.config.target_layer_ids)
-    blocks = draft_blocks(model, target, ids, out.taps, anchors)
-    return dspark_loss(model, blocks, out.logits[slot_positions(anchors)])
+    target_pass = target_pass or TargetPass(target, model.config.target_layer_ids, keep=False)
+    taps, logits = target_pass(ids)
+    blocks = draft_blocks(model, target, ids, taps, anchors)
+    return dspark_loss(model, blocks, logits[slot_positions(anchors)])
 
 
 # --- training ---------------------------------------------------------------------------------------------
@@ -202,6 +227,7 @@ class DraftTrainConfig(TrainConfig):
     anchors: int = 64
     eval_anchor_stride: int = 4  # held-out blocks start at every 4th position of each window
     grad_clip: float = 1.0
+    served_eval_every: int = 100  # steps between points of the served acceptance's learning curve
 
     def __post_init__(self) -> None:
         room = self.seq_len - BLOCK_SIZE - 1  # anchors 1 .. seq_len - 8: some context, and 7 labels in the window
@@ -212,25 +238,37 @@ class DraftTrainConfig(TrainConfig):
 Batch = list[tuple[Tensor, Tensor]]  # (window ids [L], anchors [N]) per window
 
 
-def random_anchors(length: int, count: int, gen: torch.Generator) -> Tensor:
-    """`count` distinct anchors in 1 .. length - BLOCK_SIZE - 1 (sorted)."""
-    return (torch.randperm(length - BLOCK_SIZE - 1, generator=gen)[:count] + 1).sort().values
+def random_anchors(length: int, count: int, gen: torch.Generator, first: int = 1) -> Tensor:
+    """`count` distinct anchors in first .. length - BLOCK_SIZE - 1 (sorted; fewer where fewer fit)."""
+    return (torch.randperm(length - BLOCK_SIZE - first, generator=gen)[:count] + first).sort().values
 
 
-def sample_batch(stream: Tensor, cfg: DraftTrainConfig, gen: torch.Generator, device: torch.device) -> Batch:
-    windows = random_windows(stream, cfg.seq_len, cfg.batch, gen)
-    return [(w.to(device), random_anchors(cfg.seq_len, cfg.anchors, gen).to(device)) for w in windows]
+def sample_batch(data: Tensor | Continuations, cfg: DraftTrainConfig, gen: torch.Generator,
+                 device: torch.device) -> Batch:
+    """`cfg.batch` random windows of a token stream (anchors anywhere past the first token), or random sequences of
+    the target's continuations (anchors from the first continuation token on: the anchor of a served block is a
+    token the target chose)."""
+    if isinstance(data, Tensor):
+        windows = random_windows(data, cfg.seq_len, cfg.batch, gen)
+        return [(w.to(device), random_anchors(cfg.seq_len, cfg.anchors, gen).to(device)) for w in windows]
+    picks = torch.randint(0, len(data.sequences), (cfg.batch,), generator=gen).tolist()
+    return [
+        (data.sequences[i].to(device),
+         random_anchors(data.sequences[i].numel(), cfg.anchors, gen, first=data.prompt_lens[i]).to(device))
+        for i in picks
+    ]
 
 
 def train_step(
-    model: K3DSparkModel, target: KimiK3ForCausalLM, batch: Batch, opt: torch.optim.Optimizer, grad_clip: float
+    model: K3DSparkModel, target: KimiK3ForCausalLM, batch: Batch, opt: torch.optim.Optimizer, grad_clip: float,
+    target_pass: TargetPass | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batch` (windows one after another, gradients accumulated); returns the mean loss
     parts before the update."""
     opt.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
     for ids, anchors in batch:
-        loss, parts = window_loss(model, target, ids, anchors)
+        loss, parts = window_loss(model, target, ids, anchors, target_pass)
         (loss / len(batch)).backward()
         for name, v in parts.items():
             totals[name] = totals.get(name, 0.0) + v / len(batch)
@@ -242,29 +280,42 @@ def train_step(
 def train(
     model: K3DSparkModel,
     target: KimiK3ForCausalLM,
-    stream: Tensor,
+    data: Tensor | Continuations,
     cfg: DraftTrainConfig,
     device: torch.device,
+    served: ServedAcceptance | None = None,
     log=print,
-) -> list[dict]:
+) -> tuple[list[dict], list[dict]]:
+    """Returns the loss history and the learning curve: the served acceptance (`served`) every
+    `cfg.served_eval_every` steps and after the last, with the tokens seen so far."""
     gen = torch.Generator().manual_seed(cfg.seed)
+    target_pass = TargetPass(target, model.config.target_layer_ids, keep=isinstance(data, Continuations))
     opt = make_optimizer(model, cfg)
     model.train()
-    history = []
-    start = time.monotonic()
+    history, curve = [], []
+    start, tokens = time.monotonic(), 0
     for step in range(cfg.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        parts = train_step(model, target, sample_batch(stream, cfg, gen, device), opt, cfg.grad_clip)
+        batch = sample_batch(data, cfg, gen, device)
+        parts = train_step(model, target, batch, opt, cfg.grad_clip, target_pass)
+        tokens += sum(ids.numel() for ids, _ in batch)
+        if served is not None and ((step + 1) % cfg.served_eval_every == 0 or step == cfg.steps - 1):
+            report = served.evaluate(model.eval())
+            model.train()
+            curve.append(dict(step=step + 1, tokens=tokens, mean_accepted_length=report["mean_accepted_length"],
+                              acceptance_per_position=report["acceptance_per_position"]))
+            log(f"step {step + 1:5d}: served {format_acceptance(report)}")
         if step % LOG_EVERY == 0 or step == cfg.steps - 1:
             elapsed = time.monotonic() - start
-            tok_s = (step + 1) * cfg.batch * cfg.seq_len / elapsed  # window tokens through target and draft
+            tok_s = tokens / elapsed  # window tokens through target and draft
             history.append(
                 dict(
                     step=step,
                     **{k: round(v, 4) for k, v in parts.items()},
                     lr=lr_at(step, cfg),
                     seconds=round(elapsed, 1),
+                    tokens=tokens,
                     tokens_per_s=round(tok_s, 1),
                 )
             )
@@ -274,7 +325,7 @@ def train(
                 f"{tok_s:,.0f} tok/s  {elapsed / 60:.1f} min"
             )
     model.eval()
-    return history
+    return history, curve
 
 
 # --- offline acceptance -------------------------------------------------------------------------------------
@@ -335,6 +386,76 @@ def acceptance_report(matched: Tensor, confidence: Tensor | None, held_out_loss:
     return report
 
 
+class ServedAcceptance:
+    """Greedy acceptance as serving sees it: on the held-out prompts continued by the target's own greedy tokens,
+    blocks are drafted where the previous verify left off (the first at the first generated token; after a
+    block with a accepted drafts the next anchor is a + 1 positions later, the target's bonus token), each draft
+    counted while it and those before it equal the target's tokens. The target is frozen, so its taps on these
+    sequences are computed once; each evaluation runs the draft alone."""
+
+    def __init__(self, target: KimiK3ForCausalLM, data: Continuations, taps: tuple[int, ...]):
+        self.embed, self.lm_head = target.model.embed_tokens, target.lm_head
+        device = target.lm_head.weight.device
+        self.sequences = [s.to(device) for s in data.sequences]
+        self.prompt_lens = data.prompt_lens
+        with torch.no_grad():
+            self.taps = [target(ids, tap_layers=taps).taps for ids in self.sequences]
+
+    @torch.no_grad()
+    def evaluate(self, model: K3DSparkModel) -> dict:
+        matched, confidence = [], []
+        for ids, taps, start in zip(self.sequences, self.taps, self.prompt_lens, strict=True):
+            # every anchor's block in one pass (cheap), then the walk serving takes through them
+            anchors = torch.arange(start, ids.numel() - BLOCK_SIZE, device=ids.device)
+            if anchors.numel() == 0:
+                continue
+            context_rows = model.context_rows(taps, torch.arange(ids.numel(), device=ids.device))
+            block_ids = torch.full((anchors.numel(), BLOCK_SIZE), model.config.mask_token_id, device=ids.device)
+            block_ids[:, 0] = ids[anchors]
+            hidden = model.block_forward(self.embed(block_ids.reshape(-1)), slot_positions(anchors).reshape(-1),
+                                         context_rows, block_visibility(anchors, ids.numel()))
+            hidden = hidden.view(anchors.numel(), BLOCK_SIZE, -1)
+            drafts = greedy_drafts(model, self.lm_head(hidden), ids[anchors])
+            hits = (drafts == ids[slot_positions(anchors) + 1]).long().cumprod(dim=1)
+            visited, a = [], 0
+            while a < anchors.numel():
+                visited.append(a)
+                a += int(hits[a].sum()) + 1
+            visited = torch.tensor(visited, device=ids.device)
+            matched.append(hits[visited])
+            conf = model.confidence(hidden[visited], torch.cat([ids[anchors[visited], None],
+                                                                drafts[visited, :-1]], dim=1))
+            if conf is not None:
+                confidence.append(conf)
+        return acceptance_report(torch.cat(matched), torch.cat(confidence) if confidence else None, {})
+
+
+def held_out_prompts(tokenizer: KimiTokenizer) -> list[list[int]]:
+    """The prompts the serving benchmark and the CI acceptance test use (heldout_prompts.json)."""
+    texts = json.loads((Path(__file__).parent / "heldout_prompts.json").read_text())["prompts"]
+    return [tokenizer.encode(t) for t in texts]
+
+
+def served_continuations(target: KimiK3ForCausalLM, tokenizer: KimiTokenizer, new_tokens: int,
+                         cache: Path | None) -> Continuations:
+    """The held-out prompts and the target's greedy continuation of each, read from `cache` where it exists
+    (written there otherwise: they depend only on the target)."""
+    prompts = held_out_prompts(tokenizer)
+    if cache is not None and cache.exists():
+        data = Continuations.load(cache)
+        lens = data.prompt_lens
+        longest = max(s.numel() - n for s, n in zip(data.sequences, lens, strict=True))  # a stop id ends some early
+        if lens != [len(p) for p in prompts] or longest != new_tokens:
+            raise ValueError(f"{cache} does not hold the held-out prompts continued by {new_tokens} tokens: "
+                             "delete it (it is regenerated) or pass the --served-tokens it was made with")
+        return data
+    with torch.no_grad():
+        data = generate(target, tokenizer, prompts, [new_tokens] * len(prompts), 0.0, seed=0)
+    if cache is not None:
+        data.save(cache)
+    return data
+
+
 # --- the command --------------------------------------------------------------------------------------------
 
 
@@ -359,7 +480,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=DraftTrainConfig.seq_len)
     p.add_argument("--anchors", type=int, default=DraftTrainConfig.anchors, help="blocks per window")
     p.add_argument("--lr", type=float, default=DraftTrainConfig.lr)
+    p.add_argument("--warmup", type=int, default=DraftTrainConfig.warmup, help="steps of linear warmup")
     p.add_argument("--eval-windows", type=int, default=DraftTrainConfig.eval_windows)
+    p.add_argument("--served-tokens", type=int, default=96,
+                   help="greedy target tokens after each held-out prompt, for the served acceptance")
+    p.add_argument("--served-data", type=Path, help="cache file of the held-out prompts' greedy continuations "
+                   "(read if it exists, else written)")
+    p.add_argument("--served-eval-every", type=int, default=DraftTrainConfig.served_eval_every,
+                   help="steps between points of the served acceptance's learning curve")
+    p.add_argument("--train-data", type=Path, nargs="+", help="files of the target's continuations (python -m "
+                   "mstar.training.continuations) to train on instead of corpus windows")
+    p.add_argument("--init", type=Path, help="a draft checkpoint to start from (its config and weights) instead "
+                   "of random weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
     cfg = DraftTrainConfig(
@@ -368,33 +500,46 @@ def main(argv: list[str] | None = None) -> None:
         seq_len=args.seq_len,
         anchors=args.anchors,
         lr=args.lr,
+        warmup=args.warmup,
         eval_windows=args.eval_windows,
+        served_eval_every=args.served_eval_every,
     )
     device = torch.device(args.device)
     t0 = time.monotonic()
 
     target = frozen_target(args.target_dir, device)
-    corpus = build_corpus(KimiTokenizer.from_dir(args.target_dir))
+    tokenizer = KimiTokenizer.from_dir(args.target_dir)
+    corpus = build_corpus(tokenizer)
     print(
         f"target: {args.target_dir} ({target.config.num_hidden_layers} layers); corpus: "
         f"{corpus.train.numel():,} train tokens, {corpus.held_out.numel():,} held out"
     )
-    raw = mini_dspark_raw_config(target.config)
-    model = new_draft(raw, cfg.seed, device)
+    train_data = corpus.train if args.train_data is None else Continuations.load_all(args.train_data)
+    if args.init is None:
+        raw = mini_dspark_raw_config(target.config)
+        model = new_draft(raw, cfg.seed, device)
+    else:
+        raw = json.loads((args.init / "config.json").read_text())
+        model = K3DSparkModel.from_checkpoint(args.init, dtype=torch.float32).to(device)
+    model.requires_grad_(True)
     parameters = sum(p.numel() for p in model.parameters())
     print(f"draft: {parameters:,} parameters, taps on target layers {raw['target_layer_ids']}, block size {BLOCK_SIZE}")
 
     eval_windows = fixed_windows(corpus.held_out, cfg.seq_len, cfg.eval_windows).to(device)
+    held_out = served_continuations(target, tokenizer, args.served_tokens, args.served_data)
+    served = ServedAcceptance(target, held_out, model.config.target_layer_ids)
     before = evaluate(model.eval(), target, eval_windows, cfg.eval_anchor_stride)
-    print(f"held out, untrained: {format_acceptance(before)}")
+    served_before = served.evaluate(model)
+    print(f"held out, before: {format_acceptance(before)}; served: {format_acceptance(served_before)}")
     train_start = time.monotonic()
-    history = train(model, target, corpus.train, cfg, device)
+    history, curve = train(model, target, train_data, cfg, device, served)
     train_seconds = time.monotonic() - train_start
     after = evaluate(model, target, eval_windows, cfg.eval_anchor_stride)
-    print(f"held out, trained:   {format_acceptance(after)}")
+    served_after = served.evaluate(model)
+    print(f"held out, after:  {format_acceptance(after)}; served: {format_acceptance(served_after)}")
 
     save_dspark_checkpoint(args.out_dir, raw, checkpoint_tensors(model, target))
-    tokens = cfg.steps * cfg.batch * cfg.seq_len
+    tokens = history[-1]["tokens"]
     report = dict(
         train=asdict(cfg),
         block_size=BLOCK_SIZE,
@@ -410,10 +555,22 @@ def main(argv: list[str] | None = None) -> None:
         history=history,
         train_seconds=round(train_seconds, 1),
         tokens_per_s=round(tokens / train_seconds, 1),
+        train_data=dict(source="corpus windows") if args.train_data is None else dict(
+            source="the target's continuations of training-stream prompts", files=[str(f) for f in args.train_data],
+            sequences=len(train_data.sequences), continuation_tokens=train_data.num_continuation_tokens(),
+            temperature=train_data.temperature),
+        init=None if args.init is None else str(args.init),
         acceptance=dict(
             method="greedy draft blocks vs the target's greedy tokens given the true prefix (held-out windows)",
-            untrained=before,
-            trained=after,
+            before=before,
+            after=after,
+        ),
+        served_acceptance=dict(
+            method=f"the {len(held_out.sequences)} held-out prompts continued by {args.served_tokens} greedy target "
+            "tokens; blocks drafted where the previous verify left off, greedy verification",
+            before=served_before,
+            after=served_after,
+            curve=curve,
         ),
         minutes=round((time.monotonic() - t0) / 60, 1),
     )

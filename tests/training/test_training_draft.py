@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -13,10 +14,13 @@ import torch.nn.functional as F
 from mstar.models.dspark.config import parse_dspark_config
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.config import parse_config
+from mstar.training import card
 from mstar.training import draft as trainer
+from mstar.training.continuations import Continuations, generate
 from mstar.training.draft import (
     BLOCK_SIZE,
     DraftTrainConfig,
+    ServedAcceptance,
     draft_blocks,
     dspark_loss,
     frozen_target,
@@ -136,10 +140,87 @@ def test_command_writes_a_loadable_draft_and_its_report(tiny_dir, target, tmp_pa
     assert cfg.target_layer_ids == (1, 4, 6) and cfg.num_hidden_layers == 2
     report = json.loads((out / "training.json").read_text())
     assert report["block_size"] == BLOCK_SIZE and [h["step"] for h in report["history"]] == [0, 1]
-    for when in ("untrained", "trained"):
+    for when in ("before", "after"):
         acc = report["acceptance"][when]
         assert 1 <= acc["mean_accepted_length"] <= BLOCK_SIZE + 1
         assert len(acc["acceptance_per_position"]) == len(acc["prefix_acceptance"]) == BLOCK_SIZE
         assert len(acc["mean_confidence_per_position"]) == BLOCK_SIZE
         assert acc["num_blocks"] == 2 * len(range(1, 40 - BLOCK_SIZE, 4))
     assert report["tokens_per_s"] > 0 and set(report["history"][-1]) >= {"loss", "ce", "l1", "bce"}
+
+
+def test_continuation_batches_anchor_in_the_continuation(target):
+    lengths = [40, 33, 60]
+    data = Continuations(sequences=[torch.randint(0, 1000, (n,)) for n in lengths], prompt_lens=[20, 5, 51],
+                         temperature=0.0)
+    cfg = DraftTrainConfig(seq_len=48, batch=6, anchors=8)
+    for ids, anchors in sample_batch(data, cfg, torch.Generator().manual_seed(random.randrange(1 << 30)),
+                                     torch.device("cpu")):
+        i = lengths.index(ids.numel())
+        room = ids.numel() - BLOCK_SIZE - data.prompt_lens[i]
+        assert anchors.numel() == min(8, room) and len(set(anchors.tolist())) == anchors.numel()
+        assert anchors.min() >= data.prompt_lens[i] and anchors.max() + BLOCK_SIZE < ids.numel()
+
+
+def test_served_acceptance_walks_blocks_as_serving_does(tiny_dirs, tiny_model_fp64):
+    """Blocks drafted one after another by `propose` on a cache of the target's taps, each starting where the
+    previous one's accepted drafts end, give the same accepted lengths as the batched walk."""
+    model, target = K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=F64), tiny_model_fp64
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    prompts = [torch.randint(0, 1000, (n,), generator=gen).tolist() for n in (5, 9)]
+    # continuations partly the draft's own proposals, so that some blocks are accepted in part or whole
+    sequences = []
+    for p in prompts:
+        ids = list(p)
+        while len(ids) < len(p) + 30:
+            ids.append(int(torch.randint(0, 1000, (1,), generator=gen)))
+            cache = model.new_cache()
+            model.extend_context(cache, target(torch.tensor(ids[:-1]), tap_layers=model.config.target_layer_ids).taps)
+            proposal = model.propose(cache, ids[-1], len(ids) - 1, BLOCK_SIZE, target.model.embed_tokens,
+                                     target.lm_head)
+            keep = int(torch.randint(0, BLOCK_SIZE + 1, (1,), generator=gen))
+            ids += proposal.tokens[:keep].tolist()
+        sequences.append(torch.tensor(ids))
+    data = Continuations(sequences=sequences, prompt_lens=[len(p) for p in prompts], temperature=0.0)
+    report = ServedAcceptance(target, data, model.config.target_layer_ids).evaluate(model)
+
+    accepted = []
+    for ids, start in zip(sequences, data.prompt_lens, strict=True):
+        taps = target(ids, tap_layers=model.config.target_layer_ids).taps
+        a = start
+        while a + BLOCK_SIZE < ids.numel():
+            cache = model.new_cache()
+            model.extend_context(cache, taps[:a])
+            drafts = model.propose(cache, int(ids[a]), a, BLOCK_SIZE, target.model.embed_tokens, target.lm_head).tokens
+            n = int((drafts == ids[a + 1 : a + 1 + BLOCK_SIZE]).long().cumprod(0).sum())
+            accepted.append(n)
+            a += n + 1
+    assert report["num_blocks"] == len(accepted)
+    assert report["mean_accepted_length"] == pytest.approx(1 + sum(accepted) / len(accepted), abs=1e-4)
+    assert max(accepted) > 0
+
+
+def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, target, tokenizer, tmp_path):
+    """--init starts from a checkpoint, --train-data trains on continuations, and the served acceptance is
+    recorded before, every --served-eval-every steps, and after."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    prompts = [torch.randint(0, 1000, (6,), generator=gen).tolist() for _ in range(3)]
+    generate(target, tokenizer, prompts, [30] * 3, 0.0, 0, log=lambda _: None).save(tmp_path / "c.pt")
+    out = tmp_path / "draft"
+    flags = ["--steps", "3", "--batch", "1", "--seq-len", "40", "--anchors", "4", "--eval-windows", "1",
+             "--served-tokens", "12", "--served-eval-every", "2", "--train-data", str(tmp_path / "c.pt"),
+             "--served-data", str(tmp_path / "held_out.pt"),
+             "--init", str(tiny_dirs[1])]
+    trainer.main([str(tiny_dirs[0]), str(out), *flags, "--device", "cpu"])
+    report = json.loads((out / "training.json").read_text())
+    assert report["init"] == str(tiny_dirs[1]) and report["train_data"]["sequences"] == 3
+    served = report["served_acceptance"]
+    assert [c["step"] for c in served["curve"]] == [2, 3]
+    assert served["curve"][-1]["mean_accepted_length"] == served["after"]["mean_accepted_length"]
+    assert 1 <= served["before"]["mean_accepted_length"] <= BLOCK_SIZE + 1
+    assert served["before"]["num_blocks"] > 0 and report["tokens_seen"] == report["history"][-1]["tokens"] > 0
+    held_out = Continuations.load(tmp_path / "held_out.pt")  # cached for the next run
+    new_tokens = [s.numel() - n for s, n in zip(held_out.sequences, held_out.prompt_lens, strict=True)]
+    assert len(new_tokens) == 24 and max(new_tokens) == 12 and min(new_tokens) >= 1
+    text = card.draft_card(out, tiny_dirs[0], report, curve_plotted=False)
+    assert "| 2 |" in text and "| 3 |" in text and "continuation tokens" in text and str(tiny_dirs[1]) in text
