@@ -67,7 +67,9 @@ def plot_served_curve(draft: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    served = draft["served_acceptance"]
+    served = draft.get("served_acceptance")  # absent for a draft trained before it was measured
+    if served is None:
+        return False
     curve = [dict(tokens=0, mean_accepted_length=served["before"]["mean_accepted_length"]), *served["curve"]]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     ax.plot([c["tokens"] / 1e3 for c in curve], [c["mean_accepted_length"] for c in curve], marker="o")
@@ -86,7 +88,9 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
     kda = [i for i in range(cfg.num_hidden_layers) if cfg.is_kda_layer(i)]
     mla = [i for i in range(cfg.num_hidden_layers) if i not in kda]
     ppl = "\n".join(f"| {name} | {value:.3f} |" for name, value in report["held_out_perplexity"].items())
-    acc = draft_report["served_acceptance"]["after"]
+    # the acceptance as served where the draft's trainer measured it, else the corpus-window one
+    served = draft_report.get("served_acceptance")
+    acc = served["after"] if served else draft_report["acceptance"]["after"]
     lines = [
         "# kimi_k3_mini",
         "",
@@ -126,8 +130,8 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
         "",
         f"## Its DSpark draft: `{draft_dir.name}`",
         "",
-        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify (greedy, held-out prompts, as "
-        "served); "
+        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify ("
+        f"{'greedy, held-out prompts, as served' if served else 'greedy, held-out corpus windows'}); "
         f"see {draft_dir.name}/README.md.",
         "",
         "## Samples (greedy, 48 tokens)",
@@ -159,12 +163,34 @@ def data_line(report: dict) -> str:
             "continuations only")
 
 
+def served_section(served: dict | None, curve_plotted: bool) -> list[str]:
+    """The card's lines on the acceptance as served and its learning curve (none for a draft trained before the
+    trainer measured it)."""
+    if served is None:
+        return []
+    return [
+        "## Acceptance as served (greedy, held-out prompts, k = 7)",
+        "",
+        f"{served['method']}. Mean accepted length per verify (accepted drafts + 1): "
+        f"{served['before']['mean_accepted_length']:.2f} before this run, "
+        f"**{served['after']['mean_accepted_length']:.2f}** after ({served['after']['num_blocks']} blocks).",
+        "",
+        *rates_table(served["after"]),
+        "",
+        "Learning curve (served acceptance during this run):",
+        "",
+        "| step | tokens | mean accepted length |",
+        "|---|---|---|",
+        *[f"| {c['step']} | {c['tokens']:,} | {c['mean_accepted_length']:.2f} |" for c in served["curve"]],
+        "",
+        *(["![served acceptance](acceptance.png)", ""] if curve_plotted else []),
+    ]
+
+
 def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: bool) -> str:
     before, after = report["acceptance"]["before"], report["acceptance"]["after"]
-    served = report["served_acceptance"]
     w = report["loss_weights"]
     start = "random weights" if report["init"] is None else f"the draft at `{report['init']}`"
-    curve_rows = [f"| {c['step']} | {c['tokens']:,} | {c['mean_accepted_length']:.2f} |" for c in served["curve"]]
     return "\n".join([
         f"# {draft_dir.name}",
         "",
@@ -184,21 +210,7 @@ def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: b
         f"{w['confidence']} confidence BCE; final {report['history'][-1]['loss']:.3f}",
         f"- {report['parameters']:,} parameters; {report['minutes']} min on {report['device']}",
         "",
-        "## Acceptance as served (greedy, held-out prompts, k = 7)",
-        "",
-        f"{served['method']}. Mean accepted length per verify (accepted drafts + 1): "
-        f"{served['before']['mean_accepted_length']:.2f} before this run, "
-        f"**{served['after']['mean_accepted_length']:.2f}** after ({served['after']['num_blocks']} blocks).",
-        "",
-        *rates_table(served["after"]),
-        "",
-        "Learning curve (served acceptance during this run):",
-        "",
-        "| step | tokens | mean accepted length |",
-        "|---|---|---|",
-        *curve_rows,
-        "",
-        *(["![served acceptance](acceptance.png)", ""] if curve_plotted else []),
+        *served_section(report.get("served_acceptance"), curve_plotted),
         "## Acceptance on corpus text (greedy drafts vs the target's greedy tokens, held-out corpus windows)",
         "",
         f"Mean accepted length per verify: {before['mean_accepted_length']:.2f} before, "

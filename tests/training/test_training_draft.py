@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from paths import ROOT
 
 from mstar.models.dspark.config import parse_dspark_config
 from mstar.models.dspark.model import K3DSparkModel
@@ -224,3 +226,15 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
     assert len(new_tokens) == 24 and max(new_tokens) == 12 and min(new_tokens) >= 1
     text = card.draft_card(out, tiny_dirs[0], report, curve_plotted=False)
     assert "| 2 |" in text and "| 3 |" in text and "continuation tokens" in text and str(tiny_dirs[1]) in text
+
+
+def test_the_shipped_pairs_cards_regenerate(tmp_path):
+    """`python -m mstar.training.card` on copies of models/: the shipped draft was trained before the trainer
+    measured the acceptance as served, and its card still comes out, with the corpus-window figures."""
+    target, draft = (shutil.copytree(ROOT / "models" / name, tmp_path / name)
+                     for name in ("kimi_k3_mini", "kimi_k3_mini_dspark"))
+    card.main([str(target), str(draft)])
+    shipped = json.loads((draft / "training.json").read_text())["acceptance"]["after"]["mean_accepted_length"]
+    assert f"**{shipped:.2f}** after" in (draft / "README.md").read_text()
+    assert f"Mean accepted length {shipped:.2f} tokens per verify" in (target / "README.md").read_text()
+    assert "Acceptance as served" not in (draft / "README.md").read_text()
