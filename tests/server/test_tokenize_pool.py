@@ -23,6 +23,7 @@ import httpx
 import pytest
 from fake_engine import FakeEngine
 from live_server import LiveServer, start_mstar_serve, wait_until
+from loop_pauses import HEALTH_BUDGET_S, STREAM_GAP_BUDGET_S, median, while_posting
 from paths import ROOT
 from processes import descendants, gone
 
@@ -32,8 +33,6 @@ from mstar.server.options import ServerOptions
 from mstar.server.tokenize_pool import TokenizePool, TooManyTokens
 
 MAX_SEQ_LEN = 512
-HEALTH_BUDGET_S = 0.1
-STREAM_GAP_BUDGET_S = 0.2
 PIECES = ["a", "é", "日本語", "😀", " ", "  ", "\n", "\t", "x = [1, 2]", "<|open|>", "<|end_of_msg|>", "[EOS]",
           "<|im_end|>", "<|reserved_token_7|>", "def", "return", "1234567", "\u00a0", "\ud800", "!!", "-" * 40]
 
@@ -126,61 +125,6 @@ def _largest_body(options: ServerOptions, kind: str) -> bytes:
     return content
 
 
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2]
-
-
-def _while_posting(server: LiveServer, path: str, content: bytes) -> tuple[httpx.Response, float, float]:
-    """POST `content` to `path` while polling /health and reading another client's stream: (the answer,
-    the slowest /health, the longest gap between the stream's chunks while it was sent and answered), each
-    less its median just before (what the request added, not what a loaded machine does anyway)."""
-    answer: list[httpx.Response] = []
-    chunks: list[float] = []
-    window: list[float] = []
-    streaming = threading.Event()
-
-    def stream():
-        body = {"prompt": "[[slow]] go", "max_tokens": MAX_SEQ_LEN - 16, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    chunks.append(time.perf_counter())
-                    if len(chunks) > 20:
-                        streaming.set()
-                if window[1:]:
-                    break
-
-    def post():
-        window.append(time.perf_counter())
-        answer.append(httpx.post(server.url + path, content=content, headers={"content-type": "application/json"},
-                                 timeout=120))
-        window.append(time.perf_counter())
-
-    streamer = threading.Thread(target=stream)
-    streamer.start()
-    assert streaming.wait(60), "the stream did not start"
-    with httpx.Client(base_url=server.url, timeout=10) as client:
-        def health() -> float:
-            start = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            return time.perf_counter() - start
-
-        idle = _median([health() for _ in range(20)])
-        sender = threading.Thread(target=post)
-        sender.start()
-        worst = 0.0
-        while sender.is_alive():
-            worst = max(worst, health())
-            time.sleep(0.01)
-    sender.join()
-    streamer.join()
-    gaps = [(b, b - a) for a, b in zip(chunks, chunks[1:], strict=False)]
-    before = [gap for at, gap in gaps if at < window[0]]
-    during = [gap for at, gap in gaps if window[0] <= at <= window[1] + STREAM_GAP_BUDGET_S]
-    assert before and during, "the stream ended before the request was answered"
-    return answer[0], worst - idle, max(during) - _median(before)
-
-
 @pytest.mark.parametrize("kind", ["text", "ids", "chat"])
 def test_the_largest_prompt_does_not_pause_other_clients(served, kind):
     """The median of 3 sends: other processes on a shared machine only ever add latency, in bursts, and
@@ -192,13 +136,13 @@ def test_the_largest_prompt_does_not_pause_other_clients(served, kind):
     content = _largest_body(options, kind)
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     for _ in range(3):
-        r, health, gap = _while_posting(server, path, content)
+        r, health, gap = while_posting(server, path, content, MAX_SEQ_LEN - 16, settle_chunks=21)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["prompt_tokens"] == 8
         healths.append(round(health * 1000))
         gaps.append(round(gap * 1000))
-    assert _median(healths) < HEALTH_BUDGET_S * 1000, f"/health took {healths} ms longer while the prompt arrived"
-    assert _median(gaps) < STREAM_GAP_BUDGET_S * 1000, f"a stream paused {gaps} ms longer while the prompt arrived"
+    assert median(healths) < HEALTH_BUDGET_S * 1000, f"/health took {healths} ms longer while the prompt arrived"
+    assert median(gaps) < STREAM_GAP_BUDGET_S * 1000, f"a stream paused {gaps} ms longer while the prompt arrived"
 
 
 def test_large_bodies_parse_in_a_worker_as_inline(pool):
