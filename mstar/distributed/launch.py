@@ -41,7 +41,7 @@ from mstar.config import ServeConfig
 
 from .node_beats import NodeBeats, stopped_key
 from .rendezvous import Rendezvous, RendezvousError
-from .worker import EXIT_RANK_FAILED, SETUP_KEY, RankSetup, follower_main
+from .worker import EXIT_RANK_FAILED, RANK_NAME, SETUP_KEY, RankSetup, follower_main
 
 log = logging.getLogger("mstar.distributed")
 
@@ -104,7 +104,7 @@ class NodeRanks:
                                interval_s=setup.timeouts.heartbeat_s, timeout_s=setup.timeouts.node_silence_s)
         context = torch.multiprocessing.get_context("spawn")
         self.processes = {rank: context.Process(target=follower_main, args=(setup, rank, os.getpid()),
-                                                name=f"mstar-rank{rank}") for rank in rdzv.local_ranks()}
+                                                name=f"{RANK_NAME}{rank}") for rank in rdzv.local_ranks()}
         self.signals: list[int] = []
 
     def run(self) -> int:

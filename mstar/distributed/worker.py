@@ -72,6 +72,7 @@ from mstar.models.kimi_k3.config import load_config
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.process_name import set_process_name
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.runner.executor import ModelStep, StepExecutor, StepOutput
@@ -90,6 +91,7 @@ log = logging.getLogger("mstar.distributed")
 
 EXIT_RANK_FAILED = 3  # rank 0's exit status when a rank died (as mstar-serve's when its engine stops for good)
 FAILURE_ATTRIBUTION_S = 1.0  # how long a failed step waits for the monitor to name the rank that died
+RANK_NAME = "mstar-rank"  # a follower's process name is this and its rank (ps and top show it)
 SETUP_KEY = "mstar/setup"  # the pickled RankSetup, in the store, for the launchers of the other nodes
 
 
@@ -284,6 +286,7 @@ def _watch_parent(parent_pid: int, rank: int) -> None:
 
 def follower_main(setup: RankSetup, rank: int, parent_pid: int) -> None:
     """Entry point of a follower process."""
+    set_process_name(f"{RANK_NAME}{rank}")
     # A group-wide Ctrl-C or SIGTERM must not kill a follower while rank 0 drains: rank 0 stops it.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -548,7 +551,7 @@ def start_ranks(checkpoint: str | Path, tokenizer: Any, engine_config: EngineCon
     if rdzv.multi_node:
         store.set(SETUP_KEY, pickle.dumps(setup))
     context = torch.multiprocessing.get_context("spawn")
-    processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"mstar-rank{rank}")
+    processes = [context.Process(target=follower_main, args=(setup, rank, os.getpid()), name=f"{RANK_NAME}{rank}")
                  for rank in range(1, rdzv.nproc_per_node)]
     for p in processes:
         p.start()

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import array
 import asyncio
-import contextlib
 import io
 import logging
 import multiprocessing
@@ -43,6 +42,7 @@ from typing import Any, TypeVar
 
 from mstar.models.kimi_k3.chat import encode_chat
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.process_name import set_process_name
 
 logger = logging.getLogger("mstar.server.tokenize_pool")
 Body = TypeVar("Body")
@@ -147,18 +147,11 @@ def _start_worker(directory: str) -> None:
     # Tokenizing a huge prompt is throughput work; the server's event loop and engine thread are latency work:
     # where cores are few, they get the CPU first.
     os.nice(WORKER_NICENESS)
-    _name_process(WORKER_NAME)
+    set_process_name(WORKER_NAME)
     # A worker holds its own copy of the task queue's write end, so it would not see the queue close if the
     # server were killed (SIGKILL, OOM): it watches the server process instead.
     threading.Thread(target=_exit_with, args=(multiprocessing.parent_process(),), daemon=True).start()
     _worker_tokenizer = KimiTokenizer.from_dir(directory)
-
-
-def _name_process(name: str) -> None:
-    """The name `ps`, `top` and /proc/PID/comm show (Linux; elsewhere the worker keeps python's), so that an
-    operator, and a test, can tell the tokenizer workers from the spawned tensor-parallel ranks."""
-    with contextlib.suppress(OSError):
-        Path("/proc/self/comm").write_text(name)
 
 
 def _exit_with(server: multiprocessing.process.BaseProcess) -> None:

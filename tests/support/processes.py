@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from mstar.server.tokenize_pool import WORKER_NAME
+from mstar.distributed.worker import RANK_NAME
 
 
 def free_port() -> int:
@@ -40,10 +40,9 @@ def descendants(pid: int) -> list[int]:
 
 
 def is_spawned_rank(pid: int) -> bool:
-    """A process started by multiprocessing's spawn (a rank), not its resource tracker nor a tokenizer worker
-    (mstar/server/tokenize_pool.py names those)."""
+    """A follower rank (mstar/distributed/worker.py names them mstar-rankN), not multiprocessing's resource
+    tracker nor a tokenizer worker, which are spawned the same way."""
     try:
-        spawned = b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        return spawned and Path(f"/proc/{pid}/comm").read_text().strip() != WORKER_NAME
+        return Path(f"/proc/{pid}/comm").read_text().startswith(RANK_NAME)
     except OSError:
         return False
