@@ -40,9 +40,10 @@ def random_jobs(model: KimiK3ForCausalLM, lengths, max_tokens: tuple[int, int]) 
     return jobs
 
 
-def _router_margins(model: KimiK3ForCausalLM, ids: list[int]) -> float:
-    """The smallest gap between the k-th and (k+1)-th biased score over every routed token."""
-    gaps: list[float] = []
+def router_margins(model: KimiK3ForCausalLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids)] float64: per token, the smallest gap between the k-th and (k+1)-th biased router score
+    over every layer (inf where no router chooses among more than k experts)."""
+    gaps = torch.full((len(ids),), float("inf"), dtype=torch.float64)
 
     def record(router: Router, args, _out):
         x = args[0].to(torch.float64)
@@ -50,7 +51,7 @@ def _router_margins(model: KimiK3ForCausalLM, ids: list[int]) -> float:
         k = router.config.num_experts_per_token
         if k < scores.shape[-1]:
             top = scores.topk(k + 1, dim=-1).values
-            gaps.append(float((top[:, k - 1] - top[:, k]).min()))
+            torch.minimum(gaps, top[:, k - 1] - top[:, k], out=gaps)
 
     hooks = [m.register_forward_hook(record) for m in model.modules() if isinstance(m, Router)]
     try:
@@ -59,7 +60,7 @@ def _router_margins(model: KimiK3ForCausalLM, ids: list[int]) -> float:
     finally:
         for h in hooks:
             h.remove()
-    return min(gaps, default=float("inf"))
+    return gaps
 
 
 def tie_explains(model: KimiK3ForCausalLM, prompt: list[int], expect: list[int], got: list[int]) -> str | None:
@@ -71,7 +72,7 @@ def tie_explains(model: KimiK3ForCausalLM, prompt: list[int], expect: list[int],
     with torch.no_grad():
         logits = model(torch.tensor(context, dtype=torch.long), None).logits[-1].double()
     logit_gap = float(logits[expect[j]] - logits[got[j]])
-    router_gap = _router_margins(model, context)
+    router_gap = float(router_margins(model, context).min())
     if logit_gap < LOGIT_TIE * max(1.0, float(logits.abs().max())) or router_gap < ROUTER_TIE:
         return f"near tie before token {j}: logit gap {logit_gap:.2e}, router gap {router_gap:.2e}"
     return None
