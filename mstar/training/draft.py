@@ -243,6 +243,17 @@ def random_anchors(length: int, count: int, gen: torch.Generator, first: int = 1
     return (torch.randperm(length - BLOCK_SIZE - first, generator=gen)[:count] + first).sort().values
 
 
+def blocks_fit(data: Continuations) -> list[int]:
+    """The sequences whose continuation holds a whole block after an anchor (the target may stop a continuation
+    after a few tokens)."""
+    usable = [i for i, (ids, start) in enumerate(zip(data.sequences, data.prompt_lens, strict=True))
+              if ids.numel() - BLOCK_SIZE - start >= 1]
+    if not usable:
+        raise ValueError(f"no continuation is longer than a block ({BLOCK_SIZE} tokens after its anchor): "
+                         "generate longer ones (python -m mstar.training.continuations --seq-len)")
+    return usable
+
+
 def sample_batch(data: Tensor | Continuations, cfg: DraftTrainConfig, gen: torch.Generator,
                  device: torch.device) -> Batch:
     """`cfg.batch` random windows of a token stream (anchors anywhere past the first token), or random sequences of
@@ -251,7 +262,8 @@ def sample_batch(data: Tensor | Continuations, cfg: DraftTrainConfig, gen: torch
     if isinstance(data, Tensor):
         windows = random_windows(data, cfg.seq_len, cfg.batch, gen)
         return [(w.to(device), random_anchors(cfg.seq_len, cfg.anchors, gen).to(device)) for w in windows]
-    picks = torch.randint(0, len(data.sequences), (cfg.batch,), generator=gen).tolist()
+    usable = blocks_fit(data)
+    picks = [usable[j] for j in torch.randint(0, len(usable), (cfg.batch,), generator=gen).tolist()]
     return [
         (data.sequences[i].to(device),
          random_anchors(data.sequences[i].numel(), cfg.anchors, gen, first=data.prompt_lens[i]).to(device))

@@ -152,8 +152,10 @@ def test_command_writes_a_loadable_draft_and_its_report(tiny_dir, target, tmp_pa
 
 
 def test_continuation_batches_anchor_in_the_continuation(target):
-    lengths = [40, 33, 60]
-    data = Continuations(sequences=[torch.randint(0, 1000, (n,)) for n in lengths], prompt_lens=[20, 5, 51],
+    """Anchors lie in the continuation with a whole block after them; a continuation the target stopped before
+    a block fits (the 57-token one: 6 tokens after its prompt) is never drawn."""
+    lengths = [40, 33, 60, 57]
+    data = Continuations(sequences=[torch.randint(0, 1000, (n,)) for n in lengths], prompt_lens=[20, 5, 51, 51],
                          temperature=0.0)
     cfg = DraftTrainConfig(seq_len=48, batch=6, anchors=8)
     for ids, anchors in sample_batch(data, cfg, torch.Generator().manual_seed(random.randrange(1 << 30)),
@@ -162,6 +164,9 @@ def test_continuation_batches_anchor_in_the_continuation(target):
         room = ids.numel() - BLOCK_SIZE - data.prompt_lens[i]
         assert anchors.numel() == min(8, room) and len(set(anchors.tolist())) == anchors.numel()
         assert anchors.min() >= data.prompt_lens[i] and anchors.max() + BLOCK_SIZE < ids.numel()
+    with pytest.raises(ValueError, match="no continuation is longer than a block"):
+        sample_batch(Continuations(data.sequences[3:], data.prompt_lens[3:], 0.0), cfg, torch.Generator(),
+                     torch.device("cpu"))
 
 
 def test_served_acceptance_walks_blocks_as_serving_does(tiny_dirs, tiny_model_fp64):
