@@ -428,7 +428,7 @@ class EngineCore:
         preempted request recomputes its prompt, but its entries are already on their way). Empty: none."""
         claimed = []
         for s, request in zip(decl.seqs, requests, strict=True):
-            if request.params.prompt_logprobs is None or s.verify:
+            if not request.params.scores_prompt or s.verify:
                 claimed.append((0, 0))
                 continue
             first = max(s.num_computed, request.prompt_rows_launched)
@@ -626,7 +626,7 @@ class EngineCore:
             num_output_tokens=len(request.output_ids),
             num_cached_tokens=request.num_cached_tokens,
             prompt_token_ids=list(request.prompt_ids) if first else None,
-            prompt_logprobs=list(request.prompt_logprobs) if first and request.params.prompt_logprobs is not None
+            prompt_logprobs=list(request.prompt_logprobs) if first and request.params.scores_prompt
             else None,
             times=RequestTimes(request.queued_at, request.scheduled_at, request.first_token_at, time.perf_counter())
             if finished else None,

@@ -87,6 +87,12 @@ class SamplingParams:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
+    def scores_prompt(self) -> bool:
+        """The request asked for its prompt's logprobs: every prompt row's logits are computed (so no cached
+        prefix can skip rows, and its chunks are capped: scheduler.PROMPT_SCORING_CHUNK)."""
+        return self.prompt_logprobs is not None
+
+    @property
     def processes_logits(self) -> bool:
         """The logits of this request's rows are changed before a token is chosen (greedy ones too)."""
         return self.min_tokens > 0 or self.penalized or bool(self.logit_bias)

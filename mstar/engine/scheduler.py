@@ -146,7 +146,7 @@ class Scheduler:
             if is_new and (len(self.running) >= cfg.max_num_seqs or request.unresolved):
                 break  # full, or (FCFS) the first waiting one was preempted with a verify block in flight
             # a request scoring its prompt (prompt_logprobs) needs the logits of rows a cached prefix skips
-            looks_up = is_new and self.prefix is not None and request.params.prompt_logprobs is None
+            looks_up = is_new and self.prefix is not None and not request.params.scores_prompt
             prefix, shared = self.prefix.lookup(request) if looks_up else ((), 0)
             start = len(prefix) * self.prefix.page_size if prefix else request.num_computed
             n = request.num_tokens - start
@@ -155,7 +155,7 @@ class Scheduler:
                     n = budget
                 elif seqs:
                     break  # an unchunked prompt waits for a step of its own
-            if cfg.chunked_prefill and request.params.prompt_logprobs is not None:
+            if cfg.chunked_prefill and request.params.scores_prompt:
                 n = min(n, PROMPT_SCORING_CHUNK)
             if self.prefix is not None and cfg.chunked_prefill:
                 n = self._to_snapshot_boundary(start, n, shared)
