@@ -27,7 +27,7 @@ from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
-from mstar.models.kimi_k3.serving import BatchPlan  # noqa: E402
+from mstar.models.kimi_k3.serving import BatchPlan, StagedLayout, StepKind  # noqa: E402
 from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
 from mstar.tools.make_tiny import real_dims_raw_config  # noqa: E402
 
@@ -65,9 +65,10 @@ def main() -> None:
         starts = tuple(range(0, batch * args.rows + 1, args.rows))
         layout = kda_fla.BlockLayout.build(starts, slots, [args.pending] * batch, (True,) * batch,
                                            args.rows, torch.device("cuda"))
+        # a verify graph's bucket: the layout staged on the device, as runner/cuda_graphs.py captures it
         plan = BatchPlan(input_ids=None, seq_starts=starts, num_computed=(0,) * batch, kv=None,
                          kda_slots=layout.slots, sample_rows=None, verify=(True,) * batch, slot_ids=slots,
-                         kda_layout=layout)
+                         kind=StepKind.STAGED_BLOCKS, staged=StagedLayout(torch.tensor(starts, device="cuda"), layout))
         x = torch.randn(batch * args.rows, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
             graph = capture(lambda x=x, plan=plan, pool=pool: mixers.kda(attn, 0, x, plan, pool))

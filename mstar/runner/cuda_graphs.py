@@ -38,7 +38,7 @@ import torch
 
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StagedLayout, StepKind
 from mstar.resources.latent_kv import LatentKVPlan
 from mstar.speculative.schedule import DraftSchedule
 
@@ -260,7 +260,7 @@ class DecodeGraphs(StepGraphs):
         return BatchPlan(**self._views(bucket), seq_starts=tuple(range(0, n + 1, r)),
                          num_computed=(self.max_seq_len - r,) * bucket, verify=(True,) * bucket if r > 1 else (),
                          kind=StepKind.DECODE if r == 1 else StepKind.STAGED_BLOCKS,
-                         cu_seqlens=self.cu_seqlens.get(bucket), kda_layout=self.layouts.get(bucket))
+                         staged=StagedLayout(self.cu_seqlens[bucket], self.layouts[bucket]) if r > 1 else None)
 
     def can_run(self, plan: BatchPlan) -> bool:
         """A plan of this step's shape within the captured sizes, sampling every row (what the graphs

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
-from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StepKind
+from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StagedLayout, StepKind
 from mstar.resources.transfer import to_device
 from mstar.runner.cuda_graphs import StepGraphs
 
@@ -88,8 +88,7 @@ class PrefillGraphs(StepGraphs):
         # staged on the device, and the kind (STAGED_PREFILL) tells the mixers not to read these
         return BatchPlan(**self._views(bucket), seq_starts=(0,) + (rows,) * seqs, num_computed=(0,) * seqs,
                          kind=StepKind.STAGED_PREFILL,
-                         cu_seqlens=self.layout.cu_seqlens, kda_layout=self.layout.first_rows(rows),
-                         max_query_len=rows)
+                         staged=StagedLayout(self.layout.cu_seqlens, self.layout.first_rows(rows), max_query_len=rows))
 
     def _stage_layout(self, bucket: int, plan: BatchPlan | None) -> None:
         starts = list(plan.seq_starts) if plan is not None else [0]

@@ -10,7 +10,7 @@ from mstar.kernels import kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
-from mstar.models.kimi_k3.serving import BatchPlan, StepKind, TorchMixerOps
+from mstar.models.kimi_k3.serving import BatchPlan, StagedLayout, StepKind, TorchMixerOps
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.tools.make_tiny import k3_fixture
 
@@ -136,7 +136,8 @@ def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
                                        pool.prefix_x.shape[2], x.device, capacity=capacity)
     with torch.no_grad():
         expect = TorchMixerOps().kda(attn, 0, x, plan, ref_pool)
-        y = GpuMixerOps(fused=True).kda(attn, 0, x, replace(plan, kind=StepKind.STAGED_BLOCKS, kda_layout=layout), pool)
+        blocks = replace(plan, kind=StepKind.STAGED_BLOCKS, staged=StagedLayout(torch.tensor(plan.seq_starts), layout))
+        y = GpuMixerOps(fused=True).kda(attn, 0, x, blocks, pool)
     assert torch.isfinite(y).all()
     err = float((y.float() - expect.float()).norm() / expect.float().norm())
     assert err < tol, err

@@ -20,7 +20,7 @@ from mstar.kernels import kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
-from mstar.models.kimi_k3.serving import BatchPlan, StepKind, TorchMixerOps  # noqa: E402
+from mstar.models.kimi_k3.serving import BatchPlan, StagedLayout, StepKind, TorchMixerOps  # noqa: E402
 from mstar.resources.recurrent_pool import RecurrentStatePool  # noqa: E402
 from mstar.tools.make_tiny import k3_fixture  # noqa: E402
 
@@ -43,6 +43,11 @@ def layer_and_pool():
     pool.conv.normal_()
     pool.prefix_x.normal_()
     return attn, pool
+
+
+def staged(plan: BatchPlan, layout) -> StagedLayout:
+    """`layout` as a staged step's KDA layout (the row offsets are the plan's: only the MLA kernel reads them)."""
+    return StagedLayout(torch.tensor(plan.seq_starts), layout)
 
 
 def rel(a, b):
@@ -110,7 +115,8 @@ def test_short_blocks_fold_the_prefix_in_one_pass_like_torch(stacked):
     plan, x, ref, expect = step_against_torch(attn, pool, lengths, verify, slots)
     layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, [pool.prefix_len[s] for s in slots], verify,
                                        pool.prefix_x.shape[2], x.device)
-    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, replace(plan, kind=StepKind.STAGED_BLOCKS, kda_layout=layout), pool)
+    blocks = replace(plan, kind=StepKind.STAGED_BLOCKS, staged=staged(plan, layout))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, blocks, pool)
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
         assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
@@ -136,9 +142,9 @@ def test_pending_prefixes_known_only_on_the_device_match_torch(stacked, capacity
     if capacity is not None:
         pending, exact = plan.pending_bounds(pool)
         assert pending == [4, 4, 0, 4] and exact.tolist() == [3, 1, 0, 4]
-        plan = replace(plan, kda_layout=kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, verify,
-                                                                  pool.prefix_x.shape[2], x.device,
-                                                                  capacity=capacity, exact_pending=exact))
+        layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, verify, pool.prefix_x.shape[2], x.device,
+                                           capacity=capacity, exact_pending=exact)
+        plan = replace(plan, kind=StepKind.STAGED_BLOCKS, staged=staged(plan, layout))
     y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
     assert rel(y, expect) < 1e-5, rel(y, expect)
     for name in ("state", "conv", "prefix_x"):
@@ -165,8 +171,8 @@ def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
     padding = [len(lengths)] * (num_rows - n)  # the padding sequence follows the step's
     assert layout.row_seq.tolist() == [b for b, m in enumerate(lengths) for _ in range(m)] + padding
     padded = torch.cat([x, torch.randn(num_rows - n, HIDDEN)])
-    y = GpuMixerOps(fused=stacked).kda(attn, 0, padded, replace(plan, kind=StepKind.STAGED_PREFILL, kda_layout=layout),
-                                       pool)
+    prefill = replace(plan, kind=StepKind.STAGED_PREFILL, staged=staged(plan, layout))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, padded, prefill, pool)
     assert y.shape == padded.shape and torch.isfinite(y).all()
     assert rel(y[:n], expect) < 1e-5, rel(y[:n], expect)
     for name in ("state", "conv"):  # slot 0 is the sink, which the padding sequence wrote

@@ -132,7 +132,7 @@ def test_staging_pads_the_bucket_with_sinks(tiny_model):
     plan = prefill_plan(cfg, [5, 1, 13], [0, 9, 0], (4, 1, 7), sample=[True, False, True])
     assert graphs.stage(plan) == 32
     staged = graphs.bucket_plan(32)
-    assert staged.input_ids.shape == (32,) and staged.max_query_len == 32
+    assert staged.input_ids.shape == (32,) and staged.staged.max_query_len == 32
     assert staged.kv.page_table.shape == (MAX_SEQS + 1, PAGES_PER_SEQ)
     assert staged.sample_rows.tolist() == [4, 18] + [0] * (MAX_SEQS - 2)
     assert torch.equal(staged.input_ids, torch.cat([plan.input_ids, torch.zeros(13, dtype=torch.long)]))
@@ -141,8 +141,8 @@ def test_staging_pads_the_bucket_with_sinks(tiny_model):
     assert (staged.kv.page_table[3:] == SINK).all()
     assert staged.kv.context_lens.tolist() == [5, 10, 13] + [0] * 6  # padding attends to nothing
     assert staged.kda_slots.tolist() == [4, 1, 7] + [SINK] * 6
-    layout = staged.kda_layout
-    assert staged.cu_seqlens is layout.cu_seqlens and layout.slots.data_ptr() == staged.kda_slots.data_ptr()
+    layout = staged.staged.kda_layout
+    assert staged.staged.cu_seqlens is layout.cu_seqlens and layout.slots.data_ptr() == staged.kda_slots.data_ptr()
     assert layout.cu_seqlens.tolist() == [0, 5, 6, 19] + [32] * 6  # then the padding sequence, then empty ones
     assert layout.lengths.tolist() == [5, 1, 13, 13] + [0] * 5
     assert layout.row_seq.tolist() == [0] * 5 + [1] + [2] * 13 + [3] * 13

@@ -47,7 +47,8 @@ from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
-from .serving import BatchPlan, StepKind, TorchMixerOps
+from .serving import BatchPlan, TorchMixerOps
+from .step_metadata import KDAPath, StepMetadata, build_metadata, kda_step, mla_step
 
 
 def stacked(linears: list[nn.Linear]) -> StackedLinear:
@@ -62,29 +63,38 @@ class GpuMixerOps(TorchMixerOps):
     and fp16 models; fp32 ones keep the exact torch arithmetic there)."""
 
     def __init__(self, mla_layers: frozenset[GatedMLA] = frozenset(), *, fused: bool = False):
+        heads = {attn.num_heads for attn in mla_layers}
+        if len(heads) > 1:
+            raise ValueError(f"the MLA kernel layers have different head counts {sorted(heads)}: one step's "
+                             "metadata serves them all")
         self.mla_layers = mla_layers
+        self.mla_heads = heads.pop() if heads else None
         self.fused = fused
         self.layer_ops = GpuLayerOps() if fused else REFERENCE_OPS  # the norms inside the mixers
         # per layer module, built on first use, which is an eager step (CUDA-graph capture warms up eagerly
         # first): its parameters as the KDA kernels take them, its stacked input projections
         self._kda_weights: dict[KimiDeltaAttention, kda_fla.KDAWeights] = {}
         self._stacks: dict[nn.Module, StackedLinear] = {}
-        self._layout: tuple[BatchPlan, kda_fla.BlockLayout | None] | None = None  # the current step's, if short
+
+    def step_metadata(self, plan: BatchPlan, pool: RecurrentStatePool) -> StepMetadata:
+        """The step's metadata for the mixers (ServingModel.forward builds it once per step; step_metadata.py)."""
+        return build_metadata(plan, pool, self.mla_heads)
 
     # --- KDA ---
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
-            pool: RecurrentStatePool) -> torch.Tensor:
+            pool: RecurrentStatePool, meta: StepMetadata | None = None) -> torch.Tensor:
+        """`meta`: the step's (a layer called on its own builds it)."""
+        step = meta.kda if meta is not None else kda_step(plan, pool)
         w = self._weights(attn)
         conv, state = pool.conv[layer], pool.state[layer]
-        if plan.kind is StepKind.DECODE:
+        if step.path is KDAPath.DECODE:
             q, k, v, f, beta, gate = self._kda_inputs(attn, x)
             return self._kda_output(attn, kda_fla.decode(q, k, v, f, beta, conv, state, plan.kda_slots, w), gate)
-        if plan.kind is StepKind.STAGED_PREFILL:
+        if step.path is KDAPath.PREFILL:
             q, k, v, f, beta, gate = self._kda_inputs(attn, x)
-            return self._kda_output(attn, kda_fla.prefill(q, k, v, f, beta, plan.kda_layout, conv, state, w), gate)
-        # short blocks and their pending prefixes in one pass, from a staged layout or one built for the step
-        layout = plan.kda_layout if plan.kind is StepKind.STAGED_BLOCKS else self.step_layout(plan, pool, x.device)
-        if layout is not None:
+            return self._kda_output(attn, kda_fla.prefill(q, k, v, f, beta, step.layout, conv, state, w), gate)
+        if step.path is KDAPath.BLOCKS:  # short blocks and their pending prefixes in one pass
+            layout = step.layout
             rows = kda_fla.block_rows(x, layout, pool.prefix_x[layer])
             q, k, v, f, beta, gate = self._kda_inputs(attn, rows)
             o = kda_fla.block_recurrence(q, k, v, f, beta, layout, conv, state, w)
@@ -155,21 +165,6 @@ class GpuMixerOps(TorchMixerOps):
             self._stacks[module] = stacked(linears)
         return self._stacks[module]
 
-    def step_layout(self, plan: BatchPlan, pool: RecurrentStatePool,
-                    device: torch.device) -> kda_fla.BlockLayout | None:
-        """The eager builder: a GENERAL step's short-block layout, or None when a sequence (with its pending
-        prefix) is too long for it; built once per step for all its KDA layers."""
-        if self._layout is None or self._layout[0] is not plan:
-            slots = plan.host_slots()
-            pending, exact = plan.pending_bounds(pool)  # bounds, where a verify step in flight decides them
-            longest = max(pending[b] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(slots)))
-            layout = None
-            if longest <= kda_fla.RECURRENT_MAX_ROWS:
-                layout = kda_fla.BlockLayout.build(plan.seq_starts, slots, pending, plan.verify,
-                                                   pool.prefix_x.shape[2], device, exact_pending=exact)
-            self._layout = plan, layout
-        return self._layout[1]
-
     @staticmethod
     def capture_blocks_layout(num_seqs: int, rows: int, slots: tuple[int, ...], pending: list[int], max_block: int,
                               device: torch.device, exact_pending: torch.Tensor | None = None) -> kda_fla.BlockLayout:
@@ -188,9 +183,12 @@ class GpuMixerOps(TorchMixerOps):
         return kda_fla.PrefillLayout.allocate(max_rows, kda_slots)
 
     # --- MLA ---
-    def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
+    def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV,
+            meta: StepMetadata | None = None) -> torch.Tensor:
+        """`meta`: the step's (a layer called on its own builds it)."""
         if attn not in self.mla_layers:
             return super().mla(attn, layer, x, plan, kv)
+        step = meta.mla if meta is not None else mla_step(plan, attn.num_heads)
         q_first, kv_a, gate = self._mla_inputs(attn, x)
         c_kv, k_pe = attn.latent_rows(kv_a, self.layer_ops)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
@@ -199,21 +197,11 @@ class GpuMixerOps(TorchMixerOps):
         q_abs = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
         out = torch.empty(x.shape[0], attn.num_heads, attn.kv_lora_rank, device=x.device, dtype=x.dtype)
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
-        scale = attn.scale
-        rows = [plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(plan.num_computed))]
-        if plan.kind is StepKind.STAGED_PREFILL:  # its lengths are on the device only
-            mla_attention.paged_mla_prefill(q_abs, cache, table, plan.cu_seqlens, lens, scale, out,
-                                            max_query_len=plan.max_query_len)
-        elif max(rows) == 1:
-            splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + 1)
-            mla_attention.paged_mla_decode(q_abs, cache, table, lens, scale, out, num_splits=splits)
-        else:  # verify blocks (and eager chunks): split the context as decode does, for the same reason
-            cu = (plan.cu_seqlens if plan.kind is StepKind.STAGED_BLOCKS
-                  else torch.tensor(plan.seq_starts, device=x.device))
-            splits = mla_attention.num_splits_for(len(rows), attn.num_heads, max(plan.num_computed) + max(rows),
-                                                  query_rows=max(rows))
-            mla_attention.paged_mla_prefill(q_abs, cache, table, cu, lens, scale, out, max_query_len=max(rows),
-                                            num_splits=splits)
+        if step.cu_seqlens is None:
+            mla_attention.paged_mla_decode(q_abs, cache, table, lens, attn.scale, out, num_splits=step.num_splits)
+        else:
+            mla_attention.paged_mla_prefill(q_abs, cache, table, step.cu_seqlens, lens, attn.scale, out,
+                                            max_query_len=step.max_query_len, num_splits=step.num_splits)
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, gate, self.layer_ops)
 

@@ -33,17 +33,29 @@ class StepKind(enum.Enum):
     it plans, runner/ for a graph's bucket)."""
 
     # Planned on the host, any mix: prefill chunks, decode rows, verify blocks, pending KDA prefixes. The
-    # backend derives what its kernels need from the plan's host values (gpu_ops.GpuMixerOps.step_layout).
+    # backend derives what its kernels need from the plan's host values (step_metadata.build_metadata).
     GENERAL = "general"
     # One row per sequence, none verifying, no KDA slot with a pending prefix: the KDA state is read and
     # written in place by slot, with no host-side logic (what a decode graph replays).
     DECODE = "decode"
-    # Short blocks whose KDA layout (`kda_layout`, a BlockLayout) and row offsets (`cu_seqlens`) are staged on
-    # the device: a verify graph's bucket.
+    # Short blocks whose KDA layout (a BlockLayout) and row offsets are staged on the device (`staged`): a
+    # verify graph's bucket.
     STAGED_BLOCKS = "staged blocks"
-    # A prefill graph's bucket: its lengths exist only on the device (`cu_seqlens`, `kda_layout`, a
-    # PrefillLayout); `max_query_len` sizes the kernels, and no mixer reads seq_starts.
+    # A prefill graph's bucket: its lengths exist only on the device (`staged`, with a PrefillLayout); its
+    # max_query_len sizes the kernels, and no mixer reads seq_starts.
     STAGED_PREFILL = "staged prefill"
+
+
+@dataclass(frozen=True)
+class StagedLayout:
+    """A staged kind's step metadata on the device, built by the backend's capture builders
+    (gpu_ops.GpuMixerOps.capture_*_layout) and restaged by runner/ before each replay: the row offsets the MLA
+    multi-row kernel takes, the KDA layout (a kda_fla.BlockLayout or PrefillLayout), and (STAGED_PREFILL) the
+    most rows any sequence may have, which sizes the kernels."""
+
+    cu_seqlens: torch.Tensor
+    kda_layout: object
+    max_query_len: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,13 +72,8 @@ class BatchPlan:
     kind: StepKind = StepKind.GENERAL
     # kda_slots as host ints, so that no layer has to read them back from the device (a sync each)
     slot_ids: tuple[int, ...] = ()
-    # The staged kinds' step metadata, device buffers a captured step reads instead of making them from host
-    # values during capture, built by the backend's capture builders (gpu_ops.GpuMixerOps.capture_*_layout):
-    # seq_starts as the MLA multi-row kernel's cu_seqlens, the KDA layout, and (STAGED_PREFILL) the most rows
-    # any sequence may have.
-    cu_seqlens: torch.Tensor | None = None
-    kda_layout: object | None = None
-    max_query_len: int | None = None
+    # The staged kinds' device buffers, which a captured step reads instead of making them from host values
+    staged: StagedLayout | None = None
     # Planned while a verify step is in flight (async scheduling): sequence b's rows sit advance[b] positions
     # after num_computed[b] and its KDA slot's pending prefix is advance[b] rows longer than the pool's
     # prefix_len says, advance[b] (<= max_advance[b]) being what that step keeps, on the device only. The
@@ -106,8 +113,13 @@ class TorchMixerOps:
     """The CPU path: each sequence runs through the reference layer with its pooled state (lengths from the
     host: a plan's `advance` is read back, which on a GPU waits for the step in flight)."""
 
+    def step_metadata(self, plan: BatchPlan, pool: RecurrentStatePool) -> object | None:
+        """What the mixers need of the step besides the plan, built once per step (the GPU backend's:
+        step_metadata.py); the torch path reads the plan itself."""
+        return None
+
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
-            pool: RecurrentStatePool) -> torch.Tensor:
+            pool: RecurrentStatePool, meta: object | None = None) -> torch.Tensor:
         """Replay each slot's accepted pending prefix from its checkpoint, then run the new rows:
         folded into the state, or (verify rows) kept as the next pending prefix."""
         y = torch.empty_like(x)
@@ -127,7 +139,8 @@ class TorchMixerOps:
             pool.conv[layer, slot] = state.conv
         return y
 
-    def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV) -> torch.Tensor:
+    def mla(self, attn: GatedMLA, layer: int, x: torch.Tensor, plan: BatchPlan, kv: PagedLatentKV,
+            meta: object | None = None) -> torch.Tensor:
         y = torch.empty_like(x)
         rank = attn.kv_lora_rank
         for b, cached in enumerate(plan.settled().num_computed):
@@ -159,13 +172,14 @@ class ServingModel:
     def forward(self, plan: BatchPlan, tap_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [S, vocab] of the sampled rows and, when asked, the DSpark taps of every row
         ([N, len(tap_layers) * hidden]); caches and states advance by the step's rows."""
+        meta = self.ops.step_metadata(plan, self.pool)
 
         def mix(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
             attn = self.model.model.layers[layer_idx].self_attn
             index = self.pool_index[layer_idx]
             if isinstance(attn, KimiDeltaAttention):
-                return self.ops.kda(attn, index, x, plan, self.pool)
-            return self.ops.mla(attn, index, x, plan, self.kv)
+                return self.ops.kda(attn, index, x, plan, self.pool, meta)
+            return self.ops.mla(attn, index, x, plan, self.kv, meta)
 
         hidden, taps = self.model.model(plan.input_ids, mix, tap_layers, self.layer_ops)
         return self.model.lm_head(hidden[plan.sample_rows]), torch.cat(taps, dim=-1) if taps else None
