@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.models.kimi_k3.kda import L2_NORM_EPS
-
 
 def block_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                row_seq: torch.Tensor, seq_starts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -129,8 +127,8 @@ def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv
 
 def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
-                   states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor, seq_ends: torch.Tensor,
-                   fold_lens: torch.Tensor) -> torch.Tensor:
+                   l2_eps: float, states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor,
+                   seq_ends: torch.Tensor, fold_lens: torch.Tensor) -> torch.Tensor:
     """The gated delta rule over rows of B sequences (see the module doc): sequence b is rows
     seq_starts[b] .. seq_ends[b] - 1. q, k, f [M, H, K] and v [M, H, V] with unit inner strides, beta
     [M, H] (pre-sigmoid), a_log fp32 [H], dt_bias fp32 [H*K]; states fp32 [slots, H, K, V] (one layer of
@@ -145,7 +143,7 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
         q, k, v, f, beta, q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta.stride(0), a_log, dt_bias,
         states, states.stride(0), slots, seq_starts, seq_ends, fold_lens, out, scale,
         0.0 if lower_bound is None else lower_bound, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None, EPS=L2_NORM_EPS, num_warps=4,
+        HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=4,
     )
     return out
 

@@ -117,6 +117,7 @@ class KDAWeights:
     head_dim: int
     scale: float  # of q (head_dim ** -0.5)
     lower_bound: float | None  # K3's gate lower bound; None: Kimi-Linear's gate
+    l2_eps: float  # of the q and k L2 norms (fla's l2norm takes the same)
 
     def fla_args(self) -> dict:
         """What every fla KDA call takes from the layer."""
@@ -246,8 +247,8 @@ def block_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch
     qkv = kda_blocks.block_conv(q, k, v, conv, layout.slots, layout.row_seq, layout.starts, w.conv_weight)
     kda_blocks.fold_windows(q, k, v, conv, layout.slots, layout.starts, layout.fold)
     return kda_blocks.fold_recurrent(qkv[0].view(M, H, K), qkv[1].view(M, H, K), qkv[2].view(M, H, K),
-                                     f.view(M, H, K), beta, w.a_log, w.dt_bias, w.scale, w.lower_bound, state,
-                                     layout.slots, layout.starts, layout.ends, layout.fold)
+                                     f.view(M, H, K), beta, w.a_log, w.dt_bias, w.scale, w.lower_bound, w.l2_eps,
+                                     state, layout.slots, layout.starts, layout.ends, layout.fold)
 
 
 def keep_block_inputs(x: torch.Tensor, layout: BlockLayout, prefix_x: torch.Tensor) -> None:

@@ -1,9 +1,10 @@
 """Absorbed MLA attention over the paged latent cache: Triton kernels and the torch functions they must equal.
 
-Every K3 MLA head attends over the same cached rows [c_kv (512) | k_pe (64)] (one latent "KV head",
-`mstar.models.kimi_k3.mla.absorbed_attention`). Decode is memory-bound on those rows, so a program loads
-each 576-wide row once and uses it for every head it holds, twice: as the key (all 576 columns, against
-q_abs) and as the value (the first 512 columns, weighted by the softmax).
+Every K3 MLA head attends over the same cached rows [c_kv (512) | k_pe (64)] (one latent "KV head": the
+model's `mla.absorbed_attention`, which the torch references here equal, tests/kernels/test_kernel_mla.py).
+Decode is memory-bound on those rows, so a program loads each 576-wide row once and uses it for every head
+it holds, twice: as the key (all 576 columns, against q_abs) and as the value (the first 512 columns,
+weighted by the softmax).
 
 Layout of one program (both entry points use the same kernel):
 
@@ -27,8 +28,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from mstar.models.kimi_k3.mla import absorbed_attention
 
 try:
     import triton
@@ -159,12 +158,20 @@ def paged_mla_prefill_reference(q_abs: Tensor, cache: Tensor, page_table: Tensor
         if q.shape[0] == 0 or ctx == 0:
             continue
         rows = gather_rows(cache, page_table[b], ctx).to(q.dtype)
-        if causal:
-            out[cu[b]: cu[b + 1]] = absorbed_attention(q, rows, ctx - q.shape[0], scale, kv_lora_rank=latent)
-        else:  # every query row as one more head of a single query at the last row: it sees all rows
-            whole = absorbed_attention(q.reshape(1, -1, q.shape[-1]), rows, ctx - 1, scale, kv_lora_rank=latent)
-            out[cu[b]: cu[b + 1]] = whole.view(*q.shape[:-1], latent)
+        out[cu[b]: cu[b + 1]] = _attend(q, rows, latent, scale, causal)
     return out
+
+
+def _attend(q: Tensor, rows: Tensor, latent: int, scale: float, causal: bool) -> Tensor:
+    """q [T, H, W] at the last T positions of rows [S, W] -> softmax(q.rows^T * scale).rows[:, :latent]
+    [T, H, latent], query t seeing rows 0 .. S - T + t (causal) or all S; softmax in at least fp32."""
+    logits = torch.einsum("thc,sc->ths", q, rows)
+    logits = (logits.float() if logits.element_size() < 4 else logits) * scale
+    if causal:
+        t, s = q.shape[0], rows.shape[0]
+        hidden = torch.arange(s, device=q.device)[None, :] > (s - t + torch.arange(t, device=q.device))[:, None]
+        logits = logits.masked_fill(hidden[:, None, :], float("-inf"))
+    return torch.einsum("ths,sc->thc", torch.softmax(logits, dim=-1).to(q.dtype), rows[:, :latent])
 
 
 # --- Triton kernels -------------------------------------------------------------------------------------

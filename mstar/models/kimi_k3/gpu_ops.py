@@ -41,7 +41,7 @@ from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
-from .kda import KimiDeltaAttention
+from .kda import L2_NORM_EPS, KimiDeltaAttention
 from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA
 from .mlp import GatedMLP
@@ -133,7 +133,7 @@ class GpuMixerOps(TorchMixerOps):
                 conv_weight=torch.stack([c.weight[:, 0].T.float() for c in convs]).contiguous(),
                 conv1d=tuple(c.weight for c in convs), a_log=attn.A_log.float(), dt_bias=attn.dt_bias.float(),
                 num_heads=attn.num_heads, head_dim=attn.head_dim, scale=attn.scale,
-                lower_bound=attn.gate_lower_bound)
+                lower_bound=attn.gate_lower_bound, l2_eps=L2_NORM_EPS)
         return self._kda_weights[attn]
 
     def _kda_inputs(self, attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
