@@ -48,7 +48,9 @@ def plot_losses(target: dict, draft: dict, path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    for ax, report, title in ((axes[0], target, "target: next-token CE"), (axes[1], draft, "draft: DSpark loss")):
+    runs = len(stages(draft))
+    draft_title = "draft: DSpark loss" + (f" (stage {runs} of {runs})" if runs > 1 else "")
+    for ax, report, title in ((axes[0], target, "target: next-token CE"), (axes[1], draft, draft_title)):
         ax.plot([h["step"] for h in report["history"]], [h["loss"] for h in report["history"]])
         ax.set_title(title)
         ax.set_xlabel("step")
@@ -130,9 +132,10 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
         "",
         f"## Its DSpark draft: `{draft_dir.name}`",
         "",
-        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify ("
-        f"{'greedy, held-out prompts, as served' if served else 'greedy, held-out corpus windows'}); "
-        f"see {draft_dir.name}/README.md.",
+        f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify at k = "
+        f"{draft_report['block_size']} ("
+        f"{'greedy, held-out prompts, drafted as served' if served else 'greedy, held-out corpus windows'}); "
+        f"see {draft_dir.name}/README.md, and benchmarks/mini_pair/ for the engine's figures.",
         "",
         "## Samples (greedy, 48 tokens)",
         "",
@@ -187,10 +190,33 @@ def served_section(served: dict | None, curve_plotted: bool) -> list[str]:
     ]
 
 
+def stage_lines(report: dict, after_a_stage: bool) -> list[str]:
+    """One training run's bullets: its data, where it started, its steps and tokens."""
+    if report["init"] is None:
+        start = "random weights"
+    else:
+        start = "the draft of the stage before" if after_a_stage else f"the draft at `{report['init']}`"
+    return [
+        data_line(report),
+        f"- from {start}, frozen target, {report['train']['steps']} steps of {report['train']['batch']} "
+        f"sequences of up to {report['train']['seq_len']} tokens, {report['train']['anchors']} random anchors per "
+        f"sequence ({report['tokens_seen']:,} tokens), lr {report['train']['lr']}; {report['minutes']} min on "
+        f"{report['device']}",
+    ]
+
+
+def stages(report: dict) -> list[dict]:
+    """The runs that made the weights, first to last (a run's init_report is the run before it)."""
+    earlier = report.get("init_report")
+    return (stages(earlier) if earlier else []) + [report]
+
+
 def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: bool) -> str:
     before, after = report["acceptance"]["before"], report["acceptance"]["after"]
     w = report["loss_weights"]
-    start = "random weights" if report["init"] is None else f"the draft at `{report['init']}`"
+    runs = stages(report)
+    training = stage_lines(report, False) if len(runs) == 1 else [
+        line for i, run in enumerate(runs) for line in [f"Stage {i + 1}:", "", *stage_lines(run, i > 0), ""]][:-1]
     return "\n".join([
         f"# {draft_dir.name}",
         "",
@@ -202,13 +228,11 @@ def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: b
         "",
         "## Training (`python -m mstar.training.draft`)",
         "",
-        data_line(report),
-        f"- from {start}, frozen target, {report['train']['steps']} steps of {report['train']['batch']} "
-        f"sequences of up to {report['train']['seq_len']} tokens, {report['train']['anchors']} random anchors per "
-        f"sequence ({report['tokens_seen']:,} tokens)",
-        f"- loss {w['ce']} CE + {w['l1']} L1 to the target's distribution (decay {w['l1_decay']}) + "
-        f"{w['confidence']} confidence BCE; final {report['history'][-1]['loss']:.3f}",
-        f"- {report['parameters']:,} parameters; {report['minutes']} min on {report['device']}",
+        *training,
+        "",
+        f"Loss {w['ce']} CE + {w['l1']} L1 to the target's distribution (decay {w['l1_decay']}) + "
+        f"{w['confidence']} confidence BCE; final {report['history'][-1]['loss']:.3f}. "
+        f"{report['parameters']:,} parameters.",
         "",
         *served_section(report.get("served_acceptance"), curve_plotted),
         "## Acceptance on corpus text (greedy drafts vs the target's greedy tokens, held-out corpus windows)",

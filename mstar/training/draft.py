@@ -483,6 +483,12 @@ def format_acceptance(report: dict) -> str:
     return f"mean accepted length {report['mean_accepted_length']:.3f} (per position: {rates})"
 
 
+def init_report(init: Path | None) -> dict | None:
+    """The training.json of the draft a run starts from (None: random weights, or a draft without one)."""
+    path = None if init is None else init / "training.json"
+    return json.loads(path.read_text()) if path is not None and path.exists() else None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m mstar.training.draft", description=__doc__.split("\n\n")[0])
     p.add_argument("target_dir", type=Path, help="the frozen target: HF checkpoint directory with its tokenizer")
@@ -572,6 +578,8 @@ def main(argv: list[str] | None = None) -> None:
             sequences=len(train_data.sequences), continuation_tokens=train_data.num_continuation_tokens(),
             temperature=train_data.temperature),
         init=None if args.init is None else str(args.init),
+        # the starting draft's own record, so that a card can tell every stage of the weights it describes
+        init_report=init_report(args.init),
         acceptance=dict(
             method="greedy draft blocks vs the target's greedy tokens given the true prefix (held-out windows)",
             before=before,

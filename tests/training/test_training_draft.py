@@ -234,12 +234,17 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
 
 
 def test_the_shipped_pairs_cards_regenerate(tmp_path):
-    """`python -m mstar.training.card` on copies of models/: the shipped draft was trained before the trainer
-    measured the acceptance as served, and its card still comes out, with the corpus-window figures."""
+    """`python -m mstar.training.card` on copies of models/: the shipped draft was trained in two stages (corpus
+    windows, then self-distillation from that draft), and its card tells both and carries the served figures."""
     target, draft = (shutil.copytree(ROOT / "models" / name, tmp_path / name)
                      for name in ("kimi_k3_mini", "kimi_k3_mini_dspark"))
     card.main([str(target), str(draft)])
-    shipped = json.loads((draft / "training.json").read_text())["acceptance"]["after"]["mean_accepted_length"]
-    assert f"**{shipped:.2f}** after" in (draft / "README.md").read_text()
-    assert f"Mean accepted length {shipped:.2f} tokens per verify" in (target / "README.md").read_text()
-    assert "Acceptance as served" not in (draft / "README.md").read_text()
+    report = json.loads((draft / "training.json").read_text())
+    text = (draft / "README.md").read_text()
+    assert [run["train_data"]["source"] for run in card.stages(report)] == [
+        "corpus windows", "the target's continuations of training-stream prompts"]
+    assert "Stage 1:" in text and "Stage 2:" in text and "from random weights" in text
+    served = report["served_acceptance"]["after"]["mean_accepted_length"]
+    corpus = report["acceptance"]["after"]["mean_accepted_length"]
+    assert f"**{served:.2f}** after" in text and f"**{corpus:.2f}** after" in text
+    assert f"Mean accepted length {served:.2f} tokens per verify" in (target / "README.md").read_text()
