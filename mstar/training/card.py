@@ -60,8 +60,34 @@ def plot_losses(target: dict, draft: dict, path: Path) -> bool:
     return True
 
 
+def stage_starts(draft: dict) -> list[int]:
+    """Tokens trained on before each stage began."""
+    starts, offset = [], 0
+    for run in stages(draft):
+        starts.append(offset)
+        offset += run["tokens_seen"]
+    return starts
+
+
+def served_curve(draft: dict) -> list[dict]:
+    """The served acceptance as the weights trained, over every stage that measured it: (stage, step, tokens
+    trained on since the first stage began, mean accepted length), from the first measured stage's start."""
+    points = []
+    for number, (run, offset) in enumerate(zip(stages(draft), stage_starts(draft), strict=True), 1):
+        served = run.get("served_acceptance")  # absent for a run made before the trainer measured it
+        if served is None:
+            continue
+        if not points:
+            points.append(dict(stage=number, step=0, tokens=offset,
+                               mean_accepted_length=served["before"]["mean_accepted_length"]))
+        points += [dict(stage=number, step=c["step"], tokens=offset + c["tokens"],
+                        mean_accepted_length=c["mean_accepted_length"]) for c in served["curve"]]
+    return points
+
+
 def plot_served_curve(draft: dict, path: Path) -> bool:
-    """The learning curve: mean accepted length per verify as serving sees it, against the tokens trained on."""
+    """The learning curve: mean accepted length per verify as serving sees it, against the tokens trained on
+    (all stages), a dotted line where each measured stage begins."""
     try:
         import matplotlib
 
@@ -69,14 +95,17 @@ def plot_served_curve(draft: dict, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    served = draft.get("served_acceptance")  # absent for a draft trained before it was measured
-    if served is None:
+    curve = served_curve(draft)
+    if not curve:
         return False
-    curve = [dict(tokens=0, mean_accepted_length=served["before"]["mean_accepted_length"]), *served["curve"]]
     fig, ax = plt.subplots(figsize=(5.5, 3.5))
     ax.plot([c["tokens"] / 1e3 for c in curve], [c["mean_accepted_length"] for c in curve], marker="o")
+    for number, start in enumerate(stage_starts(draft), 1):
+        if number >= curve[0]["stage"]:
+            ax.axvline(start / 1e3, color="grey", lw=0.8, ls=":")
+            ax.annotate(f" stage {number}", (start / 1e3, 0.02), xycoords=("data", "axes fraction"), fontsize=8)
     ax.set_title(f"draft: served acceptance at k={draft['block_size']}")
-    ax.set_xlabel("thousand tokens trained on (this run)")
+    ax.set_xlabel("thousand tokens trained on (all stages)")
     ax.set_ylabel("mean accepted length")
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -166,25 +195,27 @@ def data_line(report: dict) -> str:
             "continuations only")
 
 
-def served_section(served: dict | None, curve_plotted: bool) -> list[str]:
-    """The card's lines on the acceptance as served and its learning curve (none for a draft trained before the
-    trainer measured it)."""
+def served_section(report: dict, curve_plotted: bool) -> list[str]:
+    """The card's lines on the acceptance as served and its learning curve over the stages that measured it
+    (none for a draft trained before the trainer measured it)."""
+    served, curve = report.get("served_acceptance"), served_curve(report)
     if served is None:
         return []
+    first = curve[0]
     return [
         "## Acceptance as served (greedy, held-out prompts, k = 7)",
         "",
         f"{served['method']}. Mean accepted length per verify (accepted drafts + 1): "
-        f"{served['before']['mean_accepted_length']:.2f} before this run, "
-        f"**{served['after']['mean_accepted_length']:.2f}** after ({served['after']['num_blocks']} blocks).",
+        f"{first['mean_accepted_length']:.2f} before stage {first['stage']}, "
+        f"**{served['after']['mean_accepted_length']:.2f}** after the last ({served['after']['num_blocks']} blocks).",
         "",
         *rates_table(served["after"]),
         "",
-        "Learning curve (served acceptance during this run):",
+        "Learning curve (tokens: trained on since stage 1 began):",
         "",
-        "| step | tokens | mean accepted length |",
-        "|---|---|---|",
-        *[f"| {c['step']} | {c['tokens']:,} | {c['mean_accepted_length']:.2f} |" for c in served["curve"]],
+        "| stage | step | tokens | mean accepted length |",
+        "|---|---|---|---|",
+        *[f"| {c['stage']} | {c['step']} | {c['tokens']:,} | {c['mean_accepted_length']:.2f} |" for c in curve],
         "",
         *(["![served acceptance](acceptance.png)", ""] if curve_plotted else []),
     ]
@@ -234,7 +265,7 @@ def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: b
         f"{w['confidence']} confidence BCE; final {report['history'][-1]['loss']:.3f}. "
         f"{report['parameters']:,} parameters.",
         "",
-        *served_section(report.get("served_acceptance"), curve_plotted),
+        *served_section(report, curve_plotted),
         "## Acceptance on corpus text (greedy drafts vs the target's greedy tokens, held-out corpus windows)",
         "",
         f"Mean accepted length per verify: {before['mean_accepted_length']:.2f} before, "

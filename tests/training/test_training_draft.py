@@ -234,16 +234,20 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
 
 
 def test_the_shipped_pairs_cards_regenerate(tmp_path):
-    """`python -m mstar.training.card` on copies of models/: the shipped draft was trained in two stages (corpus
-    windows, then self-distillation from that draft), and its card tells both and carries the served figures."""
+    """`python -m mstar.training.card` on copies of models/: the shipped draft was trained in stages (corpus
+    windows, then self-distillation from that draft, twice), and its card tells each and carries the served
+    figures and their learning curve across the stages that measured it."""
     target, draft = (shutil.copytree(ROOT / "models" / name, tmp_path / name)
                      for name in ("kimi_k3_mini", "kimi_k3_mini_dspark"))
     card.main([str(target), str(draft)])
     report = json.loads((draft / "training.json").read_text())
     text = (draft / "README.md").read_text()
-    assert [run["train_data"]["source"] for run in card.stages(report)] == [
-        "corpus windows", "the target's continuations of training-stream prompts"]
-    assert "Stage 1:" in text and "Stage 2:" in text and "from random weights" in text
+    distilled = "the target's continuations of training-stream prompts"
+    assert [run["train_data"]["source"] for run in card.stages(report)] == ["corpus windows", distilled, distilled]
+    assert "Stage 1:" in text and "Stage 3:" in text and "from random weights" in text
+    curve = card.served_curve(report)
+    assert [c["stage"] for c in curve[:2]] == [2, 2] and curve[-1]["stage"] == 3
+    assert all(a["tokens"] < b["tokens"] for a, b in zip(curve, curve[1:], strict=False))
     served = report["served_acceptance"]["after"]["mean_accepted_length"]
     corpus = report["acceptance"]["after"]["mean_accepted_length"]
     assert f"**{served:.2f}** after" in text and f"**{corpus:.2f}** after" in text
