@@ -234,9 +234,11 @@ def test_noncausal_blocks_see_every_row(num_splits):
     ref = mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu, ctx, SCALE, causal=False)
     assert torch.isfinite(out).all()
     assert rel_err(out, ref) <= tolerance(dtype)
-    first = slice(0, q_lens[0])  # a sequence that a causal block fits too: the two differ, the flag is no no-op
+    # a sequence that a causal block fits too: its last query sees every row either way, the others see fewer
+    # rows when causal (the flag is no no-op; 1e-3: random keys hold far more of the softmax than that)
+    first = slice(0, q_lens[0])
     causal = mla.paged_mla_prefill_reference(q[first].to(up), cache.to(up), table[:1], cu[:2], ctx[:1], SCALE)
-    assert rel_err(causal, ref[first]) > 0.05
+    assert rel_err(causal[-1:], ref[first][-1:]) < 1e-12 and rel_err(causal[:-1], ref[first][:-1]) > 1e-3
     # each query row equals a decode of the whole sequence (one query at the last row)
     for b, (first, n) in enumerate(zip(cu[:-1].tolist(), q_lens, strict=True)):
         whole = mla.paged_mla_decode_reference(q[first : first + n].to(up), cache.to(up), table[b].repeat(n, 1),
