@@ -120,8 +120,10 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
     mla = [i for i in range(cfg.num_hidden_layers) if i not in kda]
     ppl = "\n".join(f"| {name} | {value:.3f} |" for name, value in report["held_out_perplexity"].items())
     # the acceptance as served where the draft's trainer measured it, else the corpus-window one
-    served = draft_report.get("served_acceptance")
-    acc = served["after"] if served else draft_report["acceptance"]["after"]
+    served, engine = draft_report.get("served_acceptance"), draft_report.get("engine_acceptance")
+    acc = engine["after"] if engine else served["after"] if served else draft_report["acceptance"]["after"]
+    how = ("greedy, held-out prompts through the engine" if engine else
+           "greedy, held-out prompts, drafted as served" if served else "greedy, held-out corpus windows")
     lines = [
         "# kimi_k3_mini",
         "",
@@ -162,8 +164,7 @@ def target_card(target_dir: Path, draft_dir: Path, report: dict, draft_report: d
         f"## Its DSpark draft: `{draft_dir.name}`",
         "",
         f"Mean accepted length {acc['mean_accepted_length']:.2f} tokens per verify at k = "
-        f"{draft_report['block_size']} ("
-        f"{'greedy, held-out prompts, drafted as served' if served else 'greedy, held-out corpus windows'}); "
+        f"{draft_report['block_size']} ({how}); "
         f"see {draft_dir.name}/README.md, and benchmarks/mini_pair/ for the engine's figures.",
         "",
         "## Samples (greedy, 48 tokens)",
@@ -211,6 +212,7 @@ def served_section(report: dict, curve_plotted: bool) -> list[str]:
         "",
         *rates_table(served["after"]),
         "",
+        *engine_lines(report.get("engine_acceptance")),
         "Learning curve (tokens: trained on since stage 1 began):",
         "",
         "| stage | step | tokens | mean accepted length |",
@@ -240,6 +242,17 @@ def stages(report: dict) -> list[dict]:
     """The runs that made the weights, first to last (a run's init_report is the run before it)."""
     earlier = report.get("init_report")
     return (stages(earlier) if earlier else []) + [report]
+
+
+def engine_lines(engine: dict | None) -> list[str]:
+    """The acceptance through the engine (training/served_engine.py), where the trainer measured it."""
+    if engine is None:
+        return []
+    rates = " ".join(f"{r:.2f}" for r in engine["after"]["accepted_by_position"])
+    return [f"Through the engine ({engine['after']['method']}; what benchmarks/mini_pair/ and CI measure): "
+            f"{engine['before']['mean_accepted_length']:.2f} before this stage, "
+            f"**{engine['after']['mean_accepted_length']:.2f}** after; verify rows whose draft 1..7 was accepted: "
+            f"{rates}.", ""]
 
 
 def draft_card(draft_dir: Path, target_dir: Path, report: dict, curve_plotted: bool) -> str:

@@ -44,6 +44,7 @@ from mstar.models.kimi_k3.weights import load_model
 from mstar.tools.make_tiny import tiny_dspark_raw_config
 from mstar.training.continuations import Continuations, generate
 from mstar.training.corpus import build_corpus, fixed_windows, random_windows
+from mstar.training.served_engine import NEW_TOKENS, engine_acceptance
 from mstar.training.target import TrainConfig, lr_at, make_optimizer, use_training_chunks
 
 BLOCK_SIZE = 7  # anchor + 6 masks -> 7 drafts, as Kimi-K3-DSpark is deployed (num_speculative_tokens 7)
@@ -502,6 +503,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-windows", type=int, default=DraftTrainConfig.eval_windows)
     p.add_argument("--served-tokens", type=int, default=96,
                    help="greedy target tokens after each held-out prompt, for the served acceptance")
+    p.add_argument("--engine-tokens", type=int, default=NEW_TOKENS,
+                   help="greedy tokens per held-out prompt for the acceptance through the engine, before and after")
     p.add_argument("--served-data", type=Path, help="cache file of the held-out prompts' greedy continuations "
                    "(read if it exists, else written)")
     p.add_argument("--served-eval-every", type=int, default=DraftTrainConfig.served_eval_every,
@@ -548,13 +551,18 @@ def main(argv: list[str] | None = None) -> None:
     served = ServedAcceptance(target, held_out, model.config.target_layer_ids)
     before = evaluate(model.eval(), target, eval_windows, cfg.eval_anchor_stride)
     served_before = served.evaluate(model)
-    print(f"held out, before: {format_acceptance(before)}; served: {format_acceptance(served_before)}")
+    prompts = held_out_prompts(tokenizer)
+    engine_before = engine_acceptance(target, tokenizer, prompts, model.eval(), BLOCK_SIZE, args.engine_tokens)
+    print(f"held out, before: {format_acceptance(before)}; served: {format_acceptance(served_before)}; engine: "
+          f"{engine_before['mean_accepted_length']:.3f}")
     train_start = time.monotonic()
     history, curve = train(model, target, train_data, cfg, device, served)
     train_seconds = time.monotonic() - train_start
     after = evaluate(model, target, eval_windows, cfg.eval_anchor_stride)
     served_after = served.evaluate(model)
-    print(f"held out, after:  {format_acceptance(after)}; served: {format_acceptance(served_after)}")
+    engine_after = engine_acceptance(target, tokenizer, prompts, model.eval(), BLOCK_SIZE, args.engine_tokens)
+    print(f"held out, after:  {format_acceptance(after)}; served: {format_acceptance(served_after)}; engine: "
+          f"{engine_after['mean_accepted_length']:.3f}")
 
     save_dspark_checkpoint(args.out_dir, raw, checkpoint_tensors(model, target))
     tokens = history[-1]["tokens"]
@@ -592,6 +600,7 @@ def main(argv: list[str] | None = None) -> None:
             after=served_after,
             curve=curve,
         ),
+        engine_acceptance=dict(before=engine_before, after=engine_after),
         minutes=round((time.monotonic() - t0) / 60, 1),
     )
     (args.out_dir / "training.json").write_text(json.dumps(report, indent=1) + "\n")

@@ -8,19 +8,17 @@ from importlib import resources
 
 import pytest
 import torch
-from engine_run import numbered, run_to_completion
 from greedy_ties import assert_greedy_matches
 from paths import ROOT
 
-from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore, SpeculativeModels
+from mstar.engine.core import EngineCore
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
+from mstar.training.served_engine import NEW_TOKENS, serve_prompts
 
 MODELS = ROOT / "models"
-MAX_TOKENS = 48
 # Measured on the shipped pair with this test's setup: mean accepted length 3.20 (k=7, greedy, fp32; 2.36
 # before the draft's self-distillation stages). The floor leaves room for fp32 noise across machines, not for
 # a broken draft or verifier (~1.0), nor for the draft of the corpus stage alone.
@@ -39,17 +37,14 @@ def jobs(pair):
     target, _, tokenizer = pair
     texts = json.loads(resources.files("mstar.training").joinpath("heldout_prompts.json").read_text())["prompts"]
     prompts = [tokenizer.encode(t) for t in texts]
-    return [(p, MAX_TOKENS, greedy_generate(target, p, MAX_TOKENS)) for p in prompts]
+    return [(p, NEW_TOKENS, greedy_generate(target, p, NEW_TOKENS)) for p in prompts]
 
 
 def serve(pair, jobs, k: int) -> tuple[list[list[int]], EngineCore]:
+    """The held-out prompts served as the trainer and the benchmark measure them (training/served_engine.py)."""
     target, draft, tokenizer = pair
-    config = EngineConfig(max_seq_len=512, resources={"mla_kv": {"page_size": 16, "max_num_pages": 512},
-                                                      "kda_state": {"max_slots": 9}},
-                          scheduler={"max_num_seqs": 8, "max_num_batched_tokens": 512},
-                          model_kwargs={"speculative_tokens": k})
-    engine = EngineCore(target, tokenizer, config, SpeculativeModels(draft) if k else None)
-    return run_to_completion(engine, numbered(jobs)).numbered_tokens(len(jobs)), engine
+    assert all(n == NEW_TOKENS for _, n, _ in jobs)
+    return serve_prompts(target, tokenizer, [p for p, _, _ in jobs], draft, k)
 
 
 def test_dspark_on_equals_off_and_keeps_its_acceptance(pair, jobs):

@@ -134,7 +134,8 @@ def test_a_few_steps_on_a_fixed_batch_reduce_the_loss(target):
 
 def test_command_writes_a_loadable_draft_and_its_report(tiny_dir, target, tmp_path):
     out = tmp_path / "draft"
-    flags = ["--steps", "2", "--batch", "1", "--seq-len", "40", "--anchors", "4", "--eval-windows", "2"]
+    flags = ["--steps", "2", "--batch", "1", "--seq-len", "40", "--anchors", "4", "--eval-windows", "2",
+             "--engine-tokens", "4"]
     trainer.main([str(tiny_dir), str(out), *flags, "--device", "cpu"])
     model = K3DSparkModel.from_checkpoint(out)
     cfg = model.config
@@ -215,7 +216,8 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
     generate(target, tokenizer, prompts, [30] * 3, 0.0, 0, log=lambda _: None).save(tmp_path / "c.pt")
     out = tmp_path / "draft"
     flags = ["--steps", "3", "--batch", "1", "--seq-len", "40", "--anchors", "4", "--eval-windows", "1",
-             "--served-tokens", "12", "--served-eval-every", "2", "--train-data", str(tmp_path / "c.pt"),
+             "--served-tokens", "12", "--engine-tokens", "4", "--served-eval-every", "2",
+             "--train-data", str(tmp_path / "c.pt"),
              "--served-data", str(tmp_path / "held_out.pt"),
              "--init", str(tiny_dirs[1])]
     trainer.main([str(tiny_dirs[0]), str(out), *flags, "--device", "cpu"])
@@ -226,6 +228,9 @@ def test_command_self_distills_from_a_draft_with_its_learning_curve(tiny_dirs, t
     assert served["curve"][-1]["mean_accepted_length"] == served["after"]["mean_accepted_length"]
     assert 1 <= served["before"]["mean_accepted_length"] <= BLOCK_SIZE + 1
     assert served["before"]["num_blocks"] > 0 and report["tokens_seen"] == report["history"][-1]["tokens"] > 0
+    for engine in report["engine_acceptance"].values():  # the 24 prompts through the engine at k = 7
+        assert 1 <= engine["mean_accepted_length"] <= BLOCK_SIZE + 1 and engine["verify_rows"] >= 24
+        assert len(engine["accepted_by_position"]) == BLOCK_SIZE
     held_out = Continuations.load(tmp_path / "held_out.pt")  # cached for the next run
     new_tokens = [s.numel() - n for s, n in zip(held_out.sequences, held_out.prompt_lens, strict=True)]
     assert len(new_tokens) == 24 and max(new_tokens) == 12 and min(new_tokens) >= 1
@@ -251,4 +256,6 @@ def test_the_shipped_pairs_cards_regenerate(tmp_path):
     served = report["served_acceptance"]["after"]["mean_accepted_length"]
     corpus = report["acceptance"]["after"]["mean_accepted_length"]
     assert f"**{served:.2f}** after" in text and f"**{corpus:.2f}** after" in text
-    assert f"Mean accepted length {served:.2f} tokens per verify" in (target / "README.md").read_text()
+    engine = report["engine_acceptance"]["after"]["mean_accepted_length"]
+    assert f"**{engine:.2f}** after; verify rows" in text
+    assert f"Mean accepted length {engine:.2f} tokens per verify" in (target / "README.md").read_text()
