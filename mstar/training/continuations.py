@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
@@ -63,24 +64,27 @@ class Continuations:
         return sum(s.numel() - p for s, p in zip(self.sequences, self.prompt_lens, strict=True))
 
 
-def offline_engine(target: KimiK3ForCausalLM, tokenizer: KimiTokenizer, max_seq_len: int) -> EngineCore:
-    """A plain-decode engine over the reference target, MAX_BATCH sequences of up to `max_seq_len` tokens."""
-    pages = MAX_BATCH * -(-max_seq_len // PAGE_SIZE)
+def offline_engine(target: KimiK3ForCausalLM, tokenizer: KimiTokenizer, max_seq_len: int, *,
+                   max_batch: int = MAX_BATCH, draft: K3DSparkModel | None = None, k: int = 0) -> EngineCore:
+    """An eager engine over the reference target, `max_batch` sequences of up to `max_seq_len` tokens: plain
+    decode, or DSpark with `draft` at k drafts."""
+    pages = max_batch * -(-max_seq_len // PAGE_SIZE)
     config = EngineConfig(max_seq_len=max_seq_len,
                           resources={"mla_kv": {"page_size": PAGE_SIZE, "max_num_pages": pages},
-                                     "kda_state": {"max_slots": MAX_BATCH + 1}},
-                          scheduler={"max_num_seqs": MAX_BATCH, "max_num_batched_tokens": 2048},
-                          model_kwargs={"speculative_tokens": 0, "cuda_graphs": False})
-    return EngineCore(target, tokenizer, config)
+                                     "kda_state": {"max_slots": max_batch + 1}},
+                          scheduler={"max_num_seqs": max_batch, "max_num_batched_tokens": 2048},
+                          model_kwargs={"speculative_tokens": k if draft is not None else 0, "cuda_graphs": False})
+    return EngineCore(target, tokenizer, config, SpeculativeModels(draft) if draft is not None else None)
 
 
 def continue_prompts(engine: EngineCore, prompts: Sequence[Sequence[int]], new_tokens: Sequence[int],
-                     temperature: float, seed: int, log: Callable[[str], None] = print) -> list[list[int]]:
-    """The target's continuation of each prompt (`new_tokens[i]` tokens at most, shorter where it stops), all
-    requests queued at once and batched by the engine. Sampled requests are seeded per request, so the result does
-    not depend on what else shares the batch."""
+                     temperature: float, seed: int, log: Callable[[str], None] = print,
+                     ignore_eos: bool = False) -> list[list[int]]:
+    """The target's continuation of each prompt (`new_tokens[i]` tokens at most, shorter where it stops unless
+    `ignore_eos`), all requests queued at once and batched by the engine. Sampled requests are seeded per request,
+    so the result does not depend on what else shares the batch."""
     for i, (prompt, count) in enumerate(zip(prompts, new_tokens, strict=True)):
-        params = SamplingParams(max_tokens=count, temperature=temperature, seed=seed + i)
+        params = SamplingParams(max_tokens=count, temperature=temperature, seed=seed + i, ignore_eos=ignore_eos)
         engine.add_request(str(i), list(prompt), params)
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     done, start, last_log = 0, time.monotonic(), 0.0

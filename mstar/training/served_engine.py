@@ -12,12 +12,11 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar.config import EngineConfig
-from mstar.engine.core import EngineCore, SpeculativeModels
-from mstar.engine.params import SamplingParams
+from mstar.engine.core import EngineCore
 from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.training.continuations import continue_prompts, offline_engine
 
 NEW_TOKENS = 48  # the serving benchmark's OUTPUT_LEN
 IN_FLIGHT = 8
@@ -28,22 +27,11 @@ def serve_prompts(target: KimiK3ForCausalLM, tokenizer: KimiTokenizer, prompts: 
                   in_flight: int = IN_FLIGHT) -> tuple[list[list[int]], EngineCore]:
     """Each prompt's greedy `new_tokens` (end-of-turn ids do not stop them) through an engine of `in_flight`
     sequences, with `draft` at k drafts (k = 0: no speculation), eager; and the engine, for its counters."""
-    longest = max(len(p) for p in prompts) + new_tokens
-    config = EngineConfig(max_seq_len=longest,
-                          resources={"mla_kv": {"page_size": 16, "max_num_pages": (in_flight + 1) * -(-longest // 16)},
-                                     "kda_state": {"max_slots": in_flight + 1}},
-                          scheduler={"max_num_seqs": in_flight, "max_num_batched_tokens": 512},
-                          model_kwargs={"speculative_tokens": k, "cuda_graphs": False})
-    engine = EngineCore(target, tokenizer, config, SpeculativeModels(draft) if k else None)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), list(prompt), SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
-    tokens: list[list[int]] = [[] for _ in prompts]
+    engine = offline_engine(target, tokenizer, max(len(p) for p in prompts) + new_tokens, max_batch=in_flight,
+                            draft=draft if k else None, k=k)
     with torch.no_grad():
-        while engine.has_work():
-            for out in engine.step():
-                if out.error:
-                    raise RuntimeError(f"serving held-out prompt {out.request_id} failed: {out.error}")
-                tokens[int(out.request_id)].extend(out.new_token_ids)
+        tokens = continue_prompts(engine, prompts, [new_tokens] * len(prompts), temperature=0.0, seed=0,
+                                  log=lambda _: None, ignore_eos=True)
     return tokens, engine
 
 
