@@ -2,7 +2,8 @@
 vLLM's MoE GEMMs (humming-kernels, whenever importable: the `bench` extra), against the byte and FLOP floors
 (and torch's bf16 grouped GEMM on pre-dequantized weights).
 
-    python benchmarks/kernels/bench_moe_mxfp4.py [--tokens 1 2 4 ... 8192] [--tune] [--reps 200] [--no-humming]
+    python benchmarks/kernels/bench_moe_mxfp4.py [--tokens 1 2 4 ... 8192] [--tune [--tune-axes down ...]] [--reps 200]
+                                                 [--no-humming]
 
 Shapes: E = 224 experts, top-16, H_lat = 3584, I = 384 (K3 pruned75, one rank of TP8); bf16 z, random
 canonical MXFP4 weights (`random_mxfp4`), random top-16 routing with renormalised positive weights.
@@ -323,18 +324,25 @@ GATE_UP_TILES = (moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 
                  moe.GemmTile(32, 512), moe.GemmTile(16, 256), moe.GemmTile(64, 128, num_warps=8),
                  moe.GemmTile(64, 256, num_warps=8, num_stages=2), moe.GemmTile(32, 256, split_k=2),
                  moe.GemmTile(64, 128, split_k=2), moe.GemmTile(32, 128, split_k=4), moe.GemmTile(32, 256, split_k=7))
+GATE_UP_TILES += (moe.GemmTile(64, 128, num_stages=4), moe.GemmTile(64, 128, split_k=2, num_stages=4),
+                  moe.GemmTile(64, 128, split_k=4, num_stages=4), moe.GemmTile(64, 128, split_k=7))
 DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 128, num_warps=8),
               moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(128, 128, num_stages=2), moe.GemmTile(32, 128),
-              moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3))
+              moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3),
+              *(moe.GemmTile(128, 128, tiles=t) for t in (2, 4, 7, 14)),
+              moe.GemmTile(128, 128, tiles=4, num_stages=4), moe.GemmTile(64, 128, tiles=4),
+              moe.GemmTile(64, 128, tiles=7), moe.GemmTile(128, 128, split_k=3, tiles=7))
+TUNE_AXES = ("align", "block_m", "gate_up", "down", "swap_ab", "combine", "decode")
 
 
-def tune(sets, z, ids, weights, ref, reps, seconds: float) -> tuple[moe.MoEConfig, float]:
-    """Coordinate search from the default config: align, block_m, gate/up tile, down tile, swap_ab, combine,
-    decode; it stops after `seconds` (what it has tried by then decides)."""
+def tune(sets, z, ids, weights, ref, reps, seconds: float, fields=TUNE_AXES) -> tuple[moe.MoEConfig, float, list]:
+    """Coordinate search from the default config over `fields` (of TUNE_AXES, in the order given); it stops after
+    `seconds` (what it has tried by then decides). Returns the best config, its time and every (config, us) tried."""
     deadline = time.time() + seconds
     rows = z.shape[0] * K / E
     best = moe.fit_config(moe.default_config(z.shape[0], K, E), H, I)
     best_us = MstarStep(sets, z, ids, weights, best).time(reps)
+    timed = [(asdict(best), best_us)]
     axes = [
         ("align", (True, False)),
         ("block_m", [bm for bm in BLOCK_MS if bm <= max(16, 4 * rows)]),
@@ -344,6 +352,7 @@ def tune(sets, z, ids, weights, ref, reps, seconds: float) -> tuple[moe.MoEConfi
         ("combine", ("atomic", "reduce")),
         ("decode", ("subnormal", "select")),
     ]
+    axes = [(field, dict(axes)[field]) for field in fields]
     tried = {best}
     for field, values in axes:
         for value in values:
@@ -362,9 +371,10 @@ def tune(sets, z, ids, weights, ref, reps, seconds: float) -> tuple[moe.MoEConfi
                 print(f"    {candidate}: {type(exc).__name__}: {str(exc)[:120]}", file=sys.stderr)
                 continue
             print(f"    {us:8.1f} us  err {err:.1e}  {candidate}", file=sys.stderr)
+            timed.append((asdict(candidate), us))
             if us < best_us:
                 best, best_us = candidate, us
-    return best, best_us
+    return best, best_us, timed
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,6 +388,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--tune", action="store_true", help="search tile configs per token count")
     parser.add_argument("--tune-seconds", type=float, default=600.0, help="time limit of each token count's search")
+    parser.add_argument("--tune-axes", nargs="+", default=list(TUNE_AXES), choices=TUNE_AXES,
+                        help="the config fields --tune searches, in this order")
     parser.add_argument("--no-torch", action="store_true", help="skip the torch grouped-GEMM baseline")
     parser.add_argument("--no-humming", action="store_true", help="skip the peer even if humming is importable")
     args = parser.parse_args()
@@ -428,8 +440,8 @@ def main() -> None:
         if humming_sets:
             row.update(time_humming(humming_sets, z, ids, weights, ref, args.reps))
         if args.tune:
-            tuned, tuned_us = tune(sets, z, ids, weights, ref, args.reps, args.tune_seconds)
-            row["tuned_us"], row["tuned_config"] = tuned_us, asdict(tuned)
+            tuned, tuned_us, timed = tune(sets, z, ids, weights, ref, args.reps, args.tune_seconds, args.tune_axes)
+            row["tuned_us"], row["tuned_config"], row["tune_timed"] = tuned_us, asdict(tuned), timed
         results.append(row)
         print(f"T={num_tokens}: {us:.1f} us (floor {floor_us:.1f}), humming {row.get('humming_us')}, err {err:.1e} "
               f"({time.time() - t0:.0f} s)")

@@ -54,7 +54,7 @@ def compile_sm90(kernel: str, config: moe.MoEConfig, num_tokens: int):
     if kernel == "gate_up":
         constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=moe._ZERO_BLOCK)
     else:
-        constexprs.update(ATOMIC=config.combine == "atomic")
+        constexprs.update(ATOMIC=config.combine == "atomic", TILES=tile.tiles)
     ints = integer_args(kernel, num_tokens)
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):

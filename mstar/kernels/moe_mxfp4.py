@@ -67,6 +67,14 @@ k experts do (combine="atomic"); the gate/up parts add into `split_sum` (fp32, a
 part that completes a tile (a counter per tile, `split_count`) reads the sum, applies SiTU as usual,
 and leaves sum and counter zero, so that a workspace needs zeroing only when allocated.
 
+Short K (GemmTile.tiles, the down GEMM): K = I is 384 at a TP8 rank, three steps of 128, so a program
+that computes one output tile issues all its loads at once and then waits out their latency with
+nothing to overlap; at decode sizes the launch is thousands of such programs, wave after wave. With
+tiles > 1 a program computes that many output tiles of its row block one after another in one loop of
+tiles x (K steps), which Triton software-pipelines across the tile boundaries: the next tile's weights
+are in flight while this one's are decoded, and each tile's epilogue (the atomic adds) runs inside the
+loop when its last K step is done.
+
 Dequantization: an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16 number
 value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's bf16
 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
@@ -253,6 +261,7 @@ class GemmTile:
     num_warps: int = 4
     num_stages: int = 3
     split_k: int = 1  # programs sharing one output tile, each over K / split_k (module doc, "Split K")
+    tiles: int = 1  # output tiles one program computes one after another (down only; module doc, "Short K")
 
 
 @dataclass(frozen=True)
@@ -323,6 +332,8 @@ def fit_config(config: MoEConfig, hidden: int, inter: int) -> MoEConfig:
         raise ValueError(f"MoEConfig.decode must be 'subnormal' or 'select', got {config.decode!r}")
     if config.block_m < 16 or config.block_m & (config.block_m - 1):
         raise ValueError(f"MoEConfig.block_m must be a power of two >= 16, got {config.block_m}")
+    if config.gate_up.tiles != 1:
+        raise ValueError(f"GemmTile.tiles is for the down GEMM; the gate/up tile has tiles={config.gate_up.tiles}")
     if not config.align and config.combine != "atomic":
         raise ValueError("MoEConfig(align=False) adds into the output atomically: combine must be 'atomic'")
     if config.down.split_k > 1 and config.combine != "atomic":
@@ -333,12 +344,16 @@ def fit_config(config: MoEConfig, hidden: int, inter: int) -> MoEConfig:
 
 def _fit_tile(tile: GemmTile, n: int, k: int, what: str) -> GemmTile:
     """`tile` shrunk to an N x K GEMM: split_k to the largest count that cuts K into whole scale words
-    (K = 128 is not split), then the blocks."""
+    (K = 128 is not split), then the blocks, then tiles to the largest count that divides the N tiles."""
     if tile.split_k < 1:
         raise ValueError(f"{what} split_k must be >= 1, got {tile.split_k}")
     split = next(s for s in range(tile.split_k, 0, -1) if k % (s * SCALE_WORD) == 0)
-    return replace(tile, block_n=_fit(tile.block_n, n, 16, f"{what} block_n"),
-                   block_k=_fit(tile.block_k, k // split, SCALE_WORD, f"{what} block_k"), split_k=split)
+    if tile.tiles < 1:
+        raise ValueError(f"{what} tiles must be >= 1, got {tile.tiles}")
+    block_n = _fit(tile.block_n, n, 16, f"{what} block_n")
+    tiles = next(t for t in range(min(tile.tiles, n // block_n), 0, -1) if (n // block_n) % t == 0)
+    return replace(tile, block_n=block_n, block_k=_fit(tile.block_k, k // split, SCALE_WORD, f"{what} block_k"),
+                   split_k=split, tiles=tiles)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -620,8 +635,8 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
     constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
-    constexprs.update(ATOMIC=atomic)
-    _launch(_down_kernel, (programs, hidden // tile.block_n, tile.split_k), args, constexprs, tile)
+    constexprs.update(ATOMIC=atomic, TILES=tile.tiles)
+    _launch(_down_kernel, (programs, hidden // (tile.block_n * tile.tiles), tile.split_k), args, constexprs, tile)
 
 
 def combine_expert_rows(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out: torch.Tensor,
@@ -907,27 +922,36 @@ def _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED: tl.constexpr, TO
 def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
                   BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
                   COMPUTE: tl.constexpr):
-    """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N].
+    """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N]."""
+    acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
+    for _ in range(0, K, BLOCK_K):
+        acc = _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M, N, BLOCK_K, SWAP_AB, WORDS, SUBNORMAL_DECODE,
+                          COMPUTE)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 8 if WORDS else BLOCK_K // 2
+        s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
+    return tl.trans(acc) if SWAP_AB else acc
+
+
+@triton.jit
+def _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
+                SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+    """acc + one K step of x W^T: x [BLOCK_M, BLOCK_K] at x_ptrs, W [N, BLOCK_K] at w_ptrs / s_ptrs; acc is
+    [N, BLOCK_M] with SWAP_AB, else [BLOCK_M, N].
 
     One dot per K step: with two chained dots per step Triton stacks all warps along BLOCK_M, which
     at BLOCK_M = 16 decodes every weight once per warp. SWAP_AB computes (W x^T)^T instead: the
     decoded weights are then the A operand, which Hopper's wgmma takes straight from registers (no
     round trip through shared memory), and the few token rows are the N side of the instruction.
     """
-    acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
-        if WORDS:
-            # Weights a word at a time in `_k_order`'s column order, and the activations in the same order.
-            w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
-            x = _k_order(x, BLOCK_M, BLOCK_K)
-        else:
-            w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
-        acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8 if WORDS else BLOCK_K // 2
-        s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
-    return tl.trans(acc) if SWAP_AB else acc
+    x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
+    if WORDS:
+        # Weights a word at a time in `_k_order`'s column order, and the activations in the same order.
+        w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
+        x = _k_order(x, BLOCK_M, BLOCK_K)
+    else:
+        w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
+    return tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit
@@ -1034,33 +1058,47 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  block_rows_ptr, num_tokens, stride_we, stride_wn, stride_se, stride_sn,
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                 COMPUTE: tl.constexpr):
-    """y[pair, n-tile] = h W2^T for one program's rows (its K part if split: ATOMIC adds the parts up);
-    added into out (atomic) or stored per pair (reduce)."""
+                 TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
+                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+    """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
+    adds the parts up); added into out (atomic) or stored per pair (reduce).
+
+    The tiles run as one loop of TILES x (K steps), so that the software pipeline loads the next tile's
+    weights while this one's are decoded (module doc, "Short K")."""
     program = tl.program_id(0)
-    pid_n = tl.program_id(1)
     expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
                                          program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
     if expert < 0:
         return
 
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_part: tl.constexpr = INTER // SPLIT_K
-    k_start = tl.program_id(2) * k_part
-    x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    STEPS: tl.constexpr = INTER // SPLIT_K // BLOCK_K
+    k_start = tl.program_id(2) * (INTER // SPLIT_K)
     WORDS: tl.constexpr = SWAP_AB and BLOCK_N >= _WGMMA_M
-    w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, offs_n, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                                  BLOCK_K, WORDS)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
-                        SUBNORMAL_DECODE, COMPUTE)
-
     if ATOMIC:
         coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
-        out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
-        tl.atomic_add(out_ptrs, acc * coef[:, None], mask=row_ok[:, None], sem="relaxed")
-    else:
-        tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(acc, COMPUTE), mask=row_ok[:, None])
+    first_n = tl.program_id(1) * TILES * BLOCK_N
+    x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
+    w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, first_n + tl.arange(0, BLOCK_N), k_start, stride_we,
+                                  stride_wn, stride_se, stride_sn, BLOCK_K, WORDS)
+    # Step `it` reads the first tile's pointers moved by a scalar (tile rows down, K steps across).
+    w_tile = BLOCK_N * (stride_wn // 4 if WORDS else stride_wn)
+    w_step: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // 2
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(0, TILES * STEPS):
+        tile, step = it // STEPS, it % STEPS
+        acc = _mxfp4_step(acc, x_ptrs + step * BLOCK_K, row_ok, w_ptrs + (tile * w_tile + step * w_step),
+                          s_ptrs + (tile * BLOCK_N * stride_sn + step * (BLOCK_K // _SCALE_WORD)), BLOCK_M, BLOCK_N,
+                          BLOCK_K, SWAP_AB, WORDS, SUBNORMAL_DECODE, COMPUTE)
+        if step == STEPS - 1:
+            offs_n = first_n + tile * BLOCK_N + tl.arange(0, BLOCK_N)
+            y = tl.trans(acc) if SWAP_AB else acc
+            if ATOMIC:
+                out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
+                tl.atomic_add(out_ptrs, y * coef[:, None], mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(y, COMPUTE),
+                         mask=row_ok[:, None])
+            acc = tl.zeros_like(acc)
 
 
 @triton.jit

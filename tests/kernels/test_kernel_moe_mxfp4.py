@@ -294,6 +294,28 @@ def test_split_k(align):
 
 
 @needs_kernel_device
+@pytest.mark.parametrize(("align", "combine", "split_k"),
+                         [(True, "atomic", 1), (True, "reduce", 1), (False, "atomic", 1), (True, "atomic", 2)])
+def test_down_tiles(align, combine, split_k):
+    """The down GEMM with several output tiles per program (H = 512 in 4 tiles of 128, I = 256 in 2 K steps),
+    each tile's epilogue inside the one pipelined loop: every tile of every row block is added (or stored)
+    once, with its own columns, and the accumulator starts from zero for each."""
+    gen = new_generator(TINY_DEVICE)
+    stacked = tiny_experts(gen, DIRECT_E, hidden=512, inter=256)
+    base = moe.default_config(3, DIRECT_K, DIRECT_E, align=align)
+    config = moe.fit_config(replace(base, combine=combine, down=moe.GemmTile(128, 128, split_k=split_k, tiles=4)),
+                            512, 256)
+    assert (config.down.tiles, config.down.split_k) == (4, split_k)
+    ws = poisoned_workspace(3, DIRECT_K, stacked, config)
+    z = torch.randn(3, 512, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    ids, weights = routing(3, DIRECT_E, DIRECT_K, gen)
+    ids = drop_some(ids, gen)
+    out = torch.full((3, 512), float("nan"), device=TINY_DEVICE)
+    moe.moe_mxfp4(z, ids, weights, *stacked, config=config, out=out, workspace=ws)
+    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
+
+
+@needs_kernel_device
 def test_direct_all_dropped():
     """Every pair dropped: nothing computed, the output is zero (the gate/up launch still zeroes it)."""
     gen = new_generator(TINY_DEVICE)
@@ -469,6 +491,11 @@ def test_config_table_and_block_bound():
     split = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(32, 256, split_k=8), moe.GemmTile(64, 128, split_k=4)),
                            RANK_H, RANK_I)
     assert (split.gate_up.split_k, split.gate_up.block_k, split.down.split_k) == (7, 256, 3)
+    # tiles shrinks to divide the down GEMM's N tiles (3584 / 128 = 28: 8 -> 7), and only the down tile takes it.
+    tiled = moe.fit_config(moe.MoEConfig(16, moe.GemmTile(64, 128), moe.GemmTile(128, 128, tiles=8)), RANK_H, RANK_I)
+    assert tiled.down.tiles == 7
+    with pytest.raises(ValueError, match="tiles"):
+        moe.fit_config(moe.MoEConfig(16, moe.GemmTile(64, 128, tiles=2), moe.GemmTile(128, 128)), RANK_H, RANK_I)
     # Worst cases: every pair its own expert, and every expert with one pair more than a block.
     assert moe.max_row_blocks(16, 224, 16) == 16
     assert moe.max_row_blocks(224 * 17, 224, 16) >= 224 * 2
@@ -534,6 +561,19 @@ def test_gpu_split_k(rank_weights, gate_up, align):
         moe.moe_mxfp4(z, ids, weights, *rank_weights, config=config, out=out, workspace=ws)
         assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *rank_weights)) < BF16_BOUND
         assert not ws.split_sum.any() and not ws.split_count.any()
+
+
+@gpu
+@pytest.mark.parametrize("align", [False, True])
+@pytest.mark.parametrize("tiles", [2, 7, 28])
+def test_gpu_down_tiles(rank_weights, tiles, align):
+    """Several down tiles per program at real shapes, on fresh routing with dropped pairs."""
+    num_tokens = 8 if not align else 64
+    config = moe.fit_config(replace(moe.default_config(num_tokens, RANK_K, RANK_E, align=align),
+                                    down=moe.GemmTile(128, 128, tiles=tiles)), RANK_H, RANK_I)
+    z, ids, weights = rank_inputs(num_tokens, "random", drop=True)
+    out, ws, config = run_kernel(z, ids, weights, rank_weights, config)
+    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *rank_weights)) < BF16_BOUND
 
 
 @gpu
