@@ -25,7 +25,8 @@ is CUDA-graph capturable; every buffer's size depends only on T, k, E and the co
 
 1. `_align_kernel`: sorts the T*k (token, slot) pairs by expert, stably, each expert's run padded to
    whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row block, its expert
-   (`block_expert`, -1 past the end) and number of real rows (`block_rows`).
+   (`block_expert`, -1 past the end) and number of real rows (`block_rows`). One program per expert,
+   each counting all pairs itself (no second launch, no atomics).
 2. `_gate_up_kernel`: one program per (row block, BLOCK_N columns of I). It dequantizes E2M1 + E8M0
    in registers (each weight is read from HBM once and never written back as bf16), accumulates in
    fp32 on the tensor cores, applies SiTU and writes bf16 h [T*k, I] (indexed by pair).
@@ -541,8 +542,7 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_ALIGN_CHUNK = 256  # pairs one alignment program places (above _ALIGN_SMALL_PAIRS pairs)
-_ALIGN_SMALL_PAIRS = 4096  # up to this many pairs, one alignment program per SUB pairs (see _align)
+_ALIGN_SCAN = 2048  # ids an alignment program reads per step of its passes
 _ZERO_BLOCK = 1024  # fp32 output elements a gate/up program zeroes per step
 _COMBINE_BLOCK = 512  # output columns per combine program
 
@@ -578,22 +578,20 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
            groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """`_align_kernel`, writing the block table (blocks: block_expert, block_rows) and/or the group ends
-    (groups: expert_end, pair_row). An output not asked for is not written: any tensor stands in for it."""
+    (groups: expert_end, pair_row). An output not asked for is not written: any tensor stands in for it.
+
+    An earlier design (one program per chunk of pairs, each placing its chunk after counting the pairs before
+    it) took 11-17 us at 256-4096 pairs and 44-476 us at 16K-131K on the H200 (O(T k) serial steps per
+    program); this one is E programs of two passes over the ids."""
     pairs = ids.numel()
-    e_pad = max(16, triton.next_power_of_2(num_experts))
-    rows = max(16, min(64, 16384 // e_pad))  # keeps the [rows, E_PAD] one-hot temporaries in registers
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
-    # Each program's time is its serial steps (~3 us each on the H200 at E = 224: one per SUB pairs it places
-    # and per META blocks it describes): 11 us at 16 pairs, 25-33 us at 256-4096 pairs with 256 a program.
-    # Up to _ALIGN_SMALL_PAIRS pairs, programs of SUB pairs (one step each) count all pairs themselves, which
-    # stays cheap; above, the counting would dominate, so programs place more pairs.
-    chunk = rows if pairs <= _ALIGN_SMALL_PAIRS else _ALIGN_CHUNK
-    _align_kernel[(triton.cdiv(pairs, chunk),)](
+    _align_kernel[(num_experts,)](
         ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
         block_expert.numel() if blocks else 0, num_experts,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=rows, META=rows,
-        HIST=min(2048, max(64, triton.next_power_of_2(pairs))), GROUPS=groups is not None, num_warps=4,
+        BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(num_experts)),
+        SCAN=min(_ALIGN_SCAN, max(64, triton.next_power_of_2(pairs))), META=64, GROUPS=groups is not None,
+        num_warps=4,
     )
 
 
@@ -686,76 +684,70 @@ _WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr, pair_row_ptr,
                   num_pairs, num_blocks, num_experts,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                  META: tl.constexpr, HIST: tl.constexpr, GROUPS: tl.constexpr):
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, SCAN: tl.constexpr, META: tl.constexpr,
+                  GROUPS: tl.constexpr):
     """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the num_blocks
     blocks, and with GROUPS, where each expert's rows end and each pair's row.
 
-    One program per CHUNK pairs and no communication between programs: each counts all pairs itself
-    (O(T*k) per program, small at decode sizes), so the whole step is one launch. Dropped pairs (id < 0)
-    are neither counted nor placed: no block computes them.
+    One program per expert and no communication between programs: each counts all pairs itself (a
+    histogram of the T*k ids, read from L2, to find where its run starts), then places its own pairs
+    in pair order (a running prefix count of its matches) and writes its own blocks; the blocks past
+    the last used one are shared out among the programs. Every step is a pass over the ids SCAN at a
+    time, so the launch is as long as one program's two passes. Dropped pairs (id < 0) are neither
+    counted nor placed: no block computes them.
     """
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
+    expert = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-    chunk_start = pid * CHUNK
 
-    # Pairs per expert: in all, and before this program's chunk.
+    # Pairs per expert, over all pairs.
     total = tl.zeros([E_PAD], dtype=tl.int32)
-    before = tl.zeros([E_PAD], dtype=tl.int32)
     start = 0
     while start < num_pairs:
-        offs = start + tl.arange(0, HIST)
+        offs = start + tl.arange(0, SCAN)
         valid = offs < num_pairs
         e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-        kept = valid & (e >= 0)
-        total += tl.histogram(e, E_PAD, mask=kept)
-        before += tl.histogram(e, E_PAD, mask=kept & (offs < chunk_start))
-        start += HIST
+        total += tl.histogram(e, E_PAD, mask=valid & (e >= 0))
+        start += SCAN
 
     # Experts one after another, each padded to whole blocks.
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    first_row = tl.cumsum(padded, 0) - padded
+    first_row = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
+    count = tl.sum(tl.where(experts == expert, total, 0), axis=0)
+    mine = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
 
-    # This chunk's pairs: row = the expert's first free row + same-expert pairs earlier in the chunk.
-    next_row = first_row + before
-    chunk_end = tl.minimum(chunk_start + CHUNK, num_pairs)
-    lanes = tl.arange(0, SUB)
-    sub = chunk_start
-    while sub < chunk_end:
-        offs = sub + lanes
-        valid = offs < chunk_end
-        e = tl.load(ids_ptr + offs, mask=valid, other=E_PAD).to(tl.int32)  # E_PAD matches no expert
-        onehot = e[:, None] == experts[None, :]
-        base = tl.sum(tl.where(onehot, next_row[None, :], 0), axis=1)
-        earlier_same = (e[:, None] == e[None, :]) & (lanes[None, :] < lanes[:, None])
-        rank = tl.sum(earlier_same.to(tl.int32), axis=1)
-        tl.store(sorted_pair_ptr + base + rank, offs, mask=valid & (e >= 0))
+    # This expert's pairs, in pair order: row = its first row + matches before the pair.
+    placed = 0
+    start = 0
+    while start < num_pairs:
+        offs = start + tl.arange(0, SCAN)
+        e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+        match = (e == expert).to(tl.int32)
+        row = first_row + placed + tl.cumsum(match, 0) - match
+        tl.store(sorted_pair_ptr + row, offs, mask=match > 0)
         if GROUPS:
-            tl.store(pair_row_ptr + offs, base + rank, mask=valid & (e >= 0))
-        next_row += tl.sum(onehot.to(tl.int32), axis=0)
-        sub += SUB
-    if GROUPS:  # program 0 writes the ends (every program has them)
-        tl.store(expert_end_ptr + experts, first_row + padded, mask=experts < tl.where(pid == 0, num_experts, 0))
+            tl.store(pair_row_ptr + offs, row, mask=match > 0)
+        placed += tl.sum(match, axis=0)
+        start += SCAN
+    if GROUPS:
+        tl.store(expert_end_ptr + expert, first_row + mine)
 
-    # Block table. The expert of block b is the number of experts whose blocks all end at or before b
-    # (experts are laid out in order, and an unused expert ends where it starts).
+    # This expert's blocks, then its share of the unused blocks past the end.
+    lanes = tl.arange(0, META)
     first_block = first_row // BLOCK_M
-    end_block = (first_row + padded) // BLOCK_M
-    used_blocks = tl.sum(padded, axis=0) // BLOCK_M
-    b0 = pid * META
-    while b0 < num_blocks:
-        blocks = b0 + tl.arange(0, META)
-        expert = tl.sum((end_block[None, :] <= blocks[:, None]).to(tl.int32), axis=1)
-        pick = expert[:, None] == experts[None, :]
-        start_block = tl.sum(tl.where(pick, first_block[None, :], 0), axis=1)
-        count = tl.sum(tl.where(pick, total[None, :], 0), axis=1)
-        rows = tl.minimum(count - (blocks - start_block) * BLOCK_M, BLOCK_M)
-        live = blocks < used_blocks
-        in_range = blocks < num_blocks
-        tl.store(block_expert_ptr + blocks, tl.where(live, expert, -1), mask=in_range)
-        tl.store(block_rows_ptr + blocks, tl.where(live, rows, 0), mask=in_range)
-        b0 += nprog * META
+    b = 0
+    while b < tl.where(num_blocks > 0, mine // BLOCK_M, 0):
+        blocks = b + lanes
+        ok = (blocks < mine // BLOCK_M) & (first_block + blocks < num_blocks)  # num_blocks 0: no table asked for
+        tl.store(block_expert_ptr + first_block + blocks, tl.zeros_like(blocks) + expert, mask=ok)
+        tl.store(block_rows_ptr + first_block + blocks, tl.minimum(count - blocks * BLOCK_M, BLOCK_M), mask=ok)
+        b += META
+    b = tl.sum(padded, axis=0) // BLOCK_M + expert * META
+    while b < num_blocks:
+        blocks = b + lanes
+        ok = blocks < num_blocks
+        tl.store(block_expert_ptr + blocks, tl.full([META], -1, tl.int32), mask=ok)
+        tl.store(block_rows_ptr + blocks, tl.zeros([META], dtype=tl.int32), mask=ok)
+        b += num_experts * META
 
 
 @triton.jit
