@@ -24,6 +24,7 @@ from mstar.runner.cuda_graphs import DecodeGraphs, capture_blockers
 pytestmark = pytest.mark.skipif(not kda_fla.available(), reason="needs CUDA and fla-core")
 MODELS = ROOT / "models"
 MAX_TOKENS = 32
+OVERLAP_MAX_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,9 @@ def make_engine(pair, *, k: int, graphs: bool, overlap: bool = True) -> EngineCo
     return EngineCore(target, tokenizer, config, SpeculativeModels(draft) if k else None)
 
 
-def add_all(engine: EngineCore, prompts: list[list[int]]) -> None:
+def add_all(engine: EngineCore, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> None:
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
 def drain(engine: EngineCore, got: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
@@ -93,9 +94,13 @@ def test_an_overlapped_speculative_step_makes_no_synchronizing_call(pair):
     """Steady speculative decode with async scheduling: drafting (a captured draft step), planning from the
     verdicts of the step in flight, the captured verify step, verification and the packed results make no
     synchronizing CUDA call (torch's sync debug mode raises on `.item()`, `.tolist()`, pageable copies), and
-    `step()` returns with the step it launched still queued."""
+    `step()` returns with the step it launched still in flight (not finished by the host; whether the GPU is still
+    busy then is a matter of timing: the mini's steps are shorter than the host's work on outputs).
+
+    Long outputs: the shipped draft accepts up to 8 tokens a step, and within 2 (k + 1) tokens of max_tokens a
+    step waits for its verdicts and may cut drafts (a decode row in place of a verify block)."""
     engine = make_engine(pair, k=7, graphs=True)
-    add_all(engine, heldout(pair[2]))
+    add_all(engine, heldout(pair[2]), max_tokens=OVERLAP_MAX_TOKENS)
     got: dict[str, list[int]] = {}
 
     def step():
@@ -106,7 +111,7 @@ def test_an_overlapped_speculative_step_makes_no_synchronizing_call(pair):
         step()
     step()  # the first verify step after the last prefill
     verify = [g for g in engine.runner.graphs if isinstance(g, DecodeGraphs) and g.rows_per_seq > 1]
-    replays, busy = sum(g.replays for g in verify), 0
+    replays, left_in_flight = sum(g.replays for g in verify), 0
     torch.cuda.synchronize()
     for _ in range(4):  # early in the requests: far from max_tokens, every step overlaps the one before
         torch.cuda.set_sync_debug_mode("error")
@@ -114,7 +119,7 @@ def test_an_overlapped_speculative_step_makes_no_synchronizing_call(pair):
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        busy += not torch.cuda.current_stream().query()
-    assert sum(g.replays for g in verify) == replays + 4 and busy >= 2, busy
+        left_in_flight += engine._in_flight is not None
+    assert sum(g.replays for g in verify) == replays + 4 and left_in_flight == 4, left_in_flight
     drain(engine, got)
-    assert all(len(t) == MAX_TOKENS for t in got.values())
+    assert all(len(t) == OVERLAP_MAX_TOKENS for t in got.values())

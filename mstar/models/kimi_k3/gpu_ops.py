@@ -188,7 +188,7 @@ class GpuMixerOps(TorchMixerOps):
         """`meta`: the step's (a layer called on its own builds it)."""
         if attn not in self.mla_layers:
             return super().mla(attn, layer, x, plan, kv)
-        step = meta.mla if meta is not None else mla_step(plan, attn.num_heads)
+        step = meta.mla if meta is not None else mla_step(plan, attn.num_heads, x.device)
         q_first, kv_a, gate = self._mla_inputs(attn, x)
         c_kv, k_pe = attn.latent_rows(kv_a, self.layer_ops)
         kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))

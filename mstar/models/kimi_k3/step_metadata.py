@@ -56,7 +56,8 @@ class StepMetadata:
 
 def build_metadata(plan: BatchPlan, pool: RecurrentStatePool, mla_heads: int | None) -> StepMetadata:
     """The step's metadata (`mla_heads`: the heads of the MLA layers the kernels run, None when none do)."""
-    return StepMetadata(kda=kda_step(plan, pool), mla=None if mla_heads is None else mla_step(plan, mla_heads))
+    mla = None if mla_heads is None else mla_step(plan, mla_heads, pool.state.device)
+    return StepMetadata(kda=kda_step(plan, pool), mla=mla)
 
 
 def kda_step(plan: BatchPlan, pool: RecurrentStatePool) -> KDAStep:
@@ -78,8 +79,8 @@ def kda_step(plan: BatchPlan, pool: RecurrentStatePool) -> KDAStep:
     return KDAStep(KDAPath.BLOCKS, layout)
 
 
-def mla_step(plan: BatchPlan, heads: int) -> MLAStep:
-    """The MLA part, for layers of `heads` heads."""
+def mla_step(plan: BatchPlan, heads: int, device: torch.device) -> MLAStep:
+    """The MLA part, for layers of `heads` heads on `device` (a plan may carry no input ids to take it from)."""
     if plan.kind is StepKind.STAGED_PREFILL:  # its lengths are on the device only
         return MLAStep(num_splits=1, cu_seqlens=plan.staged.cu_seqlens, max_query_len=plan.staged.max_query_len)
     batch = len(plan.num_computed)
@@ -90,5 +91,5 @@ def mla_step(plan: BatchPlan, heads: int) -> MLAStep:
         return MLAStep(num_splits=splits)
     # verify blocks (and eager chunks): split the context as decode does, for the same reason
     cu = (plan.staged.cu_seqlens if plan.kind is StepKind.STAGED_BLOCKS
-          else to_device(plan.seq_starts, torch.long, plan.input_ids.device))
+          else to_device(plan.seq_starts, torch.long, device))
     return MLAStep(num_splits=splits, cu_seqlens=cu, max_query_len=rows)
