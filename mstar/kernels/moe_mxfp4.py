@@ -294,25 +294,34 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
     activations are the A operand again (the weights then go through shared memory as the B operand).
     Above 48 rows per expert, from --tune on the H200 (h200_bef60d1_moe_mxfp4_tune.md), where the atomic
     combine also beat "reduce" (which stays available: deterministic).
+
+    Down tiles since 8521d1b (several output tiles a program, module doc "Short K"), from the --tune sweep at
+    0dfb529 (benchmarks/kernels/results/h200_0dfb529_moe_mxfp4_tiles.md): 4 tiles a program beat 1 at every T
+    from 8 to 1024, and 2 at T = 1; BLOCK_K 256 won the unsplit direct gate/up, 4 stages the aligned one at
+    decode sizes.
     """
     pairs = num_tokens * top_k
     if align is None:
         align = pairs > DIRECT_MAX_PAIRS
     if not align:
-        # At one token 96 gate/up tiles of 128 rows are too few for 132 SMs: split K in two.
-        gate_up = GemmTile(64, 128, split_k=2 if pairs <= DIRECT_SPLIT_MAX_PAIRS else 1)
-        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, GemmTile(128, 128), align=False)
+        if pairs <= DIRECT_SPLIT_MAX_PAIRS:
+            # At one token 96 gate/up tiles of 128 rows are too few for 132 SMs: split K in two.
+            gate_up, down = GemmTile(64, 128, split_k=2), GemmTile(128, 128, tiles=2)
+        else:
+            gate_up, down = GemmTile(64, 256), GemmTile(128, 128, num_stages=4, tiles=4)
+        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, down, align=False)
     rows = pairs / max(num_experts, 1)
     if rows <= 12:
-        return MoEConfig(16, GemmTile(64, 128), GemmTile(128, 128))
+        return MoEConfig(16, GemmTile(64, 128, num_stages=4), GemmTile(128, 128, num_stages=4, tiles=4))
+    down = GemmTile(128, 128, tiles=4)
     if rows <= 24:
-        return MoEConfig(32, GemmTile(64, 128), GemmTile(128, 128))
+        return MoEConfig(32, GemmTile(64, 128), down)
     if rows <= 48:
-        return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), swap_ab=False)
+        return MoEConfig(64, GemmTile(64, 128), down, swap_ab=False)
     # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
     # 64-row blocks and 4-warp tiles beat the earlier guess of 128 rows at 8 warps, and the atomic combine beat
     # "reduce" by 3-4%: 969 -> 871 us at 1024 tokens, 2875 -> 2391 at 4096 (and 5226 -> 4782 at 8192, untuned).
-    return MoEConfig(64, GemmTile(64, 128), GemmTile(128, 128), "atomic", swap_ab=False)
+    return MoEConfig(64, GemmTile(64, 128), down, "atomic", swap_ab=False)
 
 
 def _fit(block: int, dim: int, smallest: int, what: str) -> int:
