@@ -237,8 +237,9 @@ def deterministic_experts(monkeypatch):
 
 def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
     """Each step (new rows, cached rows per sequence) replayed against (a) the same staged step run eagerly
-    (the same kernels, with the experts' deterministic combine: 2e-2) and (b) the eager step of the plan itself (kda_step, fla's chunk_kda without
-    graphs, unpadded GEMMs): sampled logits, KDA states and windows, the KV rows.
+    (the same kernels, with the experts' deterministic combine: 2e-2) and (b) the eager step of the plan
+    itself (kda_step, fla's chunk_kda without graphs, unpadded GEMMs): sampled logits, KDA states and windows,
+    the KV rows.
 
     (b) gets the spread of two correct bf16 computations, 0.15: a router near-tie that bf16 rounding flips
     moves one expert, and the random 4-layer model carries it to the last rows. Measured on the H200: the
