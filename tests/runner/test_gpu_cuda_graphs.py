@@ -224,7 +224,7 @@ def deterministic_experts(monkeypatch):
     """The routed experts' deterministic combine wherever the alignment runs (every prefill bucket). With the
     atomic one (the default above 48 rows per expert) the k additions into an output land in any order, so
     the last bits of a layer's output differ between two runs of the same step, and where the next layer's
-    router has a near tie they pick different experts: seen on the H200 at 0dfb529 as a replay 0.064 off the
+    router has a near tie they pick different experts: seen on the H200 at 03748c0 as a replay 0.064 off the
     same staged step run eagerly (step [3, 1] below). Comparison (a) then measures only the graphs."""
     chosen = moe_mxfp4.default_config
 
