@@ -37,7 +37,7 @@ from mstar.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from mstar.server.responses_api import ResponsesRequest
+from mstar.server.responses_api import NO_REASONING, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -175,7 +175,7 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     responses_request["max_output_tokens"] = _max_tokens(options, max_seq_len)
     responses_request["temperature"] = _nullable({"type": "number", "minimum": 0})
     responses_request["top_p"] = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1})
-    schemas["ReasoningOptions"]["properties"]["effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
+    schemas["ReasoningOptions"]["properties"]["effort"] = _nullable({"enum": [*THINKING_EFFORTS, NO_REASONING]})
     schemas["Response"] = _RESPONSE
     schemas["TokenizeResponse"] = _TOKENIZE_RESPONSE
     schemas["DetokenizeResponse"] = _DETOKENIZE_RESPONSE

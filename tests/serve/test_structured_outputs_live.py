@@ -162,6 +162,23 @@ def test_forced_tool_calls_parse_and_validate(client, tool_choice, parallel, tem
     assert [(parts[0], json.loads("".join(parts[1:]))) for parts in streamed.values()] == calls
 
 
+@pytest.mark.parametrize(("tool_choice", "temperature"), [({"type": "function", "name": "get_weather"}, 0.0),
+                                                          ("required", 1.0)])
+def test_forced_function_call_over_responses_parses_and_validates(client, tool_choice, temperature):
+    """/v1/responses (what the Agents SDK speaks) forces the call as chat does: the function_call item's
+    arguments are valid under the tool's schema. reasoning.effort "none" skips K3's think channel, which the
+    tiny model's random weights would not close within the tokens there are."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=tools,
+                                tool_choice=tool_choice, reasoning={"effort": "none"}, max_output_tokens=450,
+                                temperature=temperature, parallel_tool_calls=False)
+    assert r.status == "completed", r
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and not r.output_text, r.output
+    names = set(SCHEMAS) if tool_choice == "required" else {tool_choice["name"]}
+    assert calls[0].name in names and jsonschema_rs.is_valid(SCHEMAS[calls[0].name], json.loads(calls[0].arguments))
+
+
 def test_forced_tool_choice_with_an_uncompilable_schema_is_a_400_naming_tools(client):
     bad = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "x": {"type": "string", "pattern": "a(b"}}}}}
