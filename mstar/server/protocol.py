@@ -130,7 +130,8 @@ CHAT_REFUSED: dict[str, Refused] = {
     "function_call": Refused((None,), "(OpenAI's deprecated form of tool_choice) is not supported; use "
                                       "tool_choice: 'none', 'auto', 'required' or {'type': 'function', "
                                       "'function': {'name': ...}}"),
-    "modalities": Refused((None, ["text"]), "other than ['text'] is not supported (K3 outputs text only)"),
+    "modalities": Refused((None, ["text"]), "other than ['text'] are not supported (K3 outputs text only); omit it or "
+                                              "pass ['text']"),
     "audio": Refused((None,), "audio output is not supported (K3 outputs text only); omit it"),
     "prediction": Refused((None,), "(predicted outputs) is not supported; omit it"),
     "web_search_options": Refused((None,), "web search is not supported; omit it"),
