@@ -41,7 +41,7 @@ def main() -> None:
         for _ in range(args.steps):
             logits = torch.randn(batch, vocab, device=device)
             t0 = time.perf_counter()
-            mask = compiler.bitmask(matchers, device)
+            mask = compiler.bitmask([(m, []) for m in matchers], device)
             t1 = time.perf_counter()
             tokens = apply_token_bitmask(logits, rows, mask).argmax(-1).tolist()
             if device.type == "cuda":

@@ -58,7 +58,8 @@ ranks the lm_head gathers the whole vocabulary of every logits row, these rows t
 
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
 - a step holding a request with a grammar (structured_output.py): the mask of its next step is
-  computed on the host from the matcher, which needs this step's token;
+  computed on the host from the matcher, which needs this step's token (with DSpark, its verify
+  block's masks need the block's drafts too, read to the host after the step's forward is queued);
 - a verify step whose verdict the next step cannot take on the device (above);
 - `async_scheduling=False`.
 Tensor-parallel rank 0 overlaps too, but sending a step to the followers copies its input ids (and a
@@ -515,9 +516,13 @@ class EngineCore:
         if processing is not None:
             logits = processing.apply(logits)
         constrained = [b for b in sampled + verifying if requests[b].matcher is not None]
-        if constrained:  # such a request has no drafts: its one row is rows[b][0]
-            logits = apply_token_bitmask(logits, to_device([rows[b][0] for b in constrained], torch.long, device),
-                                         self.grammars.bitmask([requests[b].matcher for b in constrained], device))
+        if constrained:
+            # every row of a verify block gets the mask after the drafts before it (structured_output.py). Its
+            # drafts are read to the host here, after the forward was queued: the GPU runs it meanwhile.
+            blocks = [(requests[b].matcher, drafts[b].tokens.tolist() if b in drafts else []) for b in constrained]
+            at = [first + i for first, n in (rows[b] for b in constrained) for i in range(n)]
+            logits = apply_token_bitmask(logits, to_device(at, torch.long, device),
+                                         self.grammars.bitmask(blocks, device))
         if sampled:
             batch = SamplingBatch.build([requests[b].params for b in sampled], [requests[b].generator for b in sampled],
                                         device)

@@ -48,6 +48,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt or the output (vLLM's definition)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     grammar: Grammar | None = None  # structured outputs (engine/structured_output.py)
+    # vLLM's cache_salt: cached prefixes are shared only among requests of the same salt (page_keys.root)
+    cache_salt: str | None = None
     extra: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

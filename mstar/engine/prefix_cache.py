@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from mstar.engine.request import Request
 from mstar.resources.latent_kv import PagedLatentKV
-from mstar.resources.page_keys import extend_keys
+from mstar.resources.page_keys import extend_keys, root
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 
@@ -45,7 +45,8 @@ class PrefixCache:
         """The request's page keys, extended over the full pages of its tokens on the host."""
         known = len(request.prompt_ids) + len(request.output_ids)
         if len(request.page_keys) < known // self.page_size:
-            extend_keys(request.page_keys, request.prompt_ids + request.output_ids, self.page_size)
+            extend_keys(request.page_keys, request.prompt_ids + request.output_ids, self.page_size,
+                        root(request.params.cache_salt))
         return request.page_keys
 
     def lookup(self, request: Request) -> tuple[tuple[bytes, ...], int]:

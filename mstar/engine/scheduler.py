@@ -200,11 +200,12 @@ class Scheduler:
         if drafts is None:
             return self._seq(request, 1)
         # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens. A request that processes
-        # its logits gets no drafts (logits_processing.py: its token counts hold for one position only), nor
-        # does one with a grammar (structured_output.py: its mask is computed for one position only).
+        # its logits gets no drafts (logits_processing.py: its token counts hold for one position only); one
+        # with a grammar does (structured_output.py masks each row of its block).
         # Tokens in flight count as emitted, a verify block in flight as keeping all its drafts (the most it can).
-        undrafted = request.params.processes_logits or request.params.grammar is not None
-        room = 0 if undrafted else request.params.max_tokens - request.num_generated - request.unresolved - 1
+        room = request.params.max_tokens - request.num_generated - request.unresolved - 1
+        if request.params.processes_logits:
+            room = 0
         anchor = request.token_at(request.num_computed)
         return SeqStep(request.request_id, request.num_computed, (anchor,), sample=True, verify=True,
                        num_drafts=max(0, min(drafts, room)), lag=request.unresolved)

@@ -8,6 +8,14 @@ Each step, a request with a grammar gets a packed bitmask row (32 tokens per int
 the host from its matcher, uploaded once for the step, and applied on the device to its logits row
 before the token is chosen (greedy rows too): tokens the grammar forbids get -inf. Its matcher is
 advanced with each accepted token, and a request whose grammar is complete stops with "stop".
+
+With DSpark, a grammar request's verify block [anchor, d_1..d_k] gets one row per position: row j the
+mask after d_1..d_j, from a copy of the matcher advanced through the drafts (the request's own matcher
+moves only by the tokens verification keeps, when they are appended). Verification (greedy or
+sampled) then judges each draft by masked target logits: a draft the grammar forbids has probability
+0 there and is rejected, the correction or bonus token is one the grammar allows, and what a greedy
+request emits is what the non-speculative constrained loop emits. Once a draft is forbidden the rows
+after it cannot be reached (that draft is rejected); they repeat the last mask, so every row stays finite.
 """
 
 from __future__ import annotations
@@ -80,15 +88,29 @@ class GrammarCompiler:
             raise ParamError(f"{grammar.field} is not a valid {grammar.kind}: {matcher.get_error()}")
         return matcher
 
-    def bitmask(self, matchers: list[llguidance.LLMatcher], device: torch.device) -> torch.Tensor:
-        """[R, ceil(V / 32)] int32 on the device: bit t % 32 of word t // 32 is set if token t is allowed."""
+    def bitmask(self, blocks: list[tuple[llguidance.LLMatcher, list[int]]], device: torch.device) -> torch.Tensor:
+        """[sum of 1 + len(drafts), ceil(V / 32)] int32 on the device, for (matcher, drafts) blocks: a block's
+        row j holds the tokens allowed after its first j drafts (module doc); bit t % 32 of word t // 32 is
+        set if token t is allowed. The matchers themselves are not advanced."""
         words = (self.vocab_size + 31) // 32
-        mask = torch.empty((len(matchers), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        rows = sum(1 + len(drafts) for _, drafts in blocks)
+        mask = torch.empty((rows, words), dtype=torch.int32, pin_memory=device.type == "cuda")
         # llguidance.numpy, not .torch: the same fill, but llguidance.torch defines a torch.compile'd function,
         # and importing it loads dynamo and inductor (~2.5 s in every process that imports the engine).
         words_view = mask.numpy()
-        for i, matcher in enumerate(matchers):
-            llguidance.numpy.fill_next_token_bitmask(matcher, words_view, i)
+        row = 0
+        for matcher, drafts in blocks:
+            llguidance.numpy.fill_next_token_bitmask(matcher, words_view, row)
+            filled = 1
+            # a copy, not consume-then-rollback: a consumed stop token is not counted by llguidance's rollback
+            probe = matcher.deep_copy() if drafts else None
+            for token in drafts:
+                if not probe.consume_token(token):  # forbidden here: this draft is rejected, the rest unreachable
+                    break
+                llguidance.numpy.fill_next_token_bitmask(probe, words_view, row + filled)
+                filled += 1
+            words_view[row + filled : row + 1 + len(drafts)] = words_view[row + filled - 1]
+            row += 1 + len(drafts)
         return mask.to(device, non_blocking=True)
 
 

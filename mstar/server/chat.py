@@ -13,7 +13,8 @@ so do `tool_choice` "required" (one or more calls of any of the tools) and a nam
 of it; `parallel_tool_calls` false: one call of any): the turn is then K3's tool-call markup with
 arguments valid under each tool's `parameters` (models/kimi_k3/tool_grammar.py), and `content` is empty.
 With "auto" `parallel_tool_calls` constrains nothing (the model decides). The prompt carries K3's `tool_choice=required`
-note for both (K3's format has no note naming one function). `chat_template` is a 400 (K3's format only).
+note for both (K3's format has no note naming one function). `chat_template` is a 400 (K3's format only),
+and so are OpenAI's legacy `functions` / `function_call` and the other features of protocol.CHAT_REFUSED.
 `max_completion_tokens` (or the older `max_tokens`) defaults to all the room the context leaves.
 The reasoning is sent both as `reasoning_content` and as `reasoning` (current vLLM's name).
 `prompt_logprobs` (vLLM's extension) scores the rendered prompt's tokens; as in vLLM the list is beside
@@ -281,8 +282,8 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
         raise APIError("top_logprobs needs logprobs set to true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     # before the prompt is rendered: what is wrong with the fields is found without tokenizing
-    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, response_format=req.response_format,
-                         tool_calls=_forced_tool_calls(req), prompt_logprobs=req.prompt_logprobs)
+    params = base_params(req, logprobs, engine, renames=_ENGINE_NAMES, tool_calls=_forced_tool_calls(req),
+                         prompt_logprobs=req.prompt_logprobs)
     prompt_ids = await chat_prompt_ids(req, ctx.tokenize, engine, keep=req.truncate_prompt_tokens)
     check_prompt_ids(prompt_ids, engine, "messages")
     max_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"

@@ -9,7 +9,8 @@ scored by the engine (`prompt_logprobs`, which defaults to `logprobs` then, as i
 way). `prompt_logprobs` (vLLM's extension) gives each choice vLLM's `prompt_logprobs` list; it is a 400
 with `stream`, as in vLLM (echo with logprobs streams: the prompt's part rides on the first chunk).
 `suffix` and `best_of` other than n are refused (400). `truncate_prompt_tokens` keeps each prompt's
-last N tokens. `max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
+last N tokens. `response_format` constrains the text as on chat (server/structured_outputs.py), as vLLM
+allows here too. `max_tokens` defaults to 16 (OpenAI's default), cut to the room the context leaves.
 With `stream`, each engine delta of each choice becomes one chunk (choices interleave, each in
 order); with `stream_options.include_usage`, a last chunk with no choices carries the usage, and with
 `continuous_usage_stats` every chunk carries the usage so far.

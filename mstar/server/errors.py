@@ -158,6 +158,11 @@ _UNION_HINTS = {
 }
 
 
+def _is_union_tag(part: str | int) -> bool:
+    """Whether a part of an error's location names a union's member (`list[TextPart]`, `str`, `NamedToolChoice`)."""
+    return isinstance(part, str) and (not part.isidentifier() or part in _TYPE_TAGS or part[:1].isupper())
+
+
 def _field_path(loc: tuple) -> tuple[str, str | None]:
     """('messages', 0, 'content', 'list[TextPart]', 0, 'text') -> ('messages[0].content[0].text', 'content'):
     the path with pydantic's union-member tags dropped, and the last field name on it."""
@@ -166,10 +171,25 @@ def _field_path(loc: tuple) -> tuple[str, str | None]:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif part.isidentifier() and part not in _TYPE_TAGS and not part[:1].isupper():
+        elif not _is_union_tag(part):
             path += f".{part}" if path else part
             last_field = part
     return path, last_field
+
+
+def _unknown_fields(errors: list[dict]) -> APIError | None:
+    """All the unknown fields of a body, as one 400 that lists them; None when there are none. Keys
+    unknown to one member of a union only (a body may match another) are left to the usual report."""
+    names = list(dict.fromkeys(_field_path(e["loc"])[0] for e in errors
+                               if e["type"] == "extra_forbidden" and not any(map(_is_union_tag, e["loc"]))))
+    return _unknown(names) if names else None
+
+
+def _unknown(names: list[str]) -> APIError:
+    listed = ", ".join(f"'{name}'" for name in names)
+    return APIError(f"Unknown field{'s' if len(names) > 1 else ''} {listed}: this server honours or refuses each "
+                    "field OpenAI and vLLM define (the OpenAPI document at /openapi.json lists them) and ignores "
+                    f"none; remove {'them' if len(names) > 1 else 'it'}", param=names[0], code="unknown_parameter")
 
 
 def from_validation_error(err: ValidationError) -> APIError:
@@ -183,6 +203,9 @@ def from_validation_error(err: ValidationError) -> APIError:
         return APIError(f"The request body is not valid JSON: {detail}", code="invalid_json")
     if first["type"] == "model_type" and not first["loc"]:
         return APIError("The request body must be a JSON object", code="invalid_json")
+    unknown = _unknown_fields(errors)
+    if unknown is not None:
+        return unknown
     # Among union alternatives, the one that got furthest says best what was wrong.
     best = max(errors, key=lambda e: len(e["loc"]))
     path, last_field = _field_path(best["loc"])
@@ -190,7 +213,11 @@ def from_validation_error(err: ValidationError) -> APIError:
     if best["type"] == "missing":
         message, code = f"'{path}' is required", "missing_required_parameter"
     elif best["type"] == "extra_forbidden":
-        message, code = f"'{path}' is not an accepted key", "unknown_parameter"
+        return _unknown([path])
+    elif best["type"] == "unsupported":  # protocol._Body: a field refused at this value; its message says why
+        field = best["ctx"]["field"]
+        path = f"{path}.{field}" if path else field
+        return APIError(f"{path} {best['ctx']['why']}", param=path, code="unsupported")
     else:
         message = f"'{path}': {best['msg']}"
         given = best.get("input")

@@ -5,7 +5,8 @@ FastAPI cannot derive the schema from their signatures; it is built here from th
 models, then tightened with the checks the server makes beyond pydantic's types, so that a body
 valid by the schema passes every check the schema can express and one it rejects is refused:
 the model name, `n` and `max_tokens` under this server's limits, token ids inside the
-vocabulary, sampling values in range, refused parameters (protocol.REFUSED) only at their neutral value.
+vocabulary, sampling values in range, refused parameters (each body's REFUSED) only at their neutral
+values, no other keys.
 What a JSON schema cannot say (a prompt's length in tokens, `best_of` equal to `n`, prompts x n
 choices) is checked by the server and answered with a 400.
 
@@ -28,14 +29,15 @@ from mstar.server.options import ServerOptions
 from mstar.server.protocol import (
     INT64_MAX,
     LOGIT_BIAS_KEY,
-    REFUSED,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
+    StreamOptions,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from mstar.server.responses_api import ResponsesRequest
+from mstar.server.responses_api import NO_REASONING, ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -111,8 +113,14 @@ def _sampling_fields(props: dict, options: ServerOptions, model_name: str, vocab
                                                               "maximum": MAX_LOGIT_BIAS}})
     props["min_tokens"] = _nullable({"type": "integer", "minimum": 0})
     props["truncate_prompt_tokens"] = _nullable({"type": "integer", "minimum": 1})
-    for name, (neutral, why) in REFUSED.items():  # accepted at their neutral value only
-        props[name] = {"const": neutral, "default": neutral, "description": f"Refused unless {neutral!r}: {why}"}
+
+
+def _refused(props: dict, model: type) -> None:
+    """A body's refused fields (protocol.Refused): accepted at their neutral values only."""
+    for name, refused in model.REFUSED.items():
+        values = ", ".join(map(repr, refused.neutral))
+        props[name] = {"enum": list(refused.neutral), "default": refused.neutral[0],
+                       "description": f"Refused unless one of {values}: {refused.why}"}
 
 
 def _chat_prompt_fields(props: dict, model_name: str) -> None:
@@ -138,6 +146,7 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     schemas = copy.deepcopy(top["$defs"])
     completion = schemas["CompletionRequest"]["properties"]
     _sampling_fields(completion, options, model_name, vocab_size)
+    _refused(completion, CompletionRequest)
     ids = _token_ids(vocab_size, max_seq_len - 1)
     text = {"type": "string", "minLength": 1}
     completion["prompt"] = {"anyOf": [text, ids, {"type": "array", "items": text, "minItems": 1,
@@ -148,11 +157,12 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     completion["best_of"] = _nullable({"type": "integer", "minimum": 1, "maximum": options.max_n})
     chat = schemas["ChatCompletionRequest"]["properties"]
     _sampling_fields(chat, options, model_name, vocab_size)
+    _refused(chat, ChatCompletionRequest)
     _chat_prompt_fields(chat, model_name)
     chat["max_tokens"] = _max_tokens(options, max_seq_len)
     chat["max_completion_tokens"] = _max_tokens(options, max_seq_len)
-    chat["response_format"] = _nullable({"type": "object", "required": ["type"],
-                                         "properties": {"type": {"const": "text"}}})
+    _refused(schemas["ChatMessage"]["properties"], ChatMessage)
+    _refused(schemas["StreamOptions"]["properties"], StreamOptions)
     _chat_prompt_fields(schemas["TokenizeChatRequest"]["properties"], model_name)
     schemas["TokenizeCompletionRequest"]["properties"]["model"] = _nullable({"type": "string", "enum": [model_name]})
     detokenize = schemas["DetokenizeRequest"]["properties"]
@@ -165,7 +175,7 @@ def request_schemas(options: ServerOptions, model_name: str, vocab_size: int, ma
     responses_request["max_output_tokens"] = _max_tokens(options, max_seq_len)
     responses_request["temperature"] = _nullable({"type": "number", "minimum": 0})
     responses_request["top_p"] = _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1})
-    schemas["ReasoningOptions"]["properties"]["effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
+    schemas["ReasoningOptions"]["properties"]["effort"] = _nullable({"enum": [*THINKING_EFFORTS, NO_REASONING]})
     schemas["Response"] = _RESPONSE
     schemas["TokenizeResponse"] = _TOKENIZE_RESPONSE
     schemas["DetokenizeResponse"] = _DETOKENIZE_RESPONSE

@@ -2,25 +2,31 @@
 
 Types are strict (`"16"` is not an int, `1` is not a bool) so that a wrong type is a 400 rather than
 a silent coercion. An integral JSON number (`16.0`) is an integer, as JSON Schema (and so the
-OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are ignored, as OpenAI
-clients send fields this server has no use for (`user`, `metadata`, ...).
+OpenAPI document at /openapi.json) says; `16.5` is not. Unknown fields are a 400 that lists them
+(errors.from_validation_error): a field this server has never heard of would otherwise be ignored,
+and the request would mean something else than its sender meant. OpenAI's own clients send only
+the fields the caller gives, all of them declared here.
 Range checks of sampling values live in `SamplingParams`, so the engine and the server agree on
 them; here only what the server itself needs (n, logprob counts) is bounded. The OpenAPI document
 (server/openapi.py) states all of these bounds.
 
-Fields that OpenAI or vLLM define and this server does not implement are declared too, in
-`REFUSED`, so that a request setting one is a 400 naming it rather than a 200 that ignored it; each
-is accepted only at its neutral value (what clients send by default).
+Fields that OpenAI or vLLM define and this server does not implement are declared too, in each
+body's `REFUSED`, so that a request setting one is a 400 naming it rather than a 200 that ignored it;
+each is accepted only at a neutral value (what clients send when they do not ask for the feature).
+Labels that change nothing in the output (`user`, `safety_identifier`, `metadata`, `prompt_cache_key`)
+are accepted as they are.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
-from mstar.server.errors import from_validation_error
+from mstar.server.errors import echo, from_validation_error
 
 MAX_N = 128  # choices per prompt, as in OpenAI's API
 MAX_TOP_LOGPROBS = 20
@@ -55,31 +61,16 @@ def parse_request(raw: bytes, model: type[Body]) -> Body:
         raise from_validation_error(err) from None
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+@dataclass(frozen=True)
+class Refused:
+    """A field this server does not implement: accepted only at one of its `neutral` values (the first
+    is the default), anything else is a 400 that says `why`."""
 
+    neutral: tuple[Any, ...]
+    why: str
 
-class StreamOptions(_Body):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
-
-
-_STRUCTURED = "is not supported (structured outputs use llguidance; omit it)"
-
-# field -> (neutral value, why it is refused). Both endpoints.
-REFUSED: dict[str, tuple[Any, str]] = {
-    "guided_decoding_backend": (None, _STRUCTURED),
-    "guided_whitespace_pattern": (None, _STRUCTURED),
-    "use_beam_search": (False, "beam search is not supported; omit it or pass false"),
-    "length_penalty": (1.0, "is used by beam search only, which is not supported; omit it or pass 1"),
-    "bad_words": (None, "is not supported; omit it"),
-    "allowed_token_ids": (None, "is not supported; omit it"),
-    "logits_processors": (None, "custom logits processors are not supported; omit it"),
-    "skip_special_tokens": (True, "only true is supported (special tokens are never part of the text)"),
-    "spaces_between_special_tokens": (True, "only true is supported; omit it"),
-    "return_tokens_as_token_ids": (False, "is not supported; omit it or pass false"),
-    "priority": (0, "priority scheduling is not supported; omit it or pass 0"),
-}
+    def accepts(self, value: Any) -> bool:
+        return any(json_equal(value, neutral) for neutral in self.neutral)
 
 
 def json_equal(value: Any, neutral: Any) -> bool:
@@ -89,8 +80,87 @@ def json_equal(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
+class _Body(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+    # field -> what it is accepted at; such fields are typed Any (any JSON value reaches the check)
+    REFUSED: ClassVar[dict[str, Refused]] = {}
+
+    @model_validator(mode="after")
+    def _refuse_unimplemented(self) -> Any:
+        for name, refused in self.REFUSED.items():
+            if not refused.accepts(getattr(self, name)):
+                # errors.from_validation_error names the field: `field` joins the body's path
+                raise PydanticCustomError("unsupported", "{field} {why}", {"field": name, "why": refused.why})
+        return self
+
+
+class StreamOptions(_Body):
+    REFUSED = {"include_obfuscation": Refused((None, False), "is not supported (chunks carry no obfuscation "
+                                                             "padding); omit it or pass false")}
+
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage (so far) in every chunk
+    include_obfuscation: Any = None
+
+
+_STRUCTURED = "is not supported (structured outputs use llguidance; omit it)"
+_OMIT = "is not supported; omit it"
+
+# Both endpoints.
+REFUSED: dict[str, Refused] = {
+    "guided_decoding_backend": Refused((None,), _STRUCTURED),
+    "guided_whitespace_pattern": Refused((None,), _STRUCTURED),
+    "use_beam_search": Refused((False,), "beam search is not supported; omit it or pass false"),
+    "length_penalty": Refused((1.0,), "is used by beam search only, which is not supported; omit it or pass 1"),
+    "bad_words": Refused((None,), _OMIT),
+    "allowed_token_ids": Refused((None,), _OMIT),
+    "logits_processors": Refused((None,), "custom logits processors are not supported; omit it"),
+    "skip_special_tokens": Refused((True,), "only true is supported (special tokens are never part of the text)"),
+    "spaces_between_special_tokens": Refused((True,), "only true is supported; omit it"),
+    "return_tokens_as_token_ids": Refused((False,), "is not supported; omit it or pass false"),
+    "priority": Refused((0,), "priority scheduling is not supported; omit it or pass 0"),
+    "vllm_xargs": Refused((None,), "is not supported (no extension of this server reads it); omit it"),
+}
+
+# Chat completions only: OpenAI's fields for what K3 or this server does not do.
+CHAT_REFUSED: dict[str, Refused] = {
+    "functions": Refused((None,), "(OpenAI's deprecated form of tools) is not supported; declare them as "
+                                  "tools: [{'type': 'function', 'function': {'name': ..., 'parameters': ...}}]"),
+    "function_call": Refused((None,), "(OpenAI's deprecated form of tool_choice) is not supported; use "
+                                      "tool_choice: 'none', 'auto', 'required' or {'type': 'function', "
+                                      "'function': {'name': ...}}"),
+    "modalities": Refused((None, ["text"]), "other than ['text'] are not supported (K3 outputs text only); omit it or "
+                                              "pass ['text']"),
+    "audio": Refused((None,), "audio output is not supported (K3 outputs text only); omit it"),
+    "prediction": Refused((None,), "(predicted outputs) is not supported; omit it"),
+    "web_search_options": Refused((None,), "web search is not supported; omit it"),
+    "verbosity": Refused((None,), _OMIT),
+    "documents": Refused((None,), "is not supported (K3's chat format has no documents); put them in a message"),
+    "store": Refused((None, False), "this server stores no completions; omit it or pass false"),
+    "service_tier": Refused((None, "auto", "default"), "this server has one tier; omit it or pass 'auto'"),
+}
+
+
+class JsonSchemaFormat(_Body):
+    """response_format's `json_schema` (OpenAI's shape): the output is constrained to `schema` whatever
+    `strict` says (a non-strict schema is met all the more)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class SamplingFields(_Body):
     """Fields both endpoints share: the model, sampling, stopping, streaming and vLLM extensions."""
+
+    REFUSED = REFUSED
 
     model: str | None = None
     n: Int = Field(default=1, ge=1, le=MAX_N)
@@ -106,7 +176,7 @@ class SamplingFields(_Body):
     ignore_eos: bool = False
     return_token_ids: bool = False
     include_stop_str_in_output: bool = False
-    user: str | None = None  # accepted and ignored
+    user: str | None = None  # a label: accepted, changes nothing
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -115,7 +185,12 @@ class SamplingFields(_Body):
     truncate_prompt_tokens: Int | None = Field(default=None, ge=1)  # keep the prompt's last N tokens
     # vLLM's: each prompt token's logprob and rank plus the top N (not with stream, as in vLLM)
     prompt_logprobs: TopLogprobs | None = None
-    # REFUSED's fields, any JSON value: checked against their neutral value (sampling.check_supported)
+    # K3's tokenizer adds no special tokens to text (no BOS): the ids are the same either way, as vLLM's
+    # definition then gives them
+    add_special_tokens: bool | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: prefix-cache entries of this salt only
+    response_format: ResponseFormat | None = None
+    # REFUSED's fields, any JSON value: checked against their neutral values (_Body)
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -132,6 +207,7 @@ class SamplingFields(_Body):
     spaces_between_special_tokens: Any = True
     return_tokens_as_token_ids: Any = False
     priority: Any = 0
+    vllm_xargs: Any = None
 
     @property
     def include_usage(self) -> bool:
@@ -160,6 +236,16 @@ class TextPart(_Body):
     type: str
     text: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":  # said before its other keys are called unknown
+            raise PydanticCustomError("unsupported", "{field} {why}", {
+                "field": "type", "why": f"{echo(kind)} is not supported: K3's chat renderer is "
+                                        "text-only (use content parts of type 'text')"})
+        return data
+
 
 class FunctionCallArgs(_Body):
     name: str
@@ -173,6 +259,15 @@ class AssistantToolCall(_Body):
 
 
 class ChatMessage(_Body):
+    # what OpenAI's assistant messages carry back (a client may send a response's message as it came)
+    REFUSED = {
+        "refusal": Refused((None,), "is not supported in messages; put the text in 'content'"),
+        "annotations": Refused((None, []), "(citations) are not supported in messages; omit them"),
+        "audio": Refused((None,), "is not supported (K3 takes text only); omit it"),
+        "function_call": Refused((None,), "(OpenAI's deprecated form of tool_calls) is not supported; use "
+                                          "tool_calls"),
+    }
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -181,10 +276,14 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
     reasoning: str | None = None
     tools: list[dict[str, Any]] | None = None  # K3: a system message that adds tools mid-conversation
+    refusal: Any = None
+    annotations: Any = None
+    audio: Any = None
+    function_call: Any = None
 
     def for_template(self) -> dict[str, Any]:
         """The dict `encode_chat` takes. `developer` is OpenAI's newer name for the system role."""
-        message = self.model_dump(exclude_none=True)
+        message = self.model_dump(exclude_none=True, exclude=set(self.REFUSED))
         if message["role"] == "developer":
             message["role"] = "system"
         return message
@@ -219,12 +318,6 @@ class ChatTemplateKwargs(BaseModel):
     thinking_effort: str | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
-
-    type: Literal["text", "json_object", "json_schema"]
-
-
 class ChatPromptFields(_Body):
     """What renders a conversation to a prompt: chat completions and /tokenize share it."""
 
@@ -243,13 +336,29 @@ class ChatPromptFields(_Body):
 
 
 class ChatCompletionRequest(SamplingFields, ChatPromptFields):
+    REFUSED = {**REFUSED, **CHAT_REFUSED}
+
     # false: a forced tool_choice makes exactly one call; with "auto" the model decides how many it makes
     parallel_tool_calls: bool = True
     max_tokens: Int | None = None
     max_completion_tokens: Int | None = None
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
-    response_format: ResponseFormat | None = None
+    # labels that change nothing here (nothing is stored; prefix caching needs no key)
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # CHAT_REFUSED's fields, any JSON value: checked against their neutral values (_Body)
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
+    documents: Any = None
+    store: Any = None
+    service_tier: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:

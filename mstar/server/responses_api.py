@@ -5,7 +5,8 @@ Accepted: `input` as text or a list of items (messages of any role with text con
 (a system message first), function `tools`, `tool_choice` ("auto", "none", and "required" or
 `{"type": "function", "name": ...}`, which force calls as chat completions do: server/chat.py;
 `parallel_tool_calls` false then allows one call), `max_output_tokens`, `temperature`, `top_p`,
-`reasoning.effort` (K3's thinking effort), `stream`, and at their neutral values `text.format` "text",
+`reasoning.effort` (K3's thinking effort; "none", OpenAI's value for no reasoning, turns K3's thinking
+off: the turn starts in the response channel), `stream`, and at their neutral values `text.format` "text",
 `store` false, `truncation` "disabled", `user`. Any other field is a 400 naming it (the body is parsed
 with unknown keys forbidden).
 
@@ -199,24 +200,36 @@ def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
             for tool in req.tools or ()]
 
 
+NO_REASONING = "none"  # OpenAI's reasoning.effort for no reasoning: K3 without its think channel
+
+
+def _effort(req: ResponsesRequest) -> str | None:
+    return req.reasoning.effort if req.reasoning is not None else None
+
+
+def thinking(req: ResponsesRequest) -> bool:
+    """Whether the turn starts in K3's think channel (its default)."""
+    return _effort(req) != NO_REASONING
+
+
 def tool_call_grammar(req: ResponsesRequest) -> Grammar | None:
-    """The grammar of a forced tool_choice; the turn starts in the think channel (K3's default)."""
+    """The grammar of a forced tool_choice, from the channel the turn starts in."""
     choice = req.tool_choice
     if choice != "required" and not isinstance(choice, FunctionToolChoice):
         return None
     name = choice.name if isinstance(choice, FunctionToolChoice) else None
-    return forced_tool_calls(chat_tools(req), name, starts_in_think=True, parallel=req.parallel_tool_calls)
+    return forced_tool_calls(chat_tools(req), name, starts_in_think=thinking(req), parallel=req.parallel_tool_calls)
 
 
 async def _prompt_ids(req: ResponsesRequest, ctx: ServerContext) -> list[int]:
-    effort = req.reasoning.effort if req.reasoning is not None else None
-    if effort is not None and effort not in THINKING_EFFORTS:
-        raise APIError(f"reasoning.effort={effort!r} is not supported; use one of {THINKING_EFFORTS}",
-                       param="reasoning.effort")
+    effort = _effort(req)
+    if effort is not None and effort not in (*THINKING_EFFORTS, NO_REASONING):
+        raise APIError(f"reasoning.effort={effort!r} is not supported; use one of {THINKING_EFFORTS} or "
+                       f"{NO_REASONING!r} (no thinking)", param="reasoning.effort")
     tools = chat_tools(req)
     note = "required" if isinstance(req.tool_choice, FunctionToolChoice) else req.tool_choice  # as chat.py
-    options: dict[str, Any] = {"tool_choice": note}
-    if effort is not None:
+    options: dict[str, Any] = {"tool_choice": note, "thinking": thinking(req)}
+    if effort is not None and effort != NO_REASONING:
         options["thinking_effort"] = effort
     messages = chat_messages(req)
     num_chars = conversation_chars(messages)
@@ -347,7 +360,7 @@ async def _create(request: Request, ctx: ServerContext) -> Response:
                 spec.params, 1)
     run = GenerationRun(engine, [spec], ctx.metrics, arrival, ctx.admission)
     segmenter = AlignedSegmenter(engine.tokenizer)
-    parser = AssistantOutputParser(thinking=True)
+    parser = AssistantOutputParser(thinking=thinking(req))
     items = OutputItems()
     finished: list = []
     generated = [0]

@@ -17,7 +17,7 @@ from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.structured_output import Grammar
 from mstar.server.errors import APIError, echo, from_param_error
 from mstar.server.generation import ChoiceSpec
-from mstar.server.protocol import LOGIT_BIAS_KEY, REFUSED, ResponseFormat, SamplingFields, json_equal
+from mstar.server.protocol import LOGIT_BIAS_KEY, SamplingFields
 from mstar.server.structured_outputs import request_grammar
 
 
@@ -35,11 +35,8 @@ def check_model(requested: str | None, served_model_name: str) -> None:
 
 
 def check_supported(req: SamplingFields) -> None:
-    """Fields this server does not implement (protocol.REFUSED) are a 400 unless at their neutral value, and
-    so is `prompt_logprobs` with `stream` (vLLM's rule: no streamed response carries them)."""
-    for name, (neutral, why) in REFUSED.items():
-        if not json_equal(getattr(req, name), neutral):
-            raise APIError(f"{name} {why}", param=name, code="unsupported")
+    """`prompt_logprobs` with `stream` is a 400 (vLLM's rule: no streamed response carries them); fields this
+    server does not implement at all were refused by the body's parse (protocol.REFUSED)."""
     if req.prompt_logprobs is not None and req.stream:
         raise APIError("prompt_logprobs are not available with stream=true (as in vLLM); omit one of them",
                        param="prompt_logprobs", code="unsupported")
@@ -155,8 +152,8 @@ def resolve_max_tokens(
 
 
 def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
-                renames: dict[str, str] | None = None, response_format: ResponseFormat | None = None,
-                tool_calls: Grammar | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                renames: dict[str, str] | None = None, tool_calls: Grammar | None = None,
+                prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's sampling parameters (max_tokens, min_tokens and seed are set per choice later);
     `tool_calls` is the grammar of a forced tool_choice (structured_outputs.forced_tool_calls)."""
     optional = {
@@ -176,7 +173,8 @@ def base_params(req: SamplingFields, logprobs: int | None, engine: EngineClient,
             prompt_logprobs=prompt_logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output,
             logit_bias=logit_bias(req, engine),
-            grammar=request_grammar(req, response_format, tool_calls),
+            grammar=request_grammar(req, tool_calls),
+            cache_salt=req.cache_salt,
         )
     except ParamError as err:
         raise from_param_error(err, renames) from None

@@ -1,6 +1,7 @@
 """The request fields that ask for structured outputs, as one engine Grammar (engine/structured_output.py).
 
     response_format        {"type": "json_object"} | {"type": "json_schema", "json_schema": {"schema": ...}}
+                           (both endpoints: vLLM takes it on completions too)
     structured_outputs     vLLM's: {"json": schema} | {"regex": str} | {"choice": [str]} | {"grammar": lark}
     guided_json, guided_regex, guided_choice, guided_grammar    vLLM's older names of the same
     tool_choice            "required" or a named function: a grammar of K3's tool-call markup whose
@@ -47,11 +48,10 @@ def _from_response_format(fmt: ResponseFormat) -> Grammar | None:
         return None
     if fmt.type == "json_object":
         return Grammar("json_object", "", "response_format")
-    spec = (fmt.model_extra or {}).get("json_schema")
-    if not isinstance(spec, dict) or "schema" not in spec:
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise APIError("response_format json_schema needs json_schema.schema (the JSON Schema)",
                        param="response_format.json_schema")
-    return _grammar("json_schema", spec["schema"], "response_format.json_schema")
+    return _grammar("json_schema", fmt.json_schema.schema_, "response_format.json_schema")
 
 
 def forced_tool_calls(tools: list[dict[str, Any]] | None, name: str | None, *, starts_in_think: bool,
@@ -68,11 +68,10 @@ def forced_tool_calls(tools: list[dict[str, Any]] | None, name: str | None, *, s
     return Grammar("lark", source, "tools")
 
 
-def request_grammar(req: SamplingFields, response_format: ResponseFormat | None = None,
-                    tool_calls: Grammar | None = None) -> Grammar | None:
+def request_grammar(req: SamplingFields, tool_calls: Grammar | None = None) -> Grammar | None:
     """The one grammar the request asks for; `tool_calls` is `forced_tool_calls`' (chat's tool_choice)."""
     found: list[Grammar] = [] if tool_calls is None else [tool_calls]
-    if response_format is not None and (g := _from_response_format(response_format)) is not None:
+    if req.response_format is not None and (g := _from_response_format(req.response_format)) is not None:
         found.append(g)
     if req.structured_outputs is not None:
         so = req.structured_outputs

@@ -4,6 +4,7 @@ hits where the pages and a KDA snapshot are, shared pages under preemption and e
 import random
 
 import pytest
+from engine_run import run_to_completion
 from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
@@ -198,4 +199,20 @@ def test_reset_forgets_every_prefix(tiny_model, tokenizer):
     [(tokens, cached)] = serve(engine, [("b", prompt, 2)]).values()
     assert cached == 0
     assert_reference(tiny_model, prompt, 2, tokens)
+    assert_pools_empty(engine)
+
+
+def test_a_cache_salt_shares_prefixes_only_with_its_own_salt(tiny_model, tokenizer):
+    """vLLM's cache_salt: a salted request resumes only from pages of requests with the same salt."""
+    engine = make_engine(tiny_model, tokenizer)
+    prompt = words(tiny_model, 2 * INTERVAL + 3)
+    hit = expected_hit(len(prompt), len(prompt))
+    cached = {}
+    for name, salt in [("plain", None), ("a", "tenant-a"), ("b", "tenant-b"), ("a_again", "tenant-a"),
+                       ("plain_again", None)]:
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True, cache_salt=salt)
+        run = run_to_completion(engine, [(name, prompt, params)])
+        assert_reference(tiny_model, prompt, 2, run.tokens(name))
+        cached[name] = run.outputs[name][-1].num_cached_tokens
+    assert cached == {"plain": 0, "a": 0, "b": 0, "a_again": hit, "plain_again": hit}
     assert_pools_empty(engine)

@@ -18,6 +18,7 @@ from mstar.engine.params import ParamError, SamplingParams
 from mstar.engine.structured_output import Grammar, apply_token_bitmask, choice_grammar
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.speculative.oracle import OracleSpeculation
 
 
 @pytest.mark.parametrize("trial", range(3))
@@ -86,3 +87,76 @@ def test_bad_grammars_name_the_field(tiny_model, tiny_dirs, grammar, words):
         max_seq_len=64, resources={"mla_kv": {"page_size": 16, "max_num_pages": 16}}))
     with pytest.raises(ParamError, match=words):
         engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=4, grammar=grammar))
+
+
+class _GrammarBreakingOracle(OracleSpeculation):
+    """The oracle draft (speculative/oracle.py) over the constrained greedy outputs, each draft wrong with
+    probability 0.3 (the next token id: mostly one the grammar forbids there); it keeps every block it
+    proposes, to check afterwards that some held a forbidden draft."""
+
+    def __init__(self, base, references):
+        super().__init__(base, references, error_rate=0.3)
+        self.blocks: list[tuple[str, int, list[int]]] = []  # (request id, anchor position, drafts)
+
+    def propose(self, decl, requests, input_ids, advance):
+        drafts = super().propose(decl, requests, input_ids, advance)
+        shift = advance.tolist() if advance is not None else [0] * len(decl.seqs)
+        for b, proposal in drafts.items():
+            s = decl.seqs[b]
+            self.blocks.append((s.request_id, s.num_computed + shift[b], proposal.tokens.tolist()))
+        return drafts
+
+
+def _forbidden_blocks(engine, blocks, prompts, outputs, grammars) -> int:
+    """How many proposed blocks held a draft the grammar forbids after the tokens before it."""
+    count = 0
+    for rid, anchor, drafts in blocks:
+        matcher = engine.grammars.matcher(grammars[rid])
+        before = outputs[rid][: anchor + 1 - len(prompts[rid])]
+        assert matcher.consume_tokens(before), (rid, before)
+        count += matcher.validate_tokens(drafts) < len(drafts)
+    return count
+
+
+GRAMMARS = {"schema": Grammar("json_schema", json.dumps(SCHEMA), "response_format"),
+            "regex": Grammar("regex", "([a-z]{2,5} ){3}[0-9]{2,5}", "guided_regex")}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_dspark_drafts_for_grammar_requests_keep_the_constrained_greedy_output(tiny_model, tokenizer, draft,
+                                                                                 overlap):
+    """Greedy constrained output with DSpark equals it without, for drafts that the grammar allows (kept where
+    the target agrees) and drafts it forbids (always rejected); a sampled constrained request drafted for the
+    same way matches its grammar. A plain greedy request shares the steps and stays the reference's."""
+    rng = random.Random()
+    vocab = tiny_model.config.vocab_size
+    prompts = {rid: [rng.randrange(vocab - 256) for _ in range(rng.randint(3, 30))] for rid in GRAMMARS}
+    jobs = [(rid, prompts[rid], SamplingParams(max_tokens=60, temperature=0, grammar=g)) for rid, g in GRAMMARS.items()]
+    reference_run = run_to_completion(mode_engine(tiny_model, tokenizer, "sync"), jobs)
+    undrafted = reference_run.tokens_per_request()
+    assert all(reason == "stop" for reason in reference_run.finish_reasons().values())
+    plain = [rng.randrange(vocab - 256) for _ in range(12)]
+    sampled = SamplingParams(max_tokens=60, temperature=1.0, seed=5, grammar=GRAMMARS["regex"])
+    engine = mode_engine(tiny_model, tokenizer, "dspark", draft)
+    engine._overlap = overlap
+    pad = [0] * 64  # past a grammar's end the engine may still draft: the oracle needs tokens there
+    references = {rid: prompts[rid] + undrafted[rid] + pad for rid in GRAMMARS}
+    references |= {"sampled": prompts["regex"] + undrafted["regex"] + pad,
+                   "plain": plain + greedy_generate(tiny_model, plain, 16) + pad}
+    engine.spec = _GrammarBreakingOracle(engine.spec, references)
+    run = run_to_completion(engine, [*jobs, ("sampled", prompts["regex"], sampled),
+                                     ("plain", plain, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))])
+    got = run.tokens_per_request()
+    for rid in GRAMMARS:
+        assert got[rid] == undrafted[rid], rid
+    assert got["plain"] == greedy_generate(tiny_model, plain, 16)
+    text = tokenizer.decode([t for t in got["sampled"] if t not in engine.model_stop_ids])
+    assert re.fullmatch(GRAMMARS["regex"].source, text), text
+    spec = engine.spec
+    grammar_blocks = [blk for blk in spec.blocks if blk[0] in GRAMMARS]
+    assert grammar_blocks and 0 < spec.num_accepted < spec.num_drafted
+    # drafts the grammar forbids were proposed, and right ones kept (the output is the reference, so a block
+    # whose first draft is the reference's next token kept it)
+    outputs = {rid: references[rid][len(prompts[rid]):] for rid in GRAMMARS}
+    assert _forbidden_blocks(engine, grammar_blocks, prompts, outputs, GRAMMARS) > 0
+    assert any(drafts[0] == references[rid][anchor + 1] for rid, anchor, drafts in grammar_blocks)

@@ -14,6 +14,7 @@ import openai
 import pytest
 from live_server import live_fixtures, tiny_engine_fixture
 
+from mstar.engine.structured_output import Grammar, GrammarCompiler
 from mstar.models.kimi_k3.generate import greedy_generate
 
 MODEL = "kimi_k3_tiny"
@@ -55,6 +56,25 @@ def test_json_object_regex_and_choice(client):
     r = client.completions.create(model=MODEL, prompt="n=", max_tokens=10, temperature=1.0,
                                   extra_body={"structured_outputs": {"grammar": 'start: "x" /[0-9]/ "y"'}})
     assert re.fullmatch("x[0-9]y", r.choices[0].text), r.choices[0].text
+
+
+def test_completions_take_response_format(client, engine, tiny_model):
+    # vLLM takes response_format on completions too, through the same grammars as chat's
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    r = client.completions.create(model=MODEL, prompt="A person:", max_tokens=120, temperature=1.0, seed=3,
+                                  extra_body={"response_format": fmt})
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    assert jsonschema_rs.is_valid(SCHEMA, json.loads(r.choices[0].text)), r.choices[0].text
+    # greedy, the tiny model writes one long string: the 40 tokens are a start that only JSON objects have
+    vocab = tiny_model.config.vocab_size
+    stops = tuple(t for t in engine.tokenizer.stop_ids if t < vocab)
+    json_object = GrammarCompiler(engine.tokenizer.encoding, vocab, stops).matcher(
+        Grammar("json_object", "", "response_format"))
+    for fmt, valid in (({"type": "json_object"}, True), ({"type": "text"}, False)):
+        r = client.completions.create(model=MODEL, prompt="An object:", max_tokens=40, temperature=0,
+                                      extra_body={"response_format": fmt, "return_token_ids": True})
+        ids = r.choices[0].token_ids
+        assert (json_object.validate_tokens(ids) == len(ids)) == valid, r.choices[0].text
 
 
 def test_grammar_request_leaves_plain_greedy_requests_unchanged(client, engine, tiny_model):
@@ -140,6 +160,23 @@ def test_forced_tool_calls_parse_and_validate(client, tool_choice, parallel, tem
             streamed.setdefault(delta.index, []).append(delta.function.name or "")
             streamed[delta.index].append(delta.function.arguments or "")
     assert [(parts[0], json.loads("".join(parts[1:]))) for parts in streamed.values()] == calls
+
+
+@pytest.mark.parametrize(("tool_choice", "temperature"), [({"type": "function", "name": "get_weather"}, 0.0),
+                                                          ("required", 1.0)])
+def test_forced_function_call_over_responses_parses_and_validates(client, tool_choice, temperature):
+    """/v1/responses (what the Agents SDK speaks) forces the call as chat does: the function_call item's
+    arguments are valid under the tool's schema. reasoning.effort "none" skips K3's think channel, which the
+    tiny model's random weights would not close within the tokens there are."""
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?", tools=tools,
+                                tool_choice=tool_choice, reasoning={"effort": "none"}, max_output_tokens=450,
+                                temperature=temperature, parallel_tool_calls=False)
+    assert r.status == "completed", r
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and not r.output_text, r.output
+    names = set(SCHEMAS) if tool_choice == "required" else {tool_choice["name"]}
+    assert calls[0].name in names and jsonschema_rs.is_valid(SCHEMAS[calls[0].name], json.loads(calls[0].arguments))
 
 
 def test_forced_tool_choice_with_an_uncompilable_schema_is_a_400_naming_tools(client):

@@ -13,7 +13,7 @@ from logits_reference import reference_processed_greedy
 from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.chat import encode_chat
 from mstar.models.kimi_k3.generate import greedy_generate
-from mstar.server.protocol import REFUSED
+from mstar.server.protocol import CHAT_REFUSED, REFUSED
 
 MODEL = "kimi_k3_tiny"
 GREEDY = {"ignore_eos": True, "return_token_ids": True}
@@ -95,10 +95,15 @@ def test_chat_reasoning_effort_continue_and_reasoning_field(client, engine):
         engine.tokenizer.encode("Hi th")
 
 
-REFUSED_CASES = [(name, {name: "x" if neutral is None else (not neutral if isinstance(neutral, bool) else 7)})
-                 for name, (neutral, _) in REFUSED.items()]
+def _not_neutral(neutral):
+    return "x" if neutral is None else (not neutral if isinstance(neutral, bool) else 7)
+
+
+REFUSED_CASES = [(name, {name: _not_neutral(refused.neutral[0])}) for name, refused in
+                 {**REFUSED, **CHAT_REFUSED}.items()]
 REFUSED_CASES += [
     ("chat_template", {"chat_template": "{{ x }}"}),
+    ("some_future_field", {"some_future_field": [1, 2]}),  # unknown: a 400 listing it, never ignored
 ]
 
 

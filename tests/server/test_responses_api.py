@@ -81,5 +81,8 @@ def test_forced_tool_choice_is_the_tool_call_grammar_from_the_think_channel():
         grammar = tool_call_grammar(request(**fields))
         assert grammar.kind == "lark" and grammar.field == "tools"
         assert grammar.source == forced_tool_call_grammar(chat, name=name, starts_in_think=True, parallel=parallel)
+    # reasoning.effort "none": the turn starts in the response channel, so does the grammar
+    grammar = tool_call_grammar(request(tool_choice="required", reasoning={"effort": "none"}))
+    assert grammar.source == forced_tool_call_grammar(chat, name=None, starts_in_think=False, parallel=True)
     with pytest.raises(APIError, match="does not declare"):
         tool_call_grammar(request(tool_choice={"type": "function", "name": "h"}))

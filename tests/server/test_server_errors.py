@@ -101,7 +101,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role", "required"),
     (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "content takes"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages", "text-only"),
+     "messages[0].content[0].type", "text-only"),
     (CHAT, {"messages": [{"role": "tool", "content": "result"}]}, "messages", "no tool name"),
     (CHAT, {"messages": [{"role": "user", "content": long_text()}]}, "messages", "maximum context"),
     # refused on its characters, before tokenizing (a token holds at most max_token_bytes of them)
@@ -118,7 +118,7 @@ BAD_REQUESTS = [
     (CHAT, {"messages": HI, "n": 0}, "n", "greater than or equal to 1"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking", "bool"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"thinkng": False}}, "chat_template_kwargs.thinkng",
-     "not an accepted"),
+     "Unknown field"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"thinking_effort": "extreme"}},
      "chat_template_kwargs.thinking_effort", "not supported"),
     (CHAT, {"messages": HI, "tools": [{"type": "retrieval"}]}, "tools[0].type", "'function'"),
@@ -172,9 +172,53 @@ def test_bad_request_is_400(client, engine, endpoint, body, param, phrase, strea
 
 def test_neutral_unsupported_values_are_accepted(client):
     body = {"prompt": "hi", "max_tokens": 2, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
-            "best_of": 1, "echo": False, "user": "u", "some_future_field": [1, 2], "guided_json": None,
-            "use_beam_search": False, "skip_special_tokens": True, "prompt_logprobs": None}
+            "best_of": 1, "echo": False, "user": "u", "guided_json": None, "use_beam_search": False,
+            "skip_special_tokens": True, "prompt_logprobs": None, "vllm_xargs": None, "add_special_tokens": True,
+            "stream_options": None}
     assert client.post(COMPLETIONS, json=body).status_code == 200
+    # what OpenAI's documentation lists, at the values a client sends when it does not ask for the feature
+    chat = {"messages": [*HI, {"role": "assistant", "content": "yo", "refusal": None, "annotations": [],
+                               "audio": None, "function_call": None}, {"role": "user", "content": "more"}],
+            "max_tokens": 2, "n": 1, "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+            "parallel_tool_calls": True, "modalities": ["text"], "stream_options": {"include_usage": True},
+            "safety_identifier": "s", "prompt_cache_key": "p", "functions": None, "function_call": None,
+            "prediction": None, "add_special_tokens": False}
+    assert client.post(CHAT, json=chat).status_code == 200, client.post(CHAT, json=chat).text
+
+
+# What a probe sent and got a 200 for, the field ignored: now each is honoured or a 400 naming it.
+PROBED = [
+    (COMPLETIONS, {"top_logprobs": 2}, "top_logprobs", "Unknown field 'top_logprobs'"),
+    (COMPLETIONS, {"vllm_xargs": {"a": 1}}, "vllm_xargs", "not supported"),
+    (COMPLETIONS, {"documents": [{"text": "x"}]}, "documents", "Unknown field 'documents'"),
+    (COMPLETIONS, {"some_future_field": [1, 2]}, "some_future_field", "Unknown field"),
+    (CHAT, {"functions": [{"name": "f", "parameters": {}}]}, "functions", "declare them as tools"),
+    (CHAT, {"function_call": "auto"}, "function_call", "use tool_choice"),
+    (CHAT, {"modalities": ["text", "audio"]}, "modalities", "text only"),
+    (CHAT, {"audio": {"voice": "alloy", "format": "wav"}}, "audio", "text only"),
+    (CHAT, {"prediction": {"type": "content", "content": "x"}}, "prediction", "not supported"),
+    (CHAT, {"documents": [{"text": "x"}]}, "documents", "put them in a message"),
+    (CHAT, {"store": True}, "store", "stores no completions"),
+    (CHAT, {"service_tier": "flex"}, "service_tier", "one tier"),
+    (CHAT, {"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation", "padding"),
+    (CHAT, {"messages": [*HI, {"role": "assistant", "content": None, "refusal": "no"}]}, "messages[1].refusal",
+     "'content'"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi", "nickname": "x"}], "colour": 1},
+     "messages[0].nickname", "Unknown fields 'messages[0].nickname', 'colour'"),
+    (CHAT, {"response_format": {"type": "json_object", "json_schema": {"schema": {}}, "mode": "x"}},
+     "response_format.mode", "Unknown field"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "extra", "param", "phrase"), PROBED, ids=[c[2] for c in PROBED])
+def test_unimplemented_and_unknown_fields_are_a_400_naming_them(client, engine, endpoint, extra, param, phrase):
+    body = {"prompt": "hi"} if endpoint == COMPLETIONS else {"messages": HI}
+    response = client.post(endpoint, json={**body, "max_tokens": 2, **extra})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and phrase in error["message"], error
+    assert error["code"] in ("unknown_parameter", "unsupported")
+    assert not engine.active
 
 
 def test_unknown_route_and_method(client):

@@ -40,6 +40,9 @@ def test_auto_tokenizer_loads_offline_and_matches_our_ids(folder, monkeypatch):
     for text in corpus_sample(25):
         ids = ours.encode(text)
         assert hf.encode(text, add_special_tokens=False) == ids
+        # K3 adds no special tokens to text (no BOS): vLLM's add_special_tokens gives the same ids either way,
+        # which is how the server honours it (server/protocol.py)
+        assert hf.encode(text, add_special_tokens=True) == ids
         assert hf.decode(ids) == ours.decode(ids)
     for token_id, name in ours.special_names.items():
         assert hf.convert_tokens_to_ids(name) == token_id
