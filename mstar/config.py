@@ -227,8 +227,8 @@ class ServerSection(_Section):
     # the request line and headers must arrive whole within this long, else 408 (server/header_deadline.py)
     header_timeout_s: float = Field(10.0, gt=0)
     keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
-    # Largest request line plus headers one request may send (h11's incomplete-event limit); more is
-    # refused and the connection closed. nginx's default allows 4 x 8 KiB header buffers.
+    # Largest request line plus headers one request may send; more is a 431 and the connection is closed
+    # (server/header_deadline.py). nginx's default allows 4 x 8 KiB header buffers.
     max_header_bytes: int = 32 * 1024
 
 

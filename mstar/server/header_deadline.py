@@ -1,4 +1,5 @@
-"""A deadline for a request's line and headers: uvicorn's h11 protocol with one more timer.
+"""A deadline and a size limit for a request's line and headers: uvicorn's h11 protocol with a timer
+and a byte count.
 
 uvicorn times out a connection only while it idles between requests (keep-alive): a client that opens
 a connection and sends nothing, or sends its request line and headers a byte at a time, holds the
@@ -6,8 +7,12 @@ connection (and a file descriptor) for as long as it likes. Here the request lin
 arrive whole within `header_timeout_s` of the connection opening, or of the first byte of the next
 request on a kept-alive connection (nginx's `client_header_timeout`, Apache's `RequestReadTimeout
 header=`); otherwise the client gets a 408 in OpenAI's error shape and the connection is closed. The
-body has its own deadline (access.py). Using this class also pins uvicorn to h11, whose header size
-limit (`h11_max_incomplete_event_size`) the server relies on.
+body has its own deadline (access.py).
+
+Size: a request line and headers longer than `h11_max_incomplete_event_size` bytes (mstar-serve sets
+it from `server.max_header_bytes`) are a 431 in the same shape, and the connection is closed. h11's own
+check of that limit is not enough: it applies only while a head is incomplete, so a head that arrives
+in one read is parsed whatever its size, and uvicorn answers what it does refuse with a plain-text 400.
 """
 
 from __future__ import annotations
@@ -18,23 +23,26 @@ import json
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
-def _timeout_response(timeout_s: float) -> bytes:
-    body = json.dumps({"error": {"message": f"The request line and headers did not arrive within {timeout_s:g} s; "
-                                            "send them at once", "type": "invalid_request_error", "param": None,
-                                 "code": "request_timeout"}}).encode()
-    head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+def _closing_response(status: str, message: str, code: str) -> bytes:
+    """A whole response in OpenAI's error shape, written straight to the transport, which is then closed."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    head = (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
             "connection: close\r\n\r\n").encode()
     return head + body
 
 
 def header_deadline_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with the header deadline (pass it as `uvicorn.Config(http=...)`)."""
+    """uvicorn's h11 protocol class with the header deadline and size limit (pass it as
+    `uvicorn.Config(http=...)`, with the limit as `h11_max_incomplete_event_size`)."""
     if header_timeout_s <= 0:
         raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
-    response = _timeout_response(header_timeout_s)
+    timeout_response = _closing_response("408 Request Timeout", f"The request line and headers did not arrive "
+                                         f"within {header_timeout_s:g} s; send them at once", "request_timeout")
 
     class HeaderDeadlineProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
+        _head_bytes = 0  # received since the awaited head began: an upper bound on its size
 
         def _awaiting_head(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -44,17 +52,32 @@ def header_deadline_protocol(header_timeout_s: float) -> type[H11Protocol]:
                 self._header_timer = self.loop.call_later(header_timeout_s, self._expired)
 
         def _disarm(self) -> None:
+            self._head_bytes = 0
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+
+        def _head_too_large(self, data: bytes, limit: int) -> bool:
+            self._head_bytes += len(data)
+            if self._head_bytes <= limit:  # the common case, decided without copying h11's buffer
+                return False
+            pending = self.conn.trailing_data[0] + data  # from the head's first byte (a body may follow it)
+            end = pending.find(b"\r\n\r\n")
+            return (end if end >= 0 else len(pending)) > limit
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._arm()
 
         def data_received(self, data: bytes) -> None:
-            if self._awaiting_head():  # the first bytes of a kept-alive connection's next request
+            if self._awaiting_head():  # a head, perhaps a kept-alive connection's next one
                 self._arm()
+                limit = self.config.h11_max_incomplete_event_size
+                if self._head_too_large(data, limit):
+                    self._refuse(_closing_response("431 Request Header Fields Too Large", "The request line and "
+                                                   f"headers are longer than this server's limit of {limit} bytes",
+                                                   "request_header_fields_too_large"))
+                    return
             super().data_received(data)
             if not self._awaiting_head():
                 self._disarm()
@@ -66,7 +89,11 @@ def header_deadline_protocol(header_timeout_s: float) -> type[H11Protocol]:
         def _expired(self) -> None:
             self._header_timer = None
             if self._awaiting_head() and not self.transport.is_closing():
-                self.transport.write(response)
-                self.transport.close()
+                self._refuse(timeout_response)
+
+        def _refuse(self, response: bytes) -> None:
+            self._disarm()
+            self.transport.write(response)
+            self.transport.close()
 
     return HeaderDeadlineProtocol
