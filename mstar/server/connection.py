@@ -1,5 +1,5 @@
-"""A deadline and a size limit for a request's line and headers: uvicorn's h11 protocol with a timer
-and a byte count.
+"""What one HTTP connection may do: uvicorn's h11 protocol with a deadline and a size limit for a
+request's line and headers, and a graceful shutdown that does not wait for bodies still arriving.
 
 uvicorn times out a connection only while it idles between requests (keep-alive): a client that opens
 a connection and sends nothing, or sends its request line and headers a byte at a time, holds the
@@ -13,6 +13,12 @@ Size: a request line and headers longer than `h11_max_incomplete_event_size` byt
 it from `server.max_header_bytes`) are a 431 in the same shape, and the connection is closed. h11's own
 check of that limit is not enough: it applies only while a head is incomplete, so a head that arrives
 in one read is parsed whatever its size, and uvicorn answers what it does refuse with a plain-text 400.
+
+Shutdown: uvicorn's graceful shutdown (SIGTERM) waits for every request the app holds, and the app
+holds a request from its head on, while it reads the body. A request whose body is still arriving has
+not been admitted to the engine, and a client trickling it would hold the exit until the body deadline
+(`server.body_timeout_s`); so such a request gets a 503 `server_shutting_down` at once and its
+connection is closed (the endpoint then sees a disconnect). Requests whose bodies arrived drain.
 """
 
 from __future__ import annotations
@@ -32,15 +38,19 @@ def _closing_response(status: str, message: str, code: str) -> bytes:
     return head + body
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type[H11Protocol]:
-    """uvicorn's h11 protocol class with the header deadline and size limit (pass it as
+SHUTTING_DOWN = _closing_response("503 Service Unavailable", "The server is shutting down and did not read "
+                                  "this request's body; retry on another server", "server_shutting_down")
+
+
+def connection_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class with the header deadline, the size limit and the shutdown (pass it as
     `uvicorn.Config(http=...)`, with the limit as `h11_max_incomplete_event_size`)."""
     if header_timeout_s <= 0:
         raise ValueError(f"header_timeout_s must be > 0, got {header_timeout_s}")
     timeout_response = _closing_response("408 Request Timeout", f"The request line and headers did not arrive "
                                          f"within {header_timeout_s:g} s; send them at once", "request_timeout")
 
-    class HeaderDeadlineProtocol(H11Protocol):
+    class ConnectionProtocol(H11Protocol):
         _header_timer: asyncio.TimerHandle | None = None
         _head_bytes = 0  # received since the awaited head began: an upper bound on its size
 
@@ -91,9 +101,16 @@ def header_deadline_protocol(header_timeout_s: float) -> type[H11Protocol]:
             if self._awaiting_head() and not self.transport.is_closing():
                 self._refuse(timeout_response)
 
+        def shutdown(self) -> None:
+            cycle = self.cycle  # uvicorn's request: whether its body is complete, and its response begun
+            if cycle is not None and cycle.more_body and not cycle.response_started and not cycle.disconnected:
+                self._refuse(SHUTTING_DOWN)
+                return
+            super().shutdown()
+
         def _refuse(self, response: bytes) -> None:
             self._disarm()
             self.transport.write(response)
             self.transport.close()
 
-    return HeaderDeadlineProtocol
+    return ConnectionProtocol
