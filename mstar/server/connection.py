@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -55,7 +56,9 @@ def connection_protocol(header_timeout_s: float) -> type[H11Protocol]:
         _head_bytes = 0  # received since the awaited head began: an upper bound on its size
 
         def _awaiting_head(self) -> bool:
-            return self.cycle is None or self.cycle.response_complete
+            # h11 leaves IDLE once a request's head is parsed, and comes back only once both that request and
+            # its response are done: bytes of a body that arrive after an early answer (a 413) are no head
+            return self.conn.their_state is h11.IDLE
 
         def _arm(self) -> None:
             if self._header_timer is None:

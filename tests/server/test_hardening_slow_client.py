@@ -117,7 +117,9 @@ def test_a_head_over_max_header_bytes_is_a_431(tmp_path_factory, tiny_dir):
     engine = FakeEngine(shared_tokenizer(tmp_path_factory), max_seq_len=256)
     cfg = load_serve_config(ROOT / "configs" / "kimi_k3_tiny.yaml", [f"checkpoint={tiny_dir}",
                                                                      f"server.max_header_bytes={limit}"])
-    server = LiveServer(build_app(engine, served_model_name="fake-k3"), **connection_settings(cfg))
+    max_body = 8 * limit
+    app = build_app(engine, served_model_name="fake-k3", options=ServerOptions(max_body_bytes=max_body))
+    server = LiveServer(app, **connection_settings(cfg))
     server.start()
     host, port = server.url.removeprefix("http://").split(":")
 
@@ -142,6 +144,16 @@ def test_a_head_over_max_header_bytes_is_a_431(tmp_path_factory, tiny_dir):
         # the prompt too long for the fake engine's context).
         big_body = json.dumps({"prompt": "x " * limit, "max_tokens": 1}).encode()
         assert b"context_length_exceeded" in answer(limit // 2, big_body)
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            # A body refused by its declared length (413) still arrives after the answer; it is no head, and
+            # the connection stays open for the next request.
+            declared = 4 * max_body
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(declared).encode()
+                         + b"\r\n\r\n")
+            assert _read_response(conn).startswith(b"HTTP/1.1 413")
+            conn.sendall(b"x" * declared)
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(conn).startswith(b"HTTP/1.1 200")
         for size, pieces in ((limit + 1, 1), (4 * limit, 1), (4 * limit, 8)):  # in one read, and in several
             too_large = answer(size, pieces=pieces)
             assert too_large.startswith(b"HTTP/1.1 431"), (size, pieces, too_large[:200])
