@@ -224,11 +224,11 @@ class ServerSection(_Section):
     max_headers: int = 100  # requests with more headers are refused with 431
     max_url_bytes: int = 8 * 1024  # a longer request path plus query string is refused with 414
     body_timeout_s: float = 30.0  # a request body must arrive whole within this long, else 408 (slow clients)
-    # the request line and headers must arrive whole within this long, else 408 (server/header_deadline.py)
+    # the request line and headers must arrive whole within this long, else 408 (server/connection.py)
     header_timeout_s: float = Field(10.0, gt=0)
     keep_alive_timeout_s: int = 5  # an idle keep-alive connection is closed after this long (uvicorn's default)
-    # Largest request line plus headers one request may send (h11's incomplete-event limit); more is
-    # refused and the connection closed. nginx's default allows 4 x 8 KiB header buffers.
+    # Largest request line plus headers one request may send; more is a 431 and the connection is closed
+    # (server/connection.py). nginx's default allows 4 x 8 KiB header buffers.
     max_header_bytes: int = 32 * 1024
 
 

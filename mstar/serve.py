@@ -164,12 +164,12 @@ def server_options(cfg: ServeConfig, cli_keys: Sequence[str] = (), log_requests:
 
 
 def connection_settings(cfg: ServeConfig) -> dict:
-    """The uvicorn.Config arguments that bound each connection: the header deadline (and with it h11),
-    the header size limit, the keep-alive timeout."""
-    from mstar.server.header_deadline import header_deadline_protocol
+    """The uvicorn.Config arguments that bound each connection (server/connection.py, and with it h11): the
+    header deadline, the header size limit, the keep-alive timeout; a shutdown that does not wait for bodies."""
+    from mstar.server.connection import connection_protocol
 
     srv = cfg.server
-    return {"http": header_deadline_protocol(srv.header_timeout_s), "timeout_keep_alive": srv.keep_alive_timeout_s,
+    return {"http": connection_protocol(srv.header_timeout_s), "timeout_keep_alive": srv.keep_alive_timeout_s,
             "h11_max_incomplete_event_size": srv.max_header_bytes}
 
 

@@ -13,6 +13,10 @@ Failures never leave a client waiting:
   raising: the engine stops for good. Every request it knows of, queued or running, ends with an
   error; `generate` raises `EngineDeadError` from then on; `healthy` is False; `fatal_error` says
   why, and `on_fatal(message)` is called (mstar-serve then exits with status 3).
+What a client is told names its request and what failed, never the exception's type or text (which
+may quote internals, or another request's data): those go to the log, with the ids of the requests
+that failed, and their tracebacks at most once per exception type a minute (mstar/tracebacks.py),
+since a client may find a way to make steps fail on demand.
 `faults` (a `FaultInjector`, tests only) injects such failures on purpose.
 """
 
@@ -32,8 +36,11 @@ from mstar.engine.errors import EngineDeadError
 from mstar.engine.faults import FaultInjector
 from mstar.engine.outputs import RequestOutput
 from mstar.engine.params import ParamError, SamplingParams
+from mstar.tracebacks import TracebackLimiter
 
 log = logging.getLogger("mstar.engine")
+STEP_FAILED = "internal error in the engine step (the details are in the server log)"
+ADD_FAILED = "internal error adding the request (the details are in the server log)"
 
 
 class EngineGaveUp(RuntimeError):
@@ -81,6 +88,7 @@ class AsyncEngine:
         self.fatal_error: str | None = None  # set once, when the engine stops for good
         self.on_fatal = on_fatal
         self.faults = faults
+        self._tracebacks = TracebackLimiter()
         if faults is not None:
             faults.install(core)
 
@@ -163,7 +171,7 @@ class AsyncEngine:
                 self._die(str(e))
             else:
                 log.critical("the engine thread crashed\n%s", traceback.format_exc())
-                self._die(f"the engine thread crashed: {type(e).__name__}: {e}")
+                self._die("the engine thread crashed (the traceback is in the server log)")
 
     def _loop(self) -> None:
         core = self.core
@@ -184,17 +192,17 @@ class AsyncEngine:
             except Exception as e:  # a failed step must not leave clients waiting forever
                 self.failed_steps += 1
                 self._failures_in_a_row += 1
-                log.error("engine step failed (%d in a row); failing the requests in flight\n%s",
-                          self._failures_in_a_row, traceback.format_exc())
-                core.fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
+                self._tracebacks.error(log, e, "engine step failed (%d in a row); failing the requests in flight: %s",
+                                       self._failures_in_a_row, ", ".join(core.requests) or "none")
+                core.fail_all(STEP_FAILED)
                 outputs = core.drain_outputs()
                 if self._failures_in_a_row >= self.max_step_failures:
                     self._stats = core.stats()
                     self._deliver(outputs)
                     steps = f"{self._failures_in_a_row} engine step{'s' if self._failures_in_a_row > 1 else ''}"
                     raise EngineGaveUp(f"{steps} failed in a row (the limit is "
-                                       f"server.max_step_failures={self.max_step_failures}); the last one: "
-                                       f"{type(e).__name__}: {e}") from e
+                                       f"server.max_step_failures={self.max_step_failures}); their errors are "
+                                       "in the server log") from e
             self._stats = core.stats()
             self._deliver(outputs)
         for request_id in list(core.requests):
@@ -252,11 +260,11 @@ class AsyncEngine:
                 self.core.add_request(message.request_id, message.prompt_ids, message.params)
             except Exception as e:  # refused (ParamError) or a bug: either way this request ends here
                 refused = isinstance(e, ParamError)
-                error = str(e) if refused else f"internal error adding the request: {type(e).__name__}"
+                error = str(e) if refused else ADD_FAILED
                 self._deliver([RequestOutput(message.request_id, [], "", finished=True, finish_reason="error",
                                              error=error)])
                 if not refused:
-                    log.error("adding request %s failed\n%s", message.request_id, traceback.format_exc())
+                    self._tracebacks.error(log, e, "adding request %s failed", message.request_id)
                     self.core.abort_request(message.request_id)  # whatever of it got in; its consumer has its error
                     self._deliver(self.core.drain_outputs())
 

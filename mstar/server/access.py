@@ -18,8 +18,8 @@ Request shape: more than `max_headers` headers is a 431, a path plus query longe
 
 Body deadline: the whole body must arrive within `body_timeout_s` of the request reaching the app;
 a client that trickles it (or stops sending) gets a 408 and its connection back, so it cannot hold
-a connection, nor a graceful shutdown, for longer. (The header deadline is header_deadline.py's, header
-sizes h11's.)
+a connection for longer. (The header deadline, the header size limit, and a shutdown that answers
+bodies still arriving at once are connection.py's.)
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ is a 400 that names the parameter; a missing or wrong API key a 401, a body over
 has stopped a 503. Only an unexpected exception is a 500, with a generic message; its traceback goes
 to the log, not to the client (and never the request's prompt); the body carries an error id that
 the log line names too. Tracebacks are logged at most once per exception type per minute (a client
-that can trigger one must not flood the log), later ones as one line. A client that disconnects while
-its body is read is logged at INFO without a traceback. Values echoed from the request are cut to
-`ECHO_CHARS` characters (`echo`).
+that can trigger one must not flood the log: mstar/tracebacks.py), later ones as one line. A client
+that disconnects while its body is read is logged at INFO without a traceback. Values echoed from
+the request are cut to `ECHO_CHARS` characters (`echo`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import logging
 import re
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -30,6 +29,7 @@ from starlette.requests import ClientDisconnect
 from mstar.engine.errors import EngineDeadError
 from mstar.engine.params import ParamError
 from mstar.server.disconnect import ClientDisconnected
+from mstar.tracebacks import TracebackLimiter
 
 logger = logging.getLogger("mstar.server")
 
@@ -47,7 +47,6 @@ _TYPE_BY_STATUS = {
 }
 INTERNAL_ERROR_MESSAGE = "The server had an internal error while processing the request; see the server log."
 ECHO_CHARS = 200  # longest piece of a request echoed back in an error message
-TRACEBACK_INTERVAL_S = 60.0  # one traceback per exception type in this long; the others as one line
 
 
 def echo(value: object) -> str:
@@ -101,33 +100,13 @@ def internal_error(error_id: str) -> APIError:
     return APIError(f"{INTERNAL_ERROR_MESSAGE} Error id: {error_id}.", status=500, type="internal_server_error")
 
 
-class TracebackLimiter:
-    """Whether an exception's traceback goes to the log now: once per type per `interval_s`."""
-
-    def __init__(self, interval_s: float = TRACEBACK_INTERVAL_S):
-        self.interval_s = interval_s
-        self._last: dict[type, float] = {}
-
-    def allow(self, exc: BaseException) -> bool:
-        now = time.monotonic()
-        last = self._last.get(type(exc))
-        if last is not None and now - last < self.interval_s:
-            return False
-        self._last[type(exc)] = now
-        return True
-
-
 TRACEBACKS = TracebackLimiter()
 
 
 def log_unexpected(exc: Exception, what: str) -> str:
     """Log an unexpected exception of an endpoint (traceback rate-limited); returns its error id."""
     error_id = uuid.uuid4().hex[:16]
-    if TRACEBACKS.allow(exc):
-        logger.error("unexpected error in %s (error id %s)", what, error_id, exc_info=exc)
-    else:
-        logger.error("unexpected error in %s (error id %s): %s: %s (traceback logged at most once a minute)",
-                     what, error_id, type(exc).__name__, str(exc)[:ECHO_CHARS])
+    TRACEBACKS.error(logger, exc, "unexpected error in %s (error id %s)", what, error_id)
     return error_id
 
 

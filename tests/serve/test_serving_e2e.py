@@ -1,10 +1,16 @@
 """The real engine behind the real server on loopback: the `openai` client, 64 concurrent streams,
-disconnects, and `mstar-serve` itself (SIGTERM drains and exits 0)."""
+disconnects, and `mstar-serve` itself (SIGTERM drains and exits 0, answering clients whose bodies it is still
+reading at once)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import select
 import signal
+import socket
+import threading
+import time
 
 import httpx
 from greedy_ties import assert_greedy_matches
@@ -124,12 +130,43 @@ def test_bad_input_is_a_400(server):
         assert r.json()["error"]["message"]
 
 
-def test_mstar_serve_drains_on_sigterm(tiny_dir, tmp_path):
-    """The real entry point: start it, stream a request, SIGTERM mid-request: it finishes and exits 0."""
+class Trickler(threading.Thread):
+    """A client that sends a request's head, then its body a byte per 0.1 s, until the server answers or
+    closes the connection: what it answered, and when (monotonic)."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        host, port = url.removeprefix("http://").split(":")
+        self.conn = socket.create_connection((host, int(port)), timeout=10)
+        self.conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+        self.answer = b""
+        self.answered_at: float | None = None
+
+    def run(self) -> None:
+        with self.conn:
+            while True:
+                if select.select([self.conn], [], [], 0.1)[0]:
+                    chunk = self.conn.recv(65536)
+                    if not chunk:
+                        break
+                    self.answer += chunk
+                    self.answered_at = self.answered_at or time.monotonic()
+                elif not self.answer:
+                    self.conn.sendall(b"x")
+        self.answered_at = self.answered_at or time.monotonic()
+
+
+def test_mstar_serve_drains_on_sigterm_without_waiting_for_unread_bodies(tiny_dir, tmp_path):
+    """The real entry point: start it, stream a request, SIGTERM mid-request: it finishes and exits 0. A
+    client still trickling its body (never admitted) is told the server is going away at once, and holds
+    the exit for no longer than the admitted stream does, far less than the body deadline (60 s here)."""
 
     proc, url = start_mstar_serve(["--config", str(CONFIG), f"checkpoint={tiny_dir}", "max_seq_len=1024",
-                                   "resources.mla_kv.max_num_pages=256"])
+                                   "resources.mla_kv.max_num_pages=256", "server.body_timeout_s=60"])
     try:
+        trickler = Trickler(url)
+        trickler.start()
         body = {"model": MODEL, "prompt": "class A:\n", "max_tokens": 64, "temperature": 0, "stream": True,
                 "ignore_eos": True, "return_token_ids": True}
         got = 0
@@ -137,15 +174,21 @@ def test_mstar_serve_drains_on_sigterm(tiny_dir, tmp_path):
             for line in r.iter_lines():
                 if got == 0 and line.startswith("data: {"):
                     proc.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
                 if line.startswith("data: {"):
-                    import json
-
                     got += sum(len(c.get("token_ids") or []) for c in json.loads(line[6:])["choices"])
+            streamed = time.monotonic()
         assert got == 64
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=90) == 0
+        exited = time.monotonic()
+        trickler.join(10)
     finally:
         if proc.poll() is None:
             proc.kill()
+    assert trickler.answer.startswith(b"HTTP/1.1 503"), trickler.answer[:300]
+    assert b'"code": "server_shutting_down"' in trickler.answer
+    assert trickler.answered_at - signalled < 5, "the trickling client was answered only at its body deadline"
+    assert exited - streamed < 10, f"the exit waited {exited - streamed:.1f} s after the last admitted request"
 
 
 def test_dspark_config_serves_greedy_identical_to_reference(tiny_dirs, tiny_model):

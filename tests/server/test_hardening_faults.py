@@ -3,7 +3,8 @@
 What is promised (README, "Operating the server"):
 - a step that raises ends every request in flight with an error response (a 500 `engine_error`, or
   an error event then [DONE] in a stream), never a hang; the pools are freed and the next requests
-  are served, greedy-exact;
+  are served, greedy-exact. The client is told its request id and that the step failed, never the
+  exception (that goes to the log, with the ids, its traceback at most once per type a minute);
 - non-finite logits (NaN or inf) end only the affected request, with an error; the others are
   unaffected and no garbage token is sent;
 - `server.max_step_failures` failed steps in a row, or a crash of the engine thread, stop the engine:
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import re
 from collections import Counter
 
 import httpx
@@ -79,6 +82,10 @@ def stream_error(events: list) -> dict | None:
     return next((e["error"] for e in events if isinstance(e, dict) and "error" in e), None)
 
 
+def step_failure_logs(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "mstar.engine" and "engine step failed" in r.getMessage()]
+
+
 @pytest.fixture(scope="module")
 def live(tiny_dir):
     faults = FaultInjector(FaultPlan(poison=((POISON, float("nan")), (INF, float("inf")))))
@@ -101,8 +108,9 @@ def test_fault_spec_parses_and_refuses_nonsense():
     assert FaultInjector.from_spec(spec).plan.failing_steps == {2}
 
 
-def test_failed_step_fails_requests_in_flight_then_serving_goes_on(live, tiny_model):
+def test_failed_step_fails_requests_in_flight_then_serving_goes_on(live, tiny_model, caplog):
     engine, server, faults = live
+    caplog.set_level(logging.INFO, logger="mstar.engine")
     prompts = [engine.tokenizer.encode(f"def step_fault_{i}(x):\n") for i in range(3)]
 
     async def scenario():
@@ -120,11 +128,19 @@ def test_failed_step_fails_requests_in_flight_then_serving_goes_on(live, tiny_mo
     failed, after = asyncio.run(scenario())
     status, whole = failed[0]
     assert status == 500 and whole["error"]["code"] == "engine_error", whole
-    assert "injected fault" in whole["error"]["message"]
+    # The client learns which request failed and that the step did, not the exception (nor its type):
+    # it could quote internals, or other requests' data.
+    messages = [whole["error"]["message"]] + [stream_error(events)["message"] for _, events in failed[1:]]
+    ids = [re.search(r"request (cmpl-[0-9a-f]+-0)", m).group(1) for m in messages]
+    assert all("internal error in the engine step" in m and "server log" in m for m in messages), messages
+    assert not any("injected fault" in m.lower() or "InjectedFault" in m for m in messages), messages
     for status, events in failed[1:]:  # streams: the status went out before the fault
         assert status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
         assert stream_error(events)["code"] == "engine_error"
         assert 0 < len(stream_tokens(events)) < 300
+    assert [events[0]["id"] + "-0" for _, events in failed[1:]] == ids[1:]  # the id the stream's chunks carry
+    [logged] = step_failure_logs(caplog)  # the detail, and the ids a client may quote, are in the log
+    assert "injected fault in engine step" in str(logged.exc_info[1]) and all(i in logged.getMessage() for i in ids)
     OUTCOMES["step fault -> 3 in-flight requests got errors"] += 1
     assert wait_until(lambda: pools_empty(engine), 10)
     assert engine.healthy and engine.failed_steps == 1
@@ -173,12 +189,14 @@ def test_a_request_that_breaks_admission_fails_alone(live, monkeypatch):
     monkeypatch.setattr(engine.core, "add_request", add)
     r = httpx.post(server.url + "/v1/completions", json=body("import re\n", 7), timeout=30)
     assert r.status_code == 500 and "internal error adding the request" in r.json()["error"]["message"]
+    assert "simulated" not in r.text and "RuntimeError" not in r.text  # the detail is the log's
     ok = httpx.post(server.url + "/v1/completions", json=body("import re\n", 6), timeout=30)
     assert ok.status_code == 200 and engine.healthy and wait_until(lambda: pools_empty(engine), 10)
     OUTCOMES["bug while adding a request -> that request got an error, the next served"] += 1
 
 
-def test_persistent_step_failures_stop_the_engine(tiny_dir):
+def test_persistent_step_failures_stop_the_engine(tiny_dir, caplog):
+    caplog.set_level(logging.INFO, logger="mstar.engine")
     faults = FaultInjector.from_spec("step:1+")
     engine, server = serve(tiny_dir, faults, "server.max_step_failures=2")
     stopped = []
@@ -195,14 +213,21 @@ def test_persistent_step_failures_stop_the_engine(tiny_dir):
             assert client.get(server.url + "/health").status_code == 503
             third = client.post(server.url + "/v1/completions", json=body(prompt, 8))
             assert third.status_code == 503 and third.json()["error"]["type"] == "service_unavailable_error"
+        for r in (first, second, third):
+            assert "injected" not in r.json()["error"]["message"].lower(), r.text
         assert faults.injected["step"] == 2 and pools_empty(engine)
+        # Both failures are logged with their exception; a client that makes steps fail on demand gets one
+        # traceback a minute into the log, the rest one line each.
+        logged = step_failure_logs(caplog)
+        assert len(logged) == 2 and all("injected fault" in r.getMessage() or r.exc_info for r in logged)
+        assert [r.exc_info is not None for r in logged] == [True, False]
         OUTCOMES["persistent step fault -> engine stopped, 503s"] += 1
     finally:
         server.stop()
         engine.shutdown()
 
 
-def test_engine_thread_crash_fails_everyone_waiting(tiny_dir):
+def test_engine_thread_crash_fails_everyone_waiting(tiny_dir, caplog):
     faults = FaultInjector(FaultPlan())
     engine, server = serve(tiny_dir, faults)
     try:
@@ -219,7 +244,10 @@ def test_engine_thread_crash_fails_everyone_waiting(tiny_dir):
         results = asyncio.run(scenario())
         assert "engine thread crashed" in stream_error(results[0][1])["message"]
         assert all(status == 500 and "engine thread crashed" in b["error"]["message"] for status, b in results[1:])
-        assert not engine.healthy and "InjectedFault" in engine.fatal_error
+        assert not any("InjectedFault" in m for m in [stream_error(results[0][1])["message"]] + [
+            b["error"]["message"] for _, b in results[1:]])  # the exception goes to the log, not to clients
+        assert not engine.healthy and "engine thread crashed" in engine.fatal_error
+        assert any("InjectedFault" in r.getMessage() for r in caplog.records if r.name == "mstar.engine")
         r = httpx.post(server.url + "/v1/completions", json=body(prompts[0], 4), timeout=10)
         assert r.status_code == 503
         OUTCOMES["engine thread crash -> 3 in-flight errors, then 503"] += 1

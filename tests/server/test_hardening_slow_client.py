@@ -4,6 +4,8 @@ connection idle between requests is not cut by the header deadline."""
 
 from __future__ import annotations
 
+import json
+import select
 import socket
 import time
 
@@ -106,5 +108,57 @@ def test_slow_or_silent_headers_are_a_408_at_the_header_deadline(tmp_path_factor
                 answer = _read_response(conn)
                 assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
                 time.sleep(DEADLINE_S * 2)  # idle between requests: the keep-alive timeout's business (5 s)
+    finally:
+        server.stop()
+
+
+def test_a_head_over_max_header_bytes_is_a_431(tmp_path_factory, tiny_dir):
+    limit = 4096
+    engine = FakeEngine(shared_tokenizer(tmp_path_factory), max_seq_len=256)
+    cfg = load_serve_config(ROOT / "configs" / "kimi_k3_tiny.yaml", [f"checkpoint={tiny_dir}",
+                                                                     f"server.max_header_bytes={limit}"])
+    max_body = 8 * limit
+    app = build_app(engine, served_model_name="fake-k3", options=ServerOptions(max_body_bytes=max_body))
+    server = LiveServer(app, **connection_settings(cfg))
+    server.start()
+    host, port = server.url.removeprefix("http://").split(":")
+
+    def answer(header_bytes: int, body: bytes = b"", pieces: int = 1) -> bytes:
+        """The response to a request with an `X-Big` header of `header_bytes` bytes, sent in `pieces` writes
+        about 20 ms apart (until the server answers)."""
+        method = b"POST /v1/completions" if body else b"GET /health"
+        request = (method + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: "
+                   + str(len(body)).encode() + b"\r\nX-Big: " + b"a" * header_bytes + b"\r\n\r\n" + body)
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            step = -(-len(request) // pieces)
+            for start in range(0, len(request), step):
+                if select.select([conn], [], [], 0.02)[0]:  # answered early: stop before the server's close
+                    break
+                conn.sendall(request[start:start + step])
+            return _read_response(conn)
+
+    try:
+        assert answer(limit // 2).startswith(b"HTTP/1.1 200")
+        # Only the head counts: a body past the limit, in the same read, reaches the endpoint (which finds
+        # the prompt too long for the fake engine's context).
+        big_body = json.dumps({"prompt": "x " * limit, "max_tokens": 1}).encode()
+        assert b"context_length_exceeded" in answer(limit // 2, big_body)
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            # A body refused by its declared length (413) still arrives after the answer; it is no head, and
+            # the connection stays open for the next request.
+            declared = 4 * max_body
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + str(declared).encode()
+                         + b"\r\n\r\n")
+            assert _read_response(conn).startswith(b"HTTP/1.1 413")
+            conn.sendall(b"x" * declared)
+            conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert _read_response(conn).startswith(b"HTTP/1.1 200")
+        for size, pieces in ((limit + 1, 1), (4 * limit, 1), (4 * limit, 8)):  # in one read, and in several
+            too_large = answer(size, pieces=pieces)
+            assert too_large.startswith(b"HTTP/1.1 431"), (size, pieces, too_large[:200])
+            assert b'"code": "request_header_fields_too_large"' in too_large and f"{limit} bytes".encode() in too_large
+            assert b"connection: close" in too_large.lower()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200  # the others go on
     finally:
         server.stop()
