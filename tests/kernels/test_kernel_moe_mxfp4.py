@@ -297,20 +297,20 @@ def test_split_k(align):
 @pytest.mark.parametrize(("align", "combine", "split_k"),
                          [(True, "atomic", 1), (True, "reduce", 1), (False, "atomic", 1), (True, "atomic", 2)])
 def test_down_tiles(align, combine, split_k):
-    """The down GEMM with several output tiles per program (H = 512 in 4 tiles of 128, I = 256 in 2 K steps),
+    """The down GEMM with several output tiles per program (H = 256 in 4 tiles of 64, I = 256 in 2 K steps),
     each tile's epilogue inside the one pipelined loop: every tile of every row block is added (or stored)
     once, with its own columns, and the accumulator starts from zero for each."""
     gen = new_generator(TINY_DEVICE)
-    stacked = tiny_experts(gen, DIRECT_E, hidden=512, inter=256)
+    stacked = tiny_experts(gen, DIRECT_E, hidden=256, inter=256)
     base = moe.default_config(3, DIRECT_K, DIRECT_E, align=align)
-    config = moe.fit_config(replace(base, combine=combine, down=moe.GemmTile(128, 128, split_k=split_k, tiles=4)),
-                            512, 256)
+    config = moe.fit_config(replace(base, combine=combine, down=moe.GemmTile(64, 128, split_k=split_k, tiles=4)),
+                            256, 256)
     assert (config.down.tiles, config.down.split_k) == (4, split_k)
     ws = poisoned_workspace(3, DIRECT_K, stacked, config)
-    z = torch.randn(3, 512, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
+    z = torch.randn(3, 256, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
     ids, weights = routing(3, DIRECT_E, DIRECT_K, gen)
     ids = drop_some(ids, gen)
-    out = torch.full((3, 512), float("nan"), device=TINY_DEVICE)
+    out = torch.full((3, 256), float("nan"), device=TINY_DEVICE)
     moe.moe_mxfp4(z, ids, weights, *stacked, config=config, out=out, workspace=ws)
     assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
 
