@@ -744,9 +744,9 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, ex
     lanes = tl.arange(0, META)
     first_block = first_row // BLOCK_M
     b = 0
-    while b < tl.where(num_blocks > 0, mine // BLOCK_M, 0):
+    while b < tl.where(num_blocks > 0, mine // BLOCK_M, 0):  # num_blocks 0: no table asked for
         blocks = b + lanes
-        ok = (blocks < mine // BLOCK_M) & (first_block + blocks < num_blocks)  # num_blocks 0: no table asked for
+        ok = blocks < mine // BLOCK_M
         tl.store(block_expert_ptr + first_block + blocks, tl.zeros_like(blocks) + expert, mask=ok)
         tl.store(block_rows_ptr + first_block + blocks, tl.minimum(count - blocks * BLOCK_M, BLOCK_M), mask=ok)
         b += META
