@@ -134,9 +134,12 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b
 
     B, H, K = q.shape[0], w.num_heads, w.head_dim
     q, k, v = kda_decode_kernels.decode_conv(q, k, v, conv, slots, w.conv_weight).view(3, B, 1, H, K)
+    # fla's kernel loads beta as fp32 itself and writes every row of o: no cast, no zero fill (at B=1 the
+    # [1, H] slice of the stacked projection is already contiguous, so no copy either)
     o, _ = fused_recurrent_kda_fwd(
-        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.view(B, 1, H).float().contiguous(),
-        initial_state=state, inplace_final_state=True, ssm_state_indices=slots, **w.fla_args(),
+        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.contiguous().view(B, 1, H),
+        initial_state=state, inplace_final_state=True, ssm_state_indices=slots, out=torch.empty_like(v),
+        **w.fla_args(),
     )
     return o.view(B, H, K)
 
