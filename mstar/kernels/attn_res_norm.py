@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
+
 MAX_SOURCES = 16
 # Programs a call aims for: at decode sizes (up to 64 rows of 28 tiles) every program takes one tile.
 # Each tile costs a dependent load and a cross-warp reduction (~2 us in the mix on the H200): with
@@ -61,17 +63,19 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
         sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, stats,
         sources if residual is None else residual, 0 if residual is None else residual.stride(0),
         D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, num_warps=8,
+        **pdl.options(_source_stats_kernel, sources.device),
     )
     square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
     _mix_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, stats, res_eps, mixed, square_sums, out_norm_weight,
         out_eps, out, D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, N_PAD=n_pad,
-        NORM=S == 1, num_warps=8,
+        NORM=S == 1, num_warps=8, **pdl.options(_mix_kernel, sources.device),
     )
     if S > 1:
         _norm_kernel[(T, S)](
             mixed, D, square_sums, out_norm_weight, out_eps, out,
             D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False, num_warps=8,
+            **pdl.options(_norm_kernel, sources.device),
         )
     return out
 
@@ -83,7 +87,8 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if out is None else out.view(rows.shape)
     # a row of 7168 is two tiles: one program per row is already short, no split
     _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out,
-                         D=D, CHUNK=D, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8)
+                         D=D, CHUNK=D, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8,
+                         **pdl.options(_norm_kernel, x.device))
     return out.view(x.shape)
 
 
@@ -107,9 +112,10 @@ def _chunks(T: int, D: int, block: int, splits: int | None) -> tuple[int, int]:
 @triton.jit
 def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, stats_ptr, residual_ptr,
                          stride_rt, D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
-                         N_PAD: tl.constexpr, ADD: tl.constexpr):
+                         N_PAD: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
     """stats[t, s] = (sum V_i^2, <V_i, w>) over chunk s of row t, for every source i; with ADD, first
     V_last += residual in place over the chunk (rounded to the stream dtype, as the torch add)."""
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_src = src_ptr + t * stride_t
@@ -141,9 +147,10 @@ def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w
 @triton.jit
 def _mix_kernel(src_ptr, stride_n, stride_t, n_sources, stats_ptr, res_eps, mixed_ptr, ss_ptr, out_w_ptr, out_eps,
                 out_ptr, D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
-                BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, NORM: tl.constexpr):
+                BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """The softmax over the row's source scores, the mix of chunk s (stored, rounded) and its square
     sum; with NORM (one chunk per row) also the output norm of the row."""
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     srcs = tl.arange(0, N_PAD)
@@ -180,9 +187,11 @@ def _mix_kernel(src_ptr, stride_n, stride_t, n_sources, stats_ptr, res_eps, mixe
 
 @triton.jit
 def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, OWN_STATS: tl.constexpr):
+                 S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, OWN_STATS: tl.constexpr,
+                 PDL: tl.constexpr):
     """The output RMSNorm of chunk s of row t from the row's partial square sums (OWN_STATS: one chunk
     per row, whose square sum this program takes itself: a plain RMSNorm)."""
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row = x_ptr + t * stride_t

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
 from mstar.kernels.moe_mxfp4 import _tanh  # the experts' SiTU uses the same tanh
 
 
@@ -24,12 +25,14 @@ def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torc
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(inter))
     _situ_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), inter, beta, linear_beta,
-                                                 BLOCK=block, num_warps=4)
+                                                 BLOCK=block, num_warps=4,
+                                                 **pdl.options(_situ_kernel, gate_up.device))
     return out
 
 
 @triton.jit
-def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.constexpr):
+def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
+
 
 def block_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                row_seq: torch.Tensor, seq_starts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -41,6 +43,7 @@ def block_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Te
     _block_conv_kernel[(M, 3, triton.cdiv(width, block))](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), conv, conv.stride(0), conv.stride(1), conv.stride(2),
         slots, row_seq, seq_starts, weight, out, width, HIST=conv.shape[2], BLOCK=block, num_warps=4,
+        **pdl.options(_block_conv_kernel, q.device),
     )
     return out
 
@@ -55,7 +58,7 @@ def fold_windows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.
     _fold_windows_kernel[(B, 3, triton.cdiv(width, block))](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), conv, conv.stride(0), conv.stride(1), conv.stride(2),
         slots, seq_starts, fold_lens, width, HIST=conv.shape[2], HIST_PAD=triton.next_power_of_2(conv.shape[2]),
-        BLOCK=block, num_warps=4,
+        BLOCK=block, num_warps=4, **pdl.options(_fold_windows_kernel, q.device),
     )
 
 
@@ -82,7 +85,8 @@ def _row_value(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, window, s_hist
 @triton.jit
 def _block_conv_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_ptr, s_slot, s_which, s_hist,
                        slots_ptr, row_seq_ptr, starts_ptr, w_ptr, out_ptr, width, HIST: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -105,7 +109,8 @@ def _block_conv_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_p
 @triton.jit
 def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_ptr, s_slot, s_which, s_hist,
                          slots_ptr, starts_ptr, fold_ptr, width, HIST: tl.constexpr, HIST_PAD: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -144,6 +149,7 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
         states, states.stride(0), slots, seq_starts, seq_ends, fold_lens, out, scale,
         0.0 if lower_bound is None else lower_bound, H=H, K=K, V=V, BLOCK_V=block_v,
         HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=4,
+        **pdl.options(_fold_recurrent_kernel, q.device),
     )
     return out
 
@@ -152,7 +158,8 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
 def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, a_log_ptr, dt_bias_ptr,
                            states_ptr, s_slot, slots_ptr, starts_ptr, ends_ptr, fold_ptr, o_ptr, scale, lower_bound,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
-                           HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+                           HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     b = tl.program_id(0) // H
     h = tl.program_id(0) % H
     ks = tl.arange(0, K)

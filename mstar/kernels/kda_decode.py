@@ -16,6 +16,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
+
 
 def decode_conv_reference(rows: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor
                           ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +39,15 @@ def decode_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.T
     _decode_conv_kernel[(B, 3, triton.cdiv(width, block))](
         q, k, v, q.stride(0), k.stride(0), v.stride(0), conv, conv.stride(0), conv.stride(1), conv.stride(2), slots,
         weight, out, width, HIST=conv.shape[2], BLOCK=block, num_warps=4,
+        **pdl.options(_decode_conv_kernel, q.device),
     )
     return out
 
 
 @triton.jit
 def _decode_conv_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_ptr, s_slot, s_which, s_hist,
-                        slots_ptr, w_ptr, out_ptr, width, HIST: tl.constexpr, BLOCK: tl.constexpr):
+                        slots_ptr, w_ptr, out_ptr, width, HIST: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     b = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)  # 0: q, 1: k, 2: v
     cols = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
@@ -78,13 +82,15 @@ def gated_head_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, e
     gates = gate.reshape(-1, K)
     out = torch.empty(rows.shape, dtype=o.dtype, device=o.device)
     _gated_head_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0), eps, K=K,
-                                              BLOCK=triton.next_power_of_2(K), num_warps=1)
+                                              BLOCK=triton.next_power_of_2(K), num_warps=1,
+                                              **pdl.options(_gated_head_norm_kernel, o.device))
     return out.view(o.shape)
 
 
 @triton.jit
 def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, eps, K: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < K

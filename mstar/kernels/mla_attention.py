@@ -32,6 +32,8 @@ from torch import Tensor
 try:
     import triton
     import triton.language as tl
+
+    from mstar.kernels import pdl
 except ImportError:  # the torch references stay usable without triton
     triton = None
 
@@ -193,7 +195,9 @@ if triton is not None:
         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KV: tl.constexpr, MIN_SPLIT: tl.constexpr, MULTI_QUERY: tl.constexpr, CAUSAL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl.wait_for_inputs(PDL)
         tile = tl.program_id(0)
         seq = tl.program_id(1)
         split = tl.program_id(2)
@@ -274,9 +278,10 @@ if triton is not None:
         part_o_ptr, part_lse_ptr, cu_ptr, ctx_ptr, out_ptr, num_heads, num_splits,
         stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, stride_ot, stride_oh,
         LATENT: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-        MIN_SPLIT: tl.constexpr, ALIGN: tl.constexpr, MULTI_QUERY: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, ALIGN: tl.constexpr, MULTI_QUERY: tl.constexpr, PDL: tl.constexpr,
     ):
         """One (token, head) row and BLOCK_DV output columns: the log-sum-exp merge of its splits."""
+        pdl.wait_for_inputs(PDL)
         row = tl.program_id(0)
         seq = tl.program_id(1)
         dv = tl.program_id(2) * BLOCK_DV + tl.arange(0, BLOCK_DV)
@@ -387,7 +392,7 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=cache.shape[1], LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         SPLIT_KV=num_splits > 1, MIN_SPLIT=min_split_tokens, MULTI_QUERY=multi_query, CAUSAL=causal,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(_mla_attn_kernel, q_abs.device),
     )
     if num_splits > 1:
         block_dv = min(128, latent)
@@ -397,7 +402,7 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
             out.stride(0), out.stride(1),
             LATENT=latent, BLOCK_DV=block_dv, BLOCK_S=16,
             MIN_SPLIT=min_split_tokens, ALIGN=config.block_n, MULTI_QUERY=multi_query,
-            num_warps=4,
+            num_warps=4, **pdl.options(_mla_merge_kernel, q_abs.device),
         )
     return out
 

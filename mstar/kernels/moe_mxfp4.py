@@ -105,6 +105,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from mstar.kernels import pdl
 from mstar.quant.mxfp4 import GROUP_SIZE, dequantize_mxfp4
 
 SITU_BETA = 4.0  # K3's activation_situ_beta (the gate's soft clip)
@@ -600,7 +601,7 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
         block_expert.numel() if blocks else 0, num_experts,
         BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCAN=min(_ALIGN_SCAN, max(64, triton.next_power_of_2(pairs))), META=64, GROUPS=groups is not None,
-        num_warps=4,
+        num_warps=4, **pdl.options(_align_kernel, ids.device),
     )
 
 
@@ -655,6 +656,7 @@ def combine_expert_rows(expert_out: torch.Tensor, ids: torch.Tensor, weights: to
     _combine_kernel[(num_tokens, triton.cdiv(hidden, _COMBINE_BLOCK))](
         expert_out, ids, weights, out, ids if pair_row is None else pair_row, HIDDEN=hidden, TOP_K=top_k,
         K_PAD=triton.next_power_of_2(top_k), BLOCK_H=_COMBINE_BLOCK, ROW_MAP=pair_row is not None, num_warps=4,
+        **pdl.options(_combine_kernel, out.device),
     )
 
 
@@ -668,7 +670,8 @@ def _launch(kernel, grid, args, constexprs: dict, tile: GemmTile) -> None:
     stages = _STAGES_THAT_FIT.get(key, tile.num_stages)
     while True:
         try:
-            kernel[grid](*args, **constexprs, num_warps=tile.num_warps, num_stages=stages)
+            kernel[grid](*args, **constexprs, num_warps=tile.num_warps, num_stages=stages,
+                         **pdl.options(kernel, args[0].device))
         except OutOfResources:
             if stages <= 1:
                 raise
@@ -694,7 +697,7 @@ _WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr, pair_row_ptr,
                   num_pairs, num_blocks, num_experts,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, SCAN: tl.constexpr, META: tl.constexpr,
-                  GROUPS: tl.constexpr):
+                  GROUPS: tl.constexpr, PDL: tl.constexpr):
     """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the num_blocks
     blocks, and with GROUPS, where each expert's rows end and each pair's row.
 
@@ -705,6 +708,7 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, ex
     time, so the launch is as long as one program's two passes. Dropped pairs (id < 0) are neither
     counted nor placed: no block computes them.
     """
+    pdl.wait_for_inputs(PDL)
     expert = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
 
@@ -1003,8 +1007,9 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
-                    SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+                    SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split)."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -1060,12 +1065,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
     adds the parts up); added into out (atomic) or stored per pair (reduce).
 
     The tiles run as one loop of TILES x (K steps), so that the software pipeline loads the next tile's
     weights while this one's are decoded (module doc, "Short K")."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
                                          program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
@@ -1104,9 +1110,10 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
 
 @triton.jit
 def _combine_kernel(y_ptr, ids_ptr, coef_ptr, out_ptr, row_ptr, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
-                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAP: tl.constexpr):
+                    K_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROW_MAP: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum_j coef[t, j] y[row of pair t k + j] over the pairs not dropped (no block wrote their y),
     in fp32 and always in the same order (deterministic). The row is the pair, or with ROW_MAP row_ptr's."""
+    pdl.wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     slots = tl.arange(0, K_PAD)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
+
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,44 +34,53 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
 
 def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float
            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The post-GEMM part alone: logits fp32 [T, E] -> (ids [T, k], weights [T, k])."""
+    """The post-GEMM part alone: logits fp32 [T, E] -> (ids [T, k], weights [T, k]). `bias` [E] in any float
+    dtype (the kernel reads it as fp32: no cast launched per call)."""
     T, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..{E}")
+    if bias.shape != (E,):
+        raise ValueError(f"bias must be [{E}] (one per expert), got {tuple(bias.shape)}")
     ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    _select_kernel[(T,)](logits.contiguous(), bias.float().contiguous(), ids, weights, E, scale,
+    _select_kernel[(T,)](logits.contiguous(), bias.contiguous(), ids, weights, E, scale,
                          TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
-                         RENORM=renormalize and top_k > 1, num_warps=4)
+                         RENORM=renormalize and top_k > 1, num_warps=1,
+                         **pdl.options(_select_kernel, logits.device))
     return ids, weights
 
 
 @triton.jit
 def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                   E_PAD: tl.constexpr, RENORM: tl.constexpr):
+                   E_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
+    # One warp a row: each pick is one max over E_PAD keys held in registers (warp shuffles, no shared-memory
+    # round trips, which four warps paid three times a pick). A key is the choice's bits made sortable as a
+    # signed int (negative floats' magnitude bits flipped) above the complement of the id, so the max is the
+    # largest choice and, among equal ones, the lowest id (offset to be >= 0, so -1 marks taken or padding).
     t = tl.program_id(0).to(tl.int64)
     experts = tl.arange(0, E_PAD)
     live = experts < E
-    s = tl.sigmoid(tl.load(logits_ptr + t * E + experts, mask=live, other=0.0))
-    choice = s + tl.load(bias_ptr + experts, mask=live, other=0.0)
+    logit = tl.load(logits_ptr + t * E + experts, mask=live, other=0.0)
+    choice = tl.sigmoid(logit) + tl.load(bias_ptr + experts, mask=live, other=0.0).to(tl.float32)
     # A NaN row (a poisoned request, or rows no sequence owns) must still pick ids the expert kernels can
-    # index: NaN never equals the maximum, which would make every pick E_PAD, out of bounds. Its weights
-    # stay NaN, so the row's output is non-finite and the engine fails only that request.
-    choice = tl.where(live & (choice == choice), choice, float("-inf"))
+    # index: NaN choices rank below every number (as -inf does), so all picks are live ids. Its weights stay
+    # NaN, so the row's output is non-finite and the engine fails only that request.
+    choice = tl.where(choice == choice, choice, float("-inf"))
+    bits = choice.to(tl.int32, bitcast=True)
+    sortable = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2**31  # in [0, 2^32)
+    key = tl.where(live, (sortable << 31) | (E_PAD - 1 - experts).to(tl.int64), -1)
     slots = tl.arange(0, K_PAD)
     picked = tl.zeros([K_PAD], dtype=tl.int64)
-    w = tl.zeros([K_PAD], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(choice, axis=0)
-        # the lowest id among equal maxima
-        idx = tl.min(tl.where(choice == best, experts, E_PAD), axis=0)
-        idx = tl.minimum(idx, E - 1)  # in range even if every choice is -inf after NaNs
-        hit = experts == idx
-        picked = tl.where(slots == j, idx.to(tl.int64), picked)
-        w = tl.where(slots == j, tl.sum(tl.where(hit, s, 0.0), axis=0), w)
-        choice = tl.where(hit, float("-inf"), choice)
+        best = tl.max(key, axis=0)
+        idx = E_PAD - 1 - (best & (E_PAD - 1))
+        picked = tl.where(slots == j, idx, picked)
+        key = tl.where(experts == idx, -1, key)
+    ok = slots < TOP_K
+    picked = tl.where(ok, picked, 0)
+    w = tl.where(ok, tl.sigmoid(tl.load(logits_ptr + t * E + picked)), 0.0)  # s at the picks: L1-resident
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    ok = slots < TOP_K
     tl.store(ids_ptr + t * TOP_K + slots, picked, mask=ok)
     tl.store(weights_ptr + t * TOP_K + slots, w * scale, mask=ok)

@@ -42,6 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from mstar.kernels import pdl
+
 MAX_ROWS = 64  # x rows the kernel takes; more rows: cuBLAS (a GEMM, no longer bound by the weight stream)
 DTYPES = (torch.bfloat16, torch.float16)  # the served dtypes; fp32 runs too (the interpreter's tests)
 MAX_CTAS_PER_SM = 4
@@ -248,8 +250,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, partials_ptr, counters_ptr, M, N, K, str
     if PDL:
         for i in tl.static_range(PREFETCH):
             _prefetch_l2(w_ptr, start + i, end - 1, k_tiles, N, K, stride_wn, BLOCK_N, BLOCK_K)
-        tl.extra.cuda.gdc_wait()  # x and every buffer this kernel writes are ready past here
-        tl.extra.cuda.gdc_launch_dependents()
+        pdl.wait_for_inputs(PDL)  # x and every buffer this kernel writes are ready past here
     rm = tl.arange(0, BLOCK_M)
     bn = tl.arange(0, BLOCK_N)
     bk = tl.arange(0, BLOCK_K)

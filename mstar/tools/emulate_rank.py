@@ -467,7 +467,9 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
     results, fns = [], {}
     for step in steps:
         if step.kind == "draft":
-            results.append(measure_draft(emulation, step, reps=reps, warmup=warmup))
+            result, fn = measure_draft(emulation, step, reps=reps, warmup=warmup)
+            results.append(result)
+            fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({result.mode})"] = fn
             continue
         plan = emulation.plan_for(step)
         step_graphs = graphs.get(step.name)
@@ -492,10 +494,10 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
     return results, fns
 
 
-def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int) -> Result:
-    """The draft's work of one speculative step (emulate_draft.py), eagerly as served: the context rows of the
+def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int) -> tuple[Result, Callable[[], object]]:
+    """The draft's work of one speculative step (emulate_draft.py), as served: the context rows of the
     previous step's verify blocks (all k + 1 rows of each, written before its verification) and B blocks of k
-    drafts."""
+    drafts. Also returns the step, for the profile (every draft step is profiled)."""
     if emulation.draft is None:
         if emulation.device.type == "cuda":
             emulation.target_peak = torch.cuda.max_memory_allocated(emulation.device)
@@ -514,7 +516,7 @@ def measure_draft(emulation: Emulation, step: Step, *, reps: int, warmup: int) -
     seconds = median_seconds(fn, reps, emulation.device)
     result = Result(step, fn.mode, draft_floor(fn, step.name), seconds, None, kernels)
     progress(f"{step.name} batch {step.batch}: {seconds / MS:.3f} ms ({result.ratio:.2f}x the draft's floor)")
-    return result
+    return result, fn
 
 
 def one_run_collectives(emulation: Emulation, fn: Callable[[], object]) -> CommTally | None:

@@ -62,3 +62,17 @@ def test_a_nan_row_still_picks_experts_in_range():
     assert torch.isnan(w[1]).all()
     assert torch.equal(ids[0], clean_ids[0]) and torch.equal(w[0], clean_w[0])
     assert 5 not in ids[2].tolist() and torch.isfinite(w[2]).all()
+
+
+def test_ties_pick_the_lowest_ids_and_negative_choices_rank_below_positive_ones():
+    """Choices (sigmoid + bias) that tie exactly, and biases that push some below zero: the picks are the k
+    largest choices, the lowest id first among equal ones (a stable sort of -choice is the reference)."""
+    E, k = 224, 16
+    logits = torch.randn(5, E, device=DEVICE).round(decimals=1)  # many exactly equal logits per row
+    bias = (torch.randn(E, device=DEVICE) * 0.6).round(decimals=1)
+    logits[3] = 0.0
+    bias[::3] = -1.0  # with s <= 1, these choices are <= 0
+    ids, _ = router_topk.select(logits, bias, k, False, 1.0)
+    choice = torch.sigmoid(logits) + bias
+    want = torch.sort(-choice, dim=-1, stable=True).indices[:, :k]
+    assert torch.equal(ids, want)

@@ -34,6 +34,7 @@ from mstar.kernels import (
     moe_bf16,
     moe_mxfp4,
     router_topk,
+    sigmoid_gate,
     skinny_gemm,
 )
 from mstar.kernels.stacked_linear import StackedLinear, rows_view
@@ -227,7 +228,8 @@ def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) ->
 class GpuLayerOps(LayerOps):
     """One-launch Triton kernels for the token-wise operations: every RMSNorm, every AttnRes mix + norm
     (kernels/attn_res_norm.py), ungrouped routers' selection (kernels/router_topk.py), the SiTU MLPs
-    (kernels/gated_mlp.py, gate and up as one GEMM); the routed experts of the layers in `experts`."""
+    (kernels/gated_mlp.py, gate and up as one GEMM), MLA's output gate (kernels/sigmoid_gate.py); the routed
+    experts of the layers in `experts`."""
 
     def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
         self.experts = experts or {}
@@ -249,6 +251,9 @@ class GpuLayerOps(LayerOps):
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                            residual=residual)
+
+    def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return sigmoid_gate.sigmoid_gate(o, gate)
 
     def route(self, router: Router, x: torch.Tensor) -> Routing:
         cfg = router.config

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attn_res import attn_res_norm
+from .norm import at_least_fp32
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,6 +37,12 @@ class LayerOps:
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """out_norm(AttnRes(sources)) after sources[-1] += residual (attn_res.MixNorm)."""
         return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, residual)
+
+    def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """An MLA layer's output gate: o [T, H, v] * sigmoid(gate [T, H v]) in at least fp32, rounded to gate's
+        dtype, [T, H v]."""
+        o = o.reshape(gate.shape)
+        return (at_least_fp32(o) * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)
 
     def route(self, router: Router, x: torch.Tensor) -> Routing:
         return router(x)

@@ -210,10 +210,9 @@ class GatedMLA(nn.Module):
 
     def output(self, o: Tensor, gate: Tensor | None, ops: LayerOps = REFERENCE_OPS) -> Tensor:
         """o [T, H, v] -> y [T, D]: the sigmoid output gate g(x) (computed in at least fp32), then o_proj."""
-        o = o.reshape(o.shape[0], self.num_heads * self.v_dim)
-        if gate is not None:
-            o = (at_least_fp32(o) * torch.sigmoid(at_least_fp32(gate))).to(gate.dtype)  # x.dtype: g(x) is in it
-        return ops.linear(self.o_proj, o)
+        # the gate's product is [T, H v] in gate's dtype, x.dtype: g(x) is in it
+        flat = ops.sigmoid_gate(o, gate) if gate is not None else o.reshape(o.shape[0], self.num_heads * self.v_dim)
+        return ops.linear(self.o_proj, flat)
 
     def forward(self, x: Tensor, cache: MLACache | None = None, absorbed: bool = False) -> tuple[Tensor, MLACache]:
         """x [T, D] (after input_layernorm) -> (y [T, D], the cache extended by these T tokens).
