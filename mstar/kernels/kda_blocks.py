@@ -31,6 +31,71 @@ import triton.language as tl
 
 from mstar.kernels import pdl
 
+# gather_block_rows' source codes: c >= 0 is row c of x, PREFIX_ROW - j (<= -2) row j of the flattened
+# pending prefixes, ZERO_ROW a row of zeros (outside every sequence)
+ZERO_ROW = -1
+PREFIX_ROW = -2
+_ROW_BLOCK = 1024  # columns a row-movement program copies
+PREFIX_ROW_C = tl.constexpr(PREFIX_ROW)  # kernels read only constexpr globals
+
+
+def gather_block_rows(x: torch.Tensor, prefix: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+    """rows[r] = x[c], prefix[PREFIX_ROW - c] (cast to x's dtype) or zeros, for c = sources[r]: a step's
+    combined rows [M, D] from its rows x [N, D] and the layer's pending prefixes `prefix` [P, D], in one
+    launch (torch spent a zero fill, a gather and two scatters)."""
+    M, D = sources.shape[0], x.shape[1]
+    if prefix.shape[1] != D or x.stride(1) != 1 or prefix.stride(1) != 1:
+        raise ValueError(f"x [N, D] and prefix [P, D] need the same D and unit column strides, got "
+                         f"{tuple(x.shape)} and {tuple(prefix.shape)}")
+    rows = torch.empty(M, D, dtype=x.dtype, device=x.device)
+    if M:
+        _gather_block_rows_kernel[(M, triton.cdiv(D, _ROW_BLOCK))](
+            x, prefix, sources, rows, x.stride(0), prefix.stride(0), D, BLOCK=_ROW_BLOCK, num_warps=4,
+            **pdl.options(_gather_block_rows_kernel, x.device))
+    return rows
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] (cast to dst's dtype) for every i, in one launch; rows [., D] with
+    unit column stride, the destination rows distinct."""
+    (n,), D = src_rows.shape, src.shape[1]
+    if dst_rows.shape != (n,) or dst.shape[1] != D or src.stride(1) != 1 or dst.stride(1) != 1:
+        raise ValueError(f"copy_rows: {n} source rows for {tuple(dst_rows.shape)} destinations; src "
+                         f"{tuple(src.shape)} and dst {tuple(dst.shape)} need one D and unit column strides")
+    if n:
+        _copy_rows_kernel[(n, triton.cdiv(D, _ROW_BLOCK))](
+            src, src_rows, dst, dst_rows, src.stride(0), dst.stride(0), D, BLOCK=_ROW_BLOCK, num_warps=4,
+            **pdl.options(_copy_rows_kernel, src.device))
+
+
+@triton.jit
+def _gather_block_rows_kernel(x_ptr, prefix_ptr, sources_ptr, rows_ptr, stride_x, stride_p, D,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    c = tl.load(sources_ptr + r).to(tl.int64) + cols * 0  # a full tensor: the interpreter masks with no scalar
+    from_x = ok & (c >= 0)
+    from_prefix = ok & (c <= PREFIX_ROW_C)
+    a = tl.load(x_ptr + tl.maximum(c, 0) * stride_x + cols, mask=from_x, other=0)
+    b = tl.load(prefix_ptr + tl.maximum(PREFIX_ROW_C - c, 0) * stride_p + cols, mask=from_prefix, other=0)
+    value = tl.where(from_x, a, b.to(a.dtype))
+    tl.store(rows_ptr + r * D + cols, value.to(rows_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _copy_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, stride_s, stride_d, D, BLOCK: tl.constexpr,
+                      PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
+    i = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < D
+    s = tl.load(src_rows_ptr + i).to(tl.int64)
+    d = tl.load(dst_rows_ptr + i).to(tl.int64)
+    value = tl.load(src_ptr + s * stride_s + cols, mask=ok)
+    tl.store(dst_ptr + d * stride_d + cols, value.to(dst_ptr.dtype.element_ty), mask=ok)
+
 
 def block_conv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
                row_seq: torch.Tensor, seq_starts: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -155,6 +220,20 @@ def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.T
 
 
 @triton.jit
+def _row_inputs(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, t, end, h, ks, vs, v_ok,
+                K: tl.constexpr, V: tl.constexpr):
+    """Row t's q, k, v, f (before its bias) and beta of head h, fp32; past the sequence's last row (end - 1)
+    that row's again (a valid address; the caller does not use them)."""
+    t = tl.minimum(t, tl.maximum(end - 1, 0))
+    qt = tl.load(q_ptr + t * sq + h * K + ks).to(tl.float32)
+    kt = tl.load(k_ptr + t * sk + h * K + ks).to(tl.float32)
+    vt = tl.load(v_ptr + t * sv + h * V + vs, mask=v_ok, other=0).to(tl.float32)
+    ft = tl.load(f_ptr + t * sf + h * K + ks).to(tl.float32)
+    bt = tl.load(beta_ptr + t * sb + h).to(tl.float32)
+    return qt, kt, vt, ft, bt
+
+
+@triton.jit
 def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, a_log_ptr, dt_bias_ptr,
                            states_ptr, s_slot, slots_ptr, starts_ptr, ends_ptr, fold_ptr, o_ptr, scale, lower_bound,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -172,13 +251,16 @@ def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf,
     S = tl.load(state_ptrs, mask=v_ok[None, :], other=0).to(tl.float32)  # [K, BLOCK_V]
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     bias = tl.load(dt_bias_ptr + h * K + ks).to(tl.float32)
+    # Row t + 1's inputs are loaded while row t updates the state: the loop is a chain of dependent state
+    # updates, and loading each row only when its turn comes put a memory round trip in every step.
     t = start
+    qn, kn, vn, zn, bn = _row_inputs(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, t, end, h, ks, vs,
+                                     v_ok, K, V)
     while t < end:
-        qt = tl.load(q_ptr + t * sq + h * K + ks).to(tl.float32)
-        kt = tl.load(k_ptr + t * sk + h * K + ks).to(tl.float32)
-        vt = tl.load(v_ptr + t * sv + h * V + vs, mask=v_ok, other=0).to(tl.float32)
-        z = tl.load(f_ptr + t * sf + h * K + ks).to(tl.float32) + bias
-        bt = tl.load(beta_ptr + t * sb + h).to(tl.float32)
+        qt, kt, vt, bt = qn, kn, vn, bn
+        z = zn + bias
+        qn, kn, vn, zn, bn = _row_inputs(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, t + 1, end, h,
+                                         ks, vs, v_ok, K, V)
         qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
         kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
         if HAS_LOWER_BOUND:

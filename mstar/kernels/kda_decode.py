@@ -74,28 +74,35 @@ def _decode_conv_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv_
     tl.store(out_ptr + which * tl.num_programs(0) * width + b * width + cols, y.to(dtype), mask=ok)
 
 
-def gated_head_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def gated_head_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                    tokens: torch.Tensor | None = None) -> torch.Tensor:
     """o [..., H, K], gate with the same number of elements (any shape whose rows are heads of K) ->
-    (weight * RMSNorm(o) * sigmoid(gate)) in o's dtype, shaped as o."""
-    K = o.shape[-1]
+    (weight * RMSNorm(o) * sigmoid(gate)) in o's dtype, shaped as o. With `tokens` [N] (o [M, H, K]): only
+    those token rows, in that order, [N, H, K] (the gather is the kernel's own loads)."""
+    K, H = o.shape[-1], o.shape[-2]
     rows = o.reshape(-1, K)
     gates = gate.reshape(-1, K)
-    out = torch.empty(rows.shape, dtype=o.dtype, device=o.device)
-    _gated_head_norm_kernel[(rows.shape[0],)](rows, gates, weight, out, rows.stride(0), gates.stride(0), eps, K=K,
-                                              BLOCK=triton.next_power_of_2(K), num_warps=1,
-                                              **pdl.options(_gated_head_norm_kernel, o.device))
-    return out.view(o.shape)
+    n = rows.shape[0] if tokens is None else tokens.shape[0] * H
+    out = torch.empty(n, K, dtype=o.dtype, device=o.device)
+    _gated_head_norm_kernel[(n,)](rows, gates, weight, out, rows.stride(0), gates.stride(0), eps,
+                                  rows if tokens is None else tokens, H, K=K, BLOCK=triton.next_power_of_2(K),
+                                  GATHER=tokens is not None, num_warps=1,
+                                  **pdl.options(_gated_head_norm_kernel, o.device))
+    return out.view(o.shape) if tokens is None else out.view(tokens.shape[0], H, K)
 
 
 @triton.jit
-def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, eps, K: tl.constexpr,
-                            BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, eps, tokens_ptr, H,
+                            K: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     r = tl.program_id(0).to(tl.int64)
+    src = r
+    if GATHER:  # output head row r is head r % H of token tokens[r // H]
+        src = tl.load(tokens_ptr + r // H).to(tl.int64) * H + r % H
     cols = tl.arange(0, BLOCK)
     ok = cols < K
-    o = tl.load(o_ptr + r * o_stride + cols, mask=ok, other=0).to(tl.float32)
-    g = tl.load(g_ptr + r * g_stride + cols, mask=ok, other=0).to(tl.float32)
+    o = tl.load(o_ptr + src * o_stride + cols, mask=ok, other=0).to(tl.float32)
+    g = tl.load(g_ptr + src * g_stride + cols, mask=ok, other=0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0).to(tl.float32)
     normed = o / tl.sqrt(tl.sum(o * o, axis=0) / K + eps)
     y = w * normed * (1.0 / (1.0 + tl.exp(-g)))

@@ -169,6 +169,7 @@ class BlockLayout:
     prefix_src: torch.Tensor  # [P] its row in one layer's prefix_x, flattened to [slots * max_block, D]
     keep_dest: torch.Tensor  # [V] flattened prefix_x row where each verify row's input waits
     keep_src: torch.Tensor  # [V] which of the step's rows
+    row_src: torch.Tensor  # [M] where each combined row comes from (kda_blocks.gather_block_rows' codes)
 
     @classmethod
     def build(cls, seq_starts: tuple[int, ...], slots: tuple[int, ...], pending: list[int], verify: tuple[bool, ...],
@@ -209,7 +210,9 @@ class BlockLayout:
             row_seq += [b] * size
             first += size
         as_t = [_index_tensor(v, device) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
-                                                   prefix_src, keep_dest, keep_src)]
+                                                   prefix_src, keep_dest, keep_src, _row_sources(first, x_dest,
+                                                                                                 prefix_dest,
+                                                                                                 prefix_src))]
         if exact_pending is not None:
             p = exact_pending.to(device=device, dtype=torch.long)
             starts_t, n = as_t[1], _index_tensor(lengths, device)
@@ -220,6 +223,9 @@ class BlockLayout:
             as_t[5] = starts_t[x_seq_t] + p[x_seq_t] + _index_tensor(x_j, device)  # x_dest
             j = _index_tensor(pre_j, device)
             as_t[6] = starts_t[pre_seq_t] + torch.where(j < p[pre_seq_t], j, n[pre_seq_t] + j)  # prefix_dest
+            as_t[10] = torch.full((first,), kda_blocks.ZERO_ROW, dtype=torch.long, device=device)  # row_src
+            as_t[10][as_t[5]] = torch.arange(len(x_dest), device=device)
+            as_t[10][as_t[6]] = kda_blocks.PREFIX_ROW - as_t[7]
         return cls(first, *as_t)
 
     def copy_(self, other: BlockLayout) -> None:
@@ -227,18 +233,26 @@ class BlockLayout:
         if other.num_rows != self.num_rows:
             raise ValueError(f"layout of {other.num_rows} rows staged into one of {self.num_rows}")
         for name in ("slots", "starts", "ends", "fold", "row_seq", "x_dest", "prefix_dest", "prefix_src",
-                     "keep_dest", "keep_src"):
+                     "keep_dest", "keep_src", "row_src"):
             getattr(self, name).copy_(getattr(other, name))
+
+
+def _row_sources(num_rows: int, x_dest: list[int], prefix_dest: list[int], prefix_src: list[int]) -> list[int]:
+    """Each combined row's source as `kda_blocks.gather_block_rows` reads it (x rows placed first, then the
+    prefix rows, as the layout lists them)."""
+    sources = [kda_blocks.ZERO_ROW] * num_rows
+    for i, dest in enumerate(x_dest):
+        sources[dest] = i
+    for dest, src in zip(prefix_dest, prefix_src, strict=True):
+        sources[dest] = kda_blocks.PREFIX_ROW - src
+    return sources
 
 
 def block_rows(x: torch.Tensor, layout: BlockLayout, prefix_x: torch.Tensor) -> torch.Tensor:
     """The combined rows [M, D] of a step of short blocks: each sequence's accepted pending prefix (read from
     `prefix_x` [slots, max_block, D]), then its rows of x. Rows outside every sequence (a fixed-capacity
-    layout's) are harmless zeros."""
-    rows = x.new_zeros(layout.num_rows, x.shape[1])
-    rows[layout.x_dest] = x
-    rows[layout.prefix_dest] = prefix_x.reshape(-1, x.shape[1])[layout.prefix_src].to(x.dtype)
-    return rows
+    layout's) are harmless zeros. One launch."""
+    return kda_blocks.gather_block_rows(x, prefix_x.view(-1, x.shape[1]), layout.row_src)
 
 
 def block_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
@@ -256,8 +270,7 @@ def block_recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch
 
 def keep_block_inputs(x: torch.Tensor, layout: BlockLayout, prefix_x: torch.Tensor) -> None:
     """Each verify block's rows of x become its slot's next pending prefix (after `block_rows` read the old)."""
-    flat = prefix_x.view(-1, x.shape[1])
-    flat[layout.keep_dest] = x[layout.keep_src].to(prefix_x.dtype)
+    kda_blocks.copy_rows(x, layout.keep_src, prefix_x.view(-1, x.shape[1]), layout.keep_dest)
 
 
 @dataclass(frozen=True)

@@ -69,3 +69,20 @@ def test_gated_head_norm_equals_the_module(dtype, heads, head_dim, tol):
     got = kd.gated_head_norm(o, gate, norm.weight, norm.eps)
     assert got.shape == expect.shape and got.dtype == expect.dtype
     assert rel(got, expect) < tol, rel(got, expect)
+
+
+@pytest.mark.parametrize("dtype, heads, head_dim, tol", CASES)
+def test_gated_head_norm_of_chosen_tokens_equals_the_module_on_them(dtype, heads, head_dim, tol):
+    """`tokens`: the rows of a verify step's combined layout that are the step's own (any order, a subset)."""
+    norm = GatedHeadNorm(head_dim, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.2 * torch.randn(head_dim))
+    norm = norm.to(dtype)
+    o = torch.randn(9, heads, head_dim, device=DEVICE).to(dtype) * 3
+    gate = torch.randn(9, heads * head_dim, device=DEVICE).to(dtype)
+    tokens = torch.randperm(9, device=DEVICE)[:5]
+    with torch.no_grad():
+        expect = norm(o[tokens], gate.view(9, heads, head_dim)[tokens])
+    got = kd.gated_head_norm(o, gate, norm.weight, norm.eps, tokens)
+    assert got.shape == expect.shape and got.dtype == expect.dtype
+    assert rel(got, expect) < tol, rel(got, expect)

@@ -100,7 +100,7 @@ class GpuMixerOps(TorchMixerOps):
             q, k, v, f, beta, gate = self._kda_inputs(attn, rows)
             o = kda_fla.block_recurrence(q, k, v, f, beta, layout, conv, state, w)
             kda_fla.keep_block_inputs(x, layout, pool.prefix_x[layer])
-            return self._kda_output(attn, o[layout.x_dest], gate[layout.x_dest])
+            return self._kda_output(attn, o, gate, tokens=layout.x_dest)
         return self._kda_varlen(attn, layer, x, plan, pool, w)
 
     def _kda_varlen(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
@@ -152,14 +152,15 @@ class GpuMixerOps(TorchMixerOps):
         gate = g if attn.use_full_rank_gate else ops.linear(attn.g_b_proj, g)
         return q, k, v, ops.linear(attn.f_b_proj, f_a), beta, gate
 
-    def _kda_output(self, attn: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """o_proj(o_norm(o, gate)) of the recurrence's output o [N, H, K]."""
+    def _kda_output(self, attn: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor,
+                    tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """o_proj(o_norm(o, gate)) of the recurrence's output o [M, H, K]; with `tokens`, of those rows only."""
         o, gate = o.to(gate.dtype), gate.reshape(o.shape)
         if self.fused:
-            normed = kda_decode.gated_head_norm(o, gate, attn.o_norm.weight, attn.o_norm.eps)
+            normed = kda_decode.gated_head_norm(o, gate, attn.o_norm.weight, attn.o_norm.eps, tokens)
         else:
-            normed = attn.o_norm(o, gate)
-        return self.layer_ops.linear(attn.o_proj, normed.reshape(o.shape[0], -1))
+            normed = attn.o_norm(o, gate) if tokens is None else attn.o_norm(o[tokens], gate[tokens])
+        return self.layer_ops.linear(attn.o_proj, normed.reshape(normed.shape[0], -1))
 
     def _stacked(self, module: nn.Module, linears: list[nn.Linear]) -> StackedLinear:
         if module not in self._stacks:
