@@ -89,12 +89,19 @@ def decode_projections(config: KimiK3Config, plan: ShardingPlan) -> list[tuple[s
             add("o_proj", m.o_proj)
         elif isinstance(m, LatentMoE):
             if getattr(m, "routed_expert_down_proj", None) is not None:
-                add("latent down", m.routed_expert_down_proj)
+                shared = m.shared_experts if m.config.num_shared_experts else None
+                if shared is not None:  # gpu_ops' moe_inputs: router + latent down + shared gate/up, one GEMM
+                    n = m.gate.weight.shape[0] + sum(p.out_features for p in (m.routed_expert_down_proj,
+                                                                              shared.gate_proj, shared.up_proj))
+                    calls[("MoE inputs (router, latent down, shared gate/up)", n, m.gate.weight.shape[1])] += 1
+                else:
+                    add("latent down", m.routed_expert_down_proj)
                 add("latent up", m.routed_expert_up_proj)
         elif isinstance(m, GatedMLP):
             kind = "shared experts" if any(m is getattr(x, "shared_experts", None) for x in model.modules()
                                            if isinstance(x, LatentMoE)) else "dense MLP"
-            add(f"{kind} gate/up", m.gate_proj, m.up_proj)
+            if kind == "dense MLP":
+                add(f"{kind} gate/up", m.gate_proj, m.up_proj)
             add(f"{kind} down", m.down_proj)
     lm = model.lm_head.weight
     calls[("lm_head", lm.shape[0], lm.shape[1])] += 1

@@ -91,6 +91,9 @@ H200_TABLE: dict[tuple[int, int], tuple[SkinnyConfig | None, ...]] = {
     (1536, 7168): (_DEEP, None, _DEEP, None),  # the shared experts' gate/up: 9.72 vs 9.97
     (3648, 7168): (None, _DEEP, _DEEP, None),  # MLA inputs: 17.1 vs 17.0 (17.2 vs 18.2 at 8 rows)
     (20480, 7168): (_LONG, _LONG, None, None),  # lm_head: 74.4 vs 79.9
+    # a MoE layer's router + latent down + shared gate/up stacked (gpu_ops' moe_inputs): not yet in a sweep;
+    # the shared gate/up's config, whose shape is the closest measured
+    (2208, 7168): (_DEEP, _DEEP, _DEEP, None),
 }
 
 
@@ -118,6 +121,22 @@ def use_kernel(rows: int, n: int, k: int, dtype: torch.dtype, device: torch.devi
     if dtype not in DTYPES or not supported(device) or torch.cuda.get_device_capability(device)[0] != 9:
         return False
     return measured_choice(rows, n, k) is not None
+
+
+def linear_split(x: torch.Tensor, weight: torch.Tensor, fp32_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x W[:fp32_cols]^T in fp32, x W[fp32_cols:]^T in x's dtype): `skinny_linear_split` in one launch where
+    `use_kernel` picks the kernel for the whole of W; else cuBLAS, the fp32 part as its own GEMM with an fp32
+    output (never rounded to x's dtype first)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    n, k = weight.shape
+    if x.dtype == weight.dtype and weight.stride(-1) == 1 and use_kernel(rows, n, k, x.dtype, x.device):
+        return skinny_linear_split(x, weight, fp32_cols, config=measured_choice(rows, n, k))
+    head, tail = weight[:fp32_cols], weight[fp32_cols:]
+    if x.dtype in DTYPES and x.is_cuda:
+        logits = torch.mm(x.reshape(-1, k), head.T, out_dtype=torch.float32).view(*x.shape[:-1], fp32_cols)
+    else:
+        logits = x.float() @ head.float().T
+    return logits, F.linear(x, tail)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -169,41 +188,67 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, *, config: SkinnyConfig
     `ctas`: the number of programs (default: the config's per-SM count times the SMs); `pdl`: programmatic
     dependent launch (default: on Hopper and newer, off in the interpreter); `out`: a contiguous [..., N]
     tensor to write."""
-    K, N = x.shape[-1], weight.shape[0]
+    rows = _rows(x, weight)
+    y = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype, device=x.device) if out is None \
+        else out.view(rows.shape[0], weight.shape[0])
+    _launch(rows, weight, y, y, 0, config, ctas, pdl)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def skinny_linear_split(x: torch.Tensor, weight: torch.Tensor, fp32_cols: int, *, config: SkinnyConfig | None = None,
+                        ctas: int | None = None, pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`skinny_linear` whose first `fp32_cols` output columns stay in fp32: (y[..., :fp32_cols] fp32,
+    y[..., fp32_cols:] in x's dtype), from one launch. For projections of one input where one needs its fp32
+    accumulation (a router's logits) and the others are rounded as usual."""
+    rows = _rows(x, weight)
+    M, N = rows.shape[0], weight.shape[0]
+    if not 0 < fp32_cols < N:
+        raise ValueError(f"skinny_linear_split: fp32_cols={fp32_cols} must be in 1..{N - 1} (of {N} columns)")
+    y32 = torch.empty(M, fp32_cols, dtype=torch.float32, device=x.device)
+    y = torch.empty(M, N - fp32_cols, dtype=x.dtype, device=x.device)
+    _launch(rows, weight, y, y32, fp32_cols, config, ctas, pdl)
+    return y32.view(*x.shape[:-1], fp32_cols), y.view(*x.shape[:-1], N - fp32_cols)
+
+
+def _rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x's rows [M, K] with unit column stride, after checking x and weight fit the kernel."""
+    K = x.shape[-1]
     if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1:
         raise ValueError(f"skinny_linear: weight must be [N, {K}] with unit column stride (x has {K} columns), "
                          f"got shape {tuple(weight.shape)} strides {weight.stride()}")
     if x.dtype != weight.dtype:
         raise ValueError(f"skinny_linear: x is {x.dtype} and weight {weight.dtype}; cast one to the other")
     rows = x.reshape(-1, K)
-    M = rows.shape[0]
-    if not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {M}: use F.linear")
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out.view(M, N)
+    if not 1 <= rows.shape[0] <= MAX_ROWS:
+        raise ValueError(f"skinny_linear takes 1..{MAX_ROWS} rows, got {rows.shape[0]}: use F.linear")
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _launch(rows: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, y32: torch.Tensor, n32: int,
+            config: SkinnyConfig | None, ctas: int | None, pdl: bool | None) -> None:
+    """The kernel over rows [M, K] x weight [N, K]^T: columns < n32 into y32 (fp32), the rest into y."""
+    (M, K), N = rows.shape, weight.shape[0]
     cfg = config or default_config(M)
     block_m = cfg.block_m(M)
     if cfg.block_n * block_m > MAX_TILE or cfg.ctas_per_sm > MAX_CTAS_PER_SM:
         raise ValueError(f"skinny_linear: {cfg} at {M} rows exceeds the workspace (block_n x block_m <= {MAX_TILE}, "
                          f"ctas_per_sm <= {MAX_CTAS_PER_SM})")
-    ws = _workspace(x.device)
+    ws = _workspace(rows.device)
     units = triton.cdiv(N, cfg.block_n) * triton.cdiv(K, cfg.block_k)
     programs = min(units, ctas or cfg.ctas_per_sm * ws.sms)
     if not 1 <= programs <= ws.max_ctas:
         raise ValueError(f"skinny_linear: ctas={ctas} must be in 1..{ws.max_ctas}")
     interpreted = _interpreted()
-    pdl = (not interpreted and torch.cuda.get_device_capability(x.device)[0] >= 9) if pdl is None else pdl
+    pdl = (not interpreted and torch.cuda.get_device_capability(rows.device)[0] >= 9) if pdl is None else pdl
     if pdl and interpreted:
         raise ValueError("skinny_linear: pdl=True needs a GPU (the interpreter has no grid dependency control)")
     launch = {"launch_pdl": True} if pdl else {}
     _skinny_kernel[(programs,)](
-        rows, weight, y, ws.partials, ws.counters, M, N, K, rows.stride(0), weight.stride(0), y.stride(0),
-        programs, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
+        rows, weight, y, y32, ws.partials, ws.counters, M, N, n32, K, rows.stride(0), weight.stride(0), y.stride(0),
+        y32.stride(0), programs, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=block_m,
         MAX_TILE=MAX_TILE, UNROLL=REDUCE_UNROLL, PDL=pdl, PREFETCH=min(cfg.stages, 4),
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=cfg.warps, num_stages=cfg.stages,
+        PRECISION="ieee" if rows.dtype == torch.float32 else "tf32", num_warps=cfg.warps, num_stages=cfg.stages,
         **launch)
-    return y.view(*x.shape[:-1], N)
 
 
 # --- the kernel ----------------------------------------------------------------------------------------------
@@ -237,7 +282,8 @@ def _prefetch_l2(w_ptr, u, last, k_tiles, N, K, stride_wn, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _skinny_kernel(x_ptr, w_ptr, y_ptr, partials_ptr, counters_ptr, M, N, K, stride_xm, stride_wn, stride_ym, ctas,
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, y32_ptr, partials_ptr, counters_ptr, M, N, N32, K, stride_xm, stride_wn,
+                   stride_ym, stride_y32m, ctas,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    MAX_TILE: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
                    PRECISION: tl.constexpr):
@@ -271,8 +317,7 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, partials_ptr, counters_ptr, M, N, K, str
         if (kt == k_tiles - 1) | (u == end - 1):  # the end of this program's part of the tile
             tile_first = tile * k_tiles
             if (start <= tile_first) & (kt == k_tiles - 1):  # the whole tile is this program's
-                tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty),
-                         mask=(rn < N)[:, None] & m_ok[None, :])
+                _store_y(acc, y_ptr, y32_ptr, rn, rm, M, N, N32, stride_ym, stride_y32m)
             else:  # slot 0: the tile this program's range starts in; slot 1: the one it ends in (if another)
                 side = (start < tile_first).to(tl.int32)
                 tl.store(partials_ptr + (g * 2 + side) * MAX_TILE + tile_offsets, acc)
@@ -286,15 +331,26 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, partials_ptr, counters_ptr, M, N, K, str
     if first_shared | last_shared:
         tl.debug_barrier()  # every thread's partials are written before a counter says so
         if first_shared:
-            _finish_tile(first_tile, y_ptr, partials_ptr, counters_ptr, M, N, stride_ym, units, ctas, k_tiles,
-                         BLOCK_N, BLOCK_M, MAX_TILE, UNROLL)
+            _finish_tile(first_tile, y_ptr, y32_ptr, partials_ptr, counters_ptr, M, N, N32, stride_ym, stride_y32m,
+                         units, ctas, k_tiles, BLOCK_N, BLOCK_M, MAX_TILE, UNROLL)
         if last_shared:
-            _finish_tile(last_tile, y_ptr, partials_ptr, counters_ptr, M, N, stride_ym, units, ctas, k_tiles,
-                         BLOCK_N, BLOCK_M, MAX_TILE, UNROLL)
+            _finish_tile(last_tile, y_ptr, y32_ptr, partials_ptr, counters_ptr, M, N, N32, stride_ym, stride_y32m,
+                         units, ctas, k_tiles, BLOCK_N, BLOCK_M, MAX_TILE, UNROLL)
 
 
 @triton.jit
-def _finish_tile(tile, y_ptr, partials_ptr, counters_ptr, M, N, stride_ym, units, ctas, k_tiles,
+def _store_y(acc, y_ptr, y32_ptr, rn, rm, M, N, N32, stride_ym, stride_y32m):
+    """A [BLOCK_N, BLOCK_M] tile of y^T: output columns below N32 in fp32 to y32, the others rounded to y's dtype
+    (columns N32.. of the product are y's columns 0..)."""
+    m_ok = (rm < M)[None, :]
+    tl.store(y32_ptr + rm[None, :] * stride_y32m + rn[:, None], acc, mask=(rn < N32)[:, None] & m_ok)
+    tl.store(y_ptr + rm[None, :] * stride_ym + (rn - N32)[:, None], acc.to(y_ptr.dtype.element_ty),
+             mask=((rn >= N32) & (rn < N))[:, None] & m_ok)
+
+
+@triton.jit
+def _finish_tile(tile, y_ptr, y32_ptr, partials_ptr, counters_ptr, M, N, N32, stride_ym, stride_y32m, units, ctas,
+                 k_tiles,
                  BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, MAX_TILE: tl.constexpr, UNROLL: tl.constexpr):
     """Count this program's partial of a shared tile in; the tile's last program adds the partials in program
     order, stores y and zeroes the counter (indexed by the tile's first program) for the next launch."""
@@ -315,6 +371,5 @@ def _finish_tile(tile, y_ptr, partials_ptr, counters_ptr, M, N, stride_ym, units
                 live = tile_offsets < tl.where(p <= g_hi, MAX_TILE, 0)  # p is one of the tile's programs
                 total += tl.load(partials_ptr + slot * MAX_TILE + tile_offsets, mask=live, other=0.0,
                                  cache_modifier=".cg")
-        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], total.to(y_ptr.dtype.element_ty),
-                 mask=(rn < N)[:, None] & (rm < M)[None, :])
+        _store_y(total, y_ptr, y32_ptr, rn, rm, M, N, N32, stride_ym, stride_y32m)
         tl.store(counters_ptr + g_lo, 0)  # zero again for the next launch

@@ -46,6 +46,20 @@ def test_equals_torch_fp32(rows, n, k, ctas):
     assert rel(got, x @ w.T) < 1e-5
 
 
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("n, fp32_cols, ctas", [(40, 7, 1), (50, 21, 5), (37, 36, 3)])
+def test_split_output_keeps_the_first_columns_in_fp32(rows, n, fp32_cols, ctas):
+    """skinny_linear_split: columns below fp32_cols (here inside a tile, so one tile stores to both outputs,
+    whole or through the shared-tile reduction) in fp32, the rest in x's dtype, as one product."""
+    k = 100
+    x, w = torch.randn(rows, k), torch.randn(n, k)
+    y32, y = skinny_gemm.skinny_linear_split(x, w, fp32_cols, config=SMALL, ctas=ctas)
+    assert y32.dtype == torch.float32 and y32.shape == (rows, fp32_cols) and y.shape == (rows, n - fp32_cols)
+    assert rel(y32, x @ w[:fp32_cols].T) < 1e-5 and rel(y, x @ w[fp32_cols:].T) < 1e-5
+    with pytest.raises(ValueError, match="fp32_cols"):
+        skinny_gemm.skinny_linear_split(x, w, n)
+
+
 def test_counters_are_zero_again_and_repeat_calls_agree():
     """The last program of each shared tile resets its counter: the next launch (here: fresh inputs, then the
     same inputs again) reduces correctly, and the fixed summation order gives the same bits twice."""

@@ -235,6 +235,7 @@ class GpuLayerOps(LayerOps):
     def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
         self.experts = experts or {}
         self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
+        self._moe_inputs: dict[LatentMoE, StackedLinear] = {}  # per MoE layer, likewise
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
@@ -264,6 +265,27 @@ class GpuLayerOps(LayerOps):
                                          cfg.moe_renormalize, cfg.routed_scaling_factor)
         return Routing(ids, weights)
 
+    def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
+        """The router, the latent down projection and the shared experts' gate/up read the same x: one GEMM over
+        their stacked weights (the router's logits kept in fp32, the rest rounded as each alone would be), then
+        the selection and the shared experts' SiTU and down projection. Layers without that shape: one each."""
+        cfg, mlp = moe.config, moe.shared_experts if moe.config.num_shared_experts else None
+        projections = [moe.routed_expert_down_proj] + ([mlp.gate_proj, mlp.up_proj] if mlp is not None else [])
+        if (cfg.num_expert_group != 1 or cfg.routed_expert_hidden_size is None or mlp is None
+                or mlp.config.hidden_act != "situ" or any(p.bias is not None for p in projections)):
+            return super().moe_inputs(moe, x)
+        if moe not in self._moe_inputs:
+            self._moe_inputs[moe] = StackedLinear([moe.gate.weight] + [p.weight for p in projections])
+        stack = self._moe_inputs[moe]
+        num_experts, z_width, gate_up_width = stack.widths[0], stack.widths[1], sum(stack.widths[2:])
+        logits, rest = skinny_gemm.linear_split(x, stack.weight, num_experts)
+        z, gate_up = rest.split([z_width, gate_up_width], dim=-1)
+        ids, weights = router_topk.select(logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token,
+                                          cfg.moe_renormalize, cfg.routed_scaling_factor)
+        act = mlp.config
+        hidden = gated_mlp.situ_and_mul(gate_up, act.activation_situ_beta, act.activation_situ_linear_beta)
+        return Routing(ids, weights), z, self.linear(mlp.down_proj, hidden)
+
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         kernel = self.experts.get(moe)
         if kernel is None:
@@ -282,6 +304,7 @@ class GpuLayerOps(LayerOps):
 
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")
+CACHED_WORKSPACE_TOKENS = 16  # MXFP4Experts keeps the kernels' buffers of steps up to this size
 
 
 def expert_kernel_fits(moe: LatentMoE) -> bool:
@@ -315,6 +338,7 @@ class MXFP4Experts:
         self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
         self.top_k = moe.config.num_experts_per_token
         self.bf16: moe_bf16.Bf16Path | None = None
+        self._workspaces: dict[int, moe_mxfp4.MoEWorkspace] = {}  # per token count: see _workspace
 
     def __call__(self, z: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         if self.local_ids is not None:
@@ -322,7 +346,23 @@ class MXFP4Experts:
         # T is the tensor's shape, a host int: a CUDA graph captured at T tokens replays the branch taken.
         if self.bf16 is not None and z.shape[0] > self.bf16.above_tokens:
             return moe_bf16.moe_bf16(z, expert_ids, expert_weights.float(), *self.weights, scratch=self.bf16.scratch)
-        return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights)
+        return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights,
+                                   workspace=self._workspace(z.shape[0]))
+
+    def _workspace(self, num_tokens: int) -> moe_mxfp4.MoEWorkspace | None:
+        """The kernels' buffers for `num_tokens` tokens, allocated by the first eager call and reused by every
+        later call and graph replay (launches are ordered on one stream, and a split gate/up leaves its sums
+        and counters zero, so the zero fill a fresh workspace needs happens once). Inside a capture without one:
+        None (moe_mxfp4 allocates in the graph's pool, as before); likewise above decode sizes, where the
+        buffers grow with the tokens and no zero fill is launched."""
+        if num_tokens not in self._workspaces:
+            if num_tokens > CACHED_WORKSPACE_TOKENS or torch.cuda.is_current_stream_capturing():
+                return None
+            num_experts, hidden, inter = moe_mxfp4.check_weights(*self.weights)
+            config = moe_mxfp4.fit_config(moe_mxfp4.default_config(num_tokens, self.top_k, num_experts), hidden, inter)
+            self._workspaces[num_tokens] = moe_mxfp4.MoEWorkspace.allocate(
+                num_tokens, self.top_k, num_experts, hidden, inter, config, self.weights.w13_packed.device)
+        return self._workspaces[num_tokens]
 
     def warm_bf16(self, num_tokens: int) -> None:
         """One step of `num_tokens` tokens (zeros, routed round-robin over the held experts) through the bf16

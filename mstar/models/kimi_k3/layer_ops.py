@@ -47,6 +47,13 @@ class LayerOps:
     def route(self, router: Router, x: torch.Tensor) -> Routing:
         return router(x)
 
+    def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
+        """What a MoE layer computes from its input x alone: the routing, the routed experts' input (the latent
+        down projection, or x itself without a latent space) and the shared experts' output (None without)."""
+        z = self.linear(moe.routed_expert_down_proj, x) if moe.config.routed_expert_hidden_size is not None else x
+        shared = self.mlp(moe.shared_experts, x) if moe.config.num_shared_experts else None
+        return self.route(moe.gate, x), z, shared
+
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' weighted sum [T, latent] (a partial sum on a tensor-parallel rank)."""
         return moe.routed(z, routing)

@@ -164,10 +164,8 @@ class LatentMoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         if self.config.latent_shards > 1:
             return self.forward_sharded_latent(x, ops)
-        routing = ops.route(self.gate, x)
+        routing, z, shared = ops.moe_inputs(self, x)
         latent = self.config.routed_expert_hidden_size is not None
-        z = ops.linear(self.routed_expert_down_proj, x) if latent else x
-        shared = ops.mlp(self.shared_experts, x) if self.config.num_shared_experts else None
         r, shared = self.reduce_partials(ops.routed(self, z, routing), shared)
         if latent:
             if self.config.latent_moe_use_norm:
@@ -183,13 +181,13 @@ class LatentMoE(nn.Module):
         if comm.world_size != cfg.latent_shards:
             raise ValueError(f"latent_shards={cfg.latent_shards} needs a communicator over as many ranks, "
                              f"got world_size={comm.world_size}")
-        routing = ops.route(self.gate, x)
-        z = comm.all_gather(ops.linear(self.routed_expert_down_proj, x))  # [T, latent], every rank's slice in order
+        routing, z_held, shared = ops.moe_inputs(self, x)
+        z = comm.all_gather(z_held)  # [T, latent], every rank's slice in order
         r = comm.all_reduce(ops.routed(self, z, routing))
         if cfg.latent_moe_use_norm:
             r = ops.norm(self.routed_expert_norm, r)
         held = r.shape[-1] // cfg.latent_shards
         y = ops.linear(self.routed_expert_up_proj, r[:, comm.rank * held : (comm.rank + 1) * held])
-        if cfg.num_shared_experts:
-            y = y + ops.mlp(self.shared_experts, x)
+        if shared is not None:
+            y = y + shared
         return comm.all_reduce(y)
