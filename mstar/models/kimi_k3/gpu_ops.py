@@ -304,7 +304,6 @@ class GpuLayerOps(LayerOps):
 
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")
-CACHED_WORKSPACE_TOKENS = 16  # MXFP4Experts keeps the kernels' buffers of steps up to this size
 
 
 def expert_kernel_fits(moe: LatentMoE) -> bool:
@@ -338,7 +337,6 @@ class MXFP4Experts:
         self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
         self.top_k = moe.config.num_experts_per_token
         self.bf16: moe_bf16.Bf16Path | None = None
-        self._workspaces: dict[int, moe_mxfp4.MoEWorkspace] = {}  # per token count: see _workspace
 
     def __call__(self, z: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         if self.local_ids is not None:
@@ -346,23 +344,7 @@ class MXFP4Experts:
         # T is the tensor's shape, a host int: a CUDA graph captured at T tokens replays the branch taken.
         if self.bf16 is not None and z.shape[0] > self.bf16.above_tokens:
             return moe_bf16.moe_bf16(z, expert_ids, expert_weights.float(), *self.weights, scratch=self.bf16.scratch)
-        return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights,
-                                   workspace=self._workspace(z.shape[0]))
-
-    def _workspace(self, num_tokens: int) -> moe_mxfp4.MoEWorkspace | None:
-        """The kernels' buffers for `num_tokens` tokens, allocated by the first eager call and reused by every
-        later call and graph replay (launches are ordered on one stream, and a split gate/up leaves its sums
-        and counters zero, so the zero fill a fresh workspace needs happens once). Inside a capture without one:
-        None (moe_mxfp4 allocates in the graph's pool, as before); likewise above decode sizes, where the
-        buffers grow with the tokens and no zero fill is launched."""
-        if num_tokens not in self._workspaces:
-            if num_tokens > CACHED_WORKSPACE_TOKENS or torch.cuda.is_current_stream_capturing():
-                return None
-            num_experts, hidden, inter = moe_mxfp4.check_weights(*self.weights)
-            config = moe_mxfp4.fit_config(moe_mxfp4.default_config(num_tokens, self.top_k, num_experts), hidden, inter)
-            self._workspaces[num_tokens] = moe_mxfp4.MoEWorkspace.allocate(
-                num_tokens, self.top_k, num_experts, hidden, inter, config, self.weights.w13_packed.device)
-        return self._workspaces[num_tokens]
+        return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights)
 
     def warm_bf16(self, num_tokens: int) -> None:
         """One step of `num_tokens` tokens (zeros, routed round-robin over the held experts) through the bf16
