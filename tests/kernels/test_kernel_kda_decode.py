@@ -56,33 +56,25 @@ def test_decode_conv_kernel_updates_the_slots_in_place(dtype, heads, head_dim, t
     assert torch.equal(conv[others], before[others])
 
 
-@pytest.mark.parametrize("dtype, heads, head_dim, tol", CASES)
-def test_gated_head_norm_equals_the_module(dtype, heads, head_dim, tol):
+def norm_case(dtype, heads, head_dim, rows):
+    """A GatedHeadNorm of random weights and rows o [rows, heads, head_dim], gate [rows, heads * head_dim]."""
     norm = GatedHeadNorm(head_dim, 1e-6).to(DEVICE)
     with torch.no_grad():
         norm.weight.copy_(1 + 0.2 * torch.randn(head_dim))
-    norm = norm.to(dtype)
-    o = torch.randn(7, heads, head_dim, device=DEVICE).to(dtype) * 3
-    gate = torch.randn(7, heads * head_dim, device=DEVICE).to(dtype)
-    with torch.no_grad():
-        expect = norm(o, gate.view(7, heads, head_dim))
-    got = kd.gated_head_norm(o, gate, norm.weight, norm.eps)
-    assert got.shape == expect.shape and got.dtype == expect.dtype
-    assert rel(got, expect) < tol, rel(got, expect)
+    o = torch.randn(rows, heads, head_dim, device=DEVICE).to(dtype) * 3
+    return norm.to(dtype), o, torch.randn(rows, heads * head_dim, device=DEVICE).to(dtype)
 
 
 @pytest.mark.parametrize("dtype, heads, head_dim, tol", CASES)
-def test_gated_head_norm_of_chosen_tokens_equals_the_module_on_them(dtype, heads, head_dim, tol):
-    """`tokens`: the rows of a verify step's combined layout that are the step's own (any order, a subset)."""
-    norm = GatedHeadNorm(head_dim, 1e-6).to(DEVICE)
+@pytest.mark.parametrize("chosen", [False, True])
+def test_gated_head_norm_equals_the_module(dtype, heads, head_dim, tol, chosen):
+    """All rows, or (`tokens`) chosen ones: the rows of a verify step's combined layout that are the step's own,
+    in any order."""
+    norm, o, gate = norm_case(dtype, heads, head_dim, 9)
+    tokens = torch.randperm(9, device=DEVICE)[:5] if chosen else None
     with torch.no_grad():
-        norm.weight.copy_(1 + 0.2 * torch.randn(head_dim))
-    norm = norm.to(dtype)
-    o = torch.randn(9, heads, head_dim, device=DEVICE).to(dtype) * 3
-    gate = torch.randn(9, heads * head_dim, device=DEVICE).to(dtype)
-    tokens = torch.randperm(9, device=DEVICE)[:5]
-    with torch.no_grad():
-        expect = norm(o[tokens], gate.view(9, heads, head_dim)[tokens])
+        expect = norm(o, gate.view(9, heads, head_dim))
+    expect = expect[tokens] if chosen else expect
     got = kd.gated_head_norm(o, gate, norm.weight, norm.eps, tokens)
     assert got.shape == expect.shape and got.dtype == expect.dtype
     assert rel(got, expect) < tol, rel(got, expect)
