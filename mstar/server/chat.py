@@ -6,7 +6,8 @@ The prompt is `encode_chat(tokenizer, messages, tools, thinking=...)` (`chat_tem
 `parse_assistant_output`; a malformed section is given back as text in `content`). With tool calls
 and a natural stop, `finish_reason` is "tool_calls"; a turn cut by max_tokens stays "length".
 
-`reasoning_effort` (OpenAI's name) is K3's `thinking_effort`. With `continue_final_message` (and
+`reasoning_effort` (OpenAI's name) is K3's `thinking_effort`; "none" (OpenAI's value for no reasoning) turns K3's
+thinking off. With `continue_final_message` (and
 `add_generation_prompt` false, as vLLM asks) the last assistant message is continued, not closed.
 `response_format` json_object / json_schema constrain the output (server/structured_outputs.py), and
 so do `tool_choice` "required" (one or more calls of any of the tools) and a named function (one call
@@ -51,7 +52,7 @@ from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import ChoiceSpec, GenerationRun
 from mstar.server.logprobs import chat_logprobs, prompt_logprobs
 from mstar.server.output_segments import AlignedSegmenter
-from mstar.server.protocol import ChatCompletionRequest, ChatPromptFields, NamedToolChoice
+from mstar.server.protocol import NO_REASONING, ChatCompletionRequest, ChatPromptFields, NamedToolChoice
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     base_params,
@@ -100,6 +101,11 @@ def _thinking_effort(req: ChatPromptFields) -> tuple[str | None, str]:
                        f"{nested!r} disagree; give one of them", param="reasoning_effort")
     if nested is not None:
         return nested, "chat_template_kwargs.thinking_effort"
+    if req.reasoning_effort == NO_REASONING:  # no thinking (ChatPromptFields.thinking), so no effort either
+        if kwargs is not None and "thinking" in kwargs.model_fields_set and kwargs.thinking:
+            raise APIError(f"reasoning_effort={NO_REASONING!r} turns thinking off, but chat_template_kwargs.thinking "
+                           "is true; give one of them", param="reasoning_effort")
+        return None, "reasoning_effort"
     return req.reasoning_effort, "reasoning_effort"
 
 

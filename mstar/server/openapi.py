@@ -29,6 +29,7 @@ from mstar.server.options import ServerOptions
 from mstar.server.protocol import (
     INT64_MAX,
     LOGIT_BIAS_KEY,
+    NO_REASONING,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -37,7 +38,7 @@ from mstar.server.protocol import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
-from mstar.server.responses_api import NO_REASONING, ResponsesRequest
+from mstar.server.responses_api import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
 MAX_STOP_STRINGS = 16
@@ -127,7 +128,7 @@ def _chat_prompt_fields(props: dict, model_name: str) -> None:
     """What renders a conversation (chat completions and /tokenize), as the server checks it."""
     props["model"] = _nullable({"type": "string", "enum": [model_name]})
     props["messages"]["minItems"] = 1
-    props["reasoning_effort"] = _nullable({"enum": list(THINKING_EFFORTS)})
+    props["reasoning_effort"] = _nullable({"enum": [*THINKING_EFFORTS, NO_REASONING]})
     props["chat_template"] = {"type": "null", "default": None, "description": "Refused: K3's own format only"}
 
 

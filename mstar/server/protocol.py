@@ -311,6 +311,9 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
+NO_REASONING = "none"  # OpenAI's reasoning effort for no reasoning: K3 without its think channel
+
+
 class ChatTemplateKwargs(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")  # a misspelt switch must not pass silently
 
@@ -325,13 +328,16 @@ class ChatPromptFields(_Body):
     tools: list[ToolDecl] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: ChatTemplateKwargs | None = None
-    reasoning_effort: str | None = None  # OpenAI's name for K3's thinking effort
+    reasoning_effort: str | None = None  # OpenAI's name for K3's thinking effort; NO_REASONING: no thinking
     continue_final_message: bool = False  # continue the last (assistant) message instead of starting a new one
     add_generation_prompt: bool = True  # vLLM: false with continue_final_message
     chat_template: Any = None  # refused: this server renders K3's own format only
 
     @property
     def thinking(self) -> bool:
+        """K3's think channel: `chat_template_kwargs.thinking` (default on), off with reasoning_effort "none"."""
+        if self.reasoning_effort == NO_REASONING:
+            return False
         return True if self.chat_template_kwargs is None else self.chat_template_kwargs.thinking
 
 

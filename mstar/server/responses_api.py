@@ -43,7 +43,7 @@ from mstar.server.disconnect import until_disconnected
 from mstar.server.errors import APIError, from_param_error
 from mstar.server.generation import GenerationRun
 from mstar.server.output_segments import AlignedSegmenter
-from mstar.server.protocol import Int
+from mstar.server.protocol import NO_REASONING, Int
 from mstar.server.request_log import log_request
 from mstar.server.sampling import (
     check_model,
@@ -198,9 +198,6 @@ def chat_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
 def chat_tools(req: ResponsesRequest) -> list[dict[str, Any]]:
     return [{"type": "function", "function": tool.model_dump(exclude_none=True, exclude={"type", "strict"})}
             for tool in req.tools or ()]
-
-
-NO_REASONING = "none"  # OpenAI's reasoning.effort for no reasoning: K3 without its think channel
 
 
 def _effort(req: ResponsesRequest) -> str | None:

@@ -86,6 +86,12 @@ def test_chat_reasoning_effort_continue_and_reasoning_field(client, engine):
     assert r.prompt_token_ids == encode_chat(engine.tokenizer, HI, thinking_effort="low")
     message = r.choices[0].message
     assert message.model_extra["reasoning"] == message.model_extra["reasoning_content"]
+    # "none", OpenAI's value for no reasoning: K3's thinking off, as chat_template_kwargs.thinking=false asks
+    r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=6, reasoning_effort="none",
+                                       extra_body={"return_token_ids": True})
+    assert r.prompt_token_ids == encode_chat(engine.tokenizer, HI, thinking=False)
+    assert r.prompt_token_ids != encode_chat(engine.tokenizer, HI)
+    assert not r.choices[0].message.model_extra.get("reasoning_content")
     partial = [*HI, {"role": "assistant", "content": "Hi th"}]
     r = client.chat.completions.create(model=MODEL, messages=partial, max_tokens=4,
                                        extra_body={"return_token_ids": True, "continue_final_message": True,
