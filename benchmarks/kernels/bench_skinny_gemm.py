@@ -254,6 +254,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP tile configs per case")
     parser.add_argument("--budget-s", type=float, default=1e9, help="stop starting new cases after this long")
+    parser.add_argument("--only", metavar="TEXT", help="time only the projections whose name holds TEXT (e.g. "
+                        "'MoE inputs'; the step summaries then cover those alone)")
     parser.add_argument("--tables", metavar="JSON", help="print the tables of a recorded run (no GPU): the step "
                         "summaries recomputed with the current H200_TABLE")
     args = parser.parse_args()
@@ -268,6 +270,10 @@ def main() -> None:
     began = time.monotonic()
     config = resolve_config("kimi_k3_pruned75_config.json")
     projections = decode_projections(config, ShardingPlan(8, 0, 1, latent_sharded=True))
+    if args.only:
+        projections = [p for p in projections if args.only in p[0]]
+        if not projections:
+            sys.exit(f"bench_skinny_gemm: no projection's name holds {args.only!r}")
     results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                "triton": __import__("triton").__version__, "projections": projections, "cases": [], "chain": []}
     print(f"{results['device']}, torch {results['torch']}, triton {results['triton']}", file=sys.stderr)
