@@ -51,8 +51,9 @@ def test_short_blocks_share_one_layout_and_the_multi_row_kernel_takes_the_row_of
     assert isinstance(meta.kda.layout, kda_fla.BlockLayout)
     layout = meta.kda.layout  # each sequence's [pending prefix ; rows], the chunk's rows folded
     assert (layout.ends - layout.starts).tolist() == [2 + k + 1, 1 + k + 1, 3] and layout.fold.tolist() == [2, 1, 3]
-    assert meta.mla.cu_seqlens.tolist() == list(plan.seq_starts) and meta.mla.max_query_len == k + 1
-    assert meta.mla.num_splits == mla_attention.num_splits_for(3, HEADS, 900 + k + 1, query_rows=k + 1)
+    rows = max(k + 1, 3)  # the longest query of the step: a block, or the 3-row chunk when k = 1
+    assert meta.mla.cu_seqlens.tolist() == list(plan.seq_starts) and meta.mla.max_query_len == rows
+    assert meta.mla.num_splits == mla_attention.num_splits_for(3, HEADS, 900 + rows, query_rows=rows)
 
 
 def test_a_sequence_too_long_for_the_block_kernel_sends_the_step_down_the_ragged_path():
