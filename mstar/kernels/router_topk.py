@@ -19,17 +19,13 @@ import torch
 import triton
 import triton.language as tl
 
-from mstar.kernels import pdl
+from mstar.kernels import pdl, skinny_gemm
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
           scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(expert ids int64 [T, k], combine weights fp32 [T, k]) for x [T, D] (bf16/fp16, or fp32)."""
-    if x.dtype in (torch.bfloat16, torch.float16) and x.is_cuda:
-        logits = torch.mm(x, weight.T, out_dtype=torch.float32)
-    else:  # fp32 models and the interpreter: the torch router's own arithmetic
-        logits = x.float() @ weight.float().T
-    return select(logits, bias, top_k, renormalize, scale)
+    return select(skinny_gemm.linear_fp32(x, weight), bias, top_k, renormalize, scale)
 
 
 def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float

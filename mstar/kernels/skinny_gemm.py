@@ -131,12 +131,15 @@ def linear_split(x: torch.Tensor, weight: torch.Tensor, fp32_cols: int) -> tuple
     n, k = weight.shape
     if x.dtype == weight.dtype and weight.stride(-1) == 1 and use_kernel(rows, n, k, x.dtype, x.device):
         return skinny_linear_split(x, weight, fp32_cols, config=measured_choice(rows, n, k))
-    head, tail = weight[:fp32_cols], weight[fp32_cols:]
+    return linear_fp32(x, weight[:fp32_cols]), F.linear(x, weight[fp32_cols:])
+
+
+def linear_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T with an fp32 output (a router's logits): 16-bit operands on CUDA through cuBLAS with fp32
+    accumulation and output (the products are exact in fp32); otherwise in fp32 arithmetic."""
     if x.dtype in DTYPES and x.is_cuda:
-        logits = torch.mm(x.reshape(-1, k), head.T, out_dtype=torch.float32).view(*x.shape[:-1], fp32_cols)
-    else:
-        logits = x.float() @ head.float().T
-    return logits, F.linear(x, tail)
+        return torch.mm(x.reshape(-1, x.shape[-1]), weight.T, out_dtype=torch.float32).view(*x.shape[:-1], -1)
+    return x.float() @ weight.float().T
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
