@@ -176,7 +176,8 @@ class MstarStep:
         return time_graphs(graphs, reps)
 
     def stage_names(self) -> list[str]:
-        return (["align"] if self.config.align else []) + ["gate_up", "down"]
+        return (["align"] if self.config.align else []) + (["order"] if self.ws.z_ordered is not None else []) + [
+            "gate_up", "down"]
 
     def run_stages(self, stacked, stages: int | None):
         """The first `stages` launches of the pipeline (all: None), through the launchers moe_mxfp4
@@ -184,10 +185,13 @@ class MstarStep:
         if stages is None:
             return self.run(stacked)
         cfg, ws, ids = self.config, self.ws, self.ids
-        launches = [lambda: moe._launch_gate_up(self.z, ids, stacked.w13_packed, stacked.w13_scale, self.out, cfg,
-                                                ws, moe.SITU_BETA, moe.SITU_LINEAR_BETA)]
+        launches = []
         if cfg.align:
-            launches.insert(0, lambda: moe._launch_align(ids, E, ws))
+            launches.append(lambda: moe._launch_align(ids, E, ws))
+        if ws.z_ordered is not None:
+            launches.append(lambda: moe._launch_order(self.z, self.out, cfg, ws))
+        launches.append(lambda: moe._launch_gate_up(self.z, ids, stacked.w13_packed, stacked.w13_scale, self.out,
+                                                    cfg, ws, moe.SITU_BETA, moe.SITU_LINEAR_BETA))
         for launch in launches[:stages]:
             launch()
 
@@ -456,13 +460,14 @@ def print_table(results: list[dict], tuned: bool) -> None:
         return "n/a" if value is None else fmt.format(value)
 
     def stages(times: dict[str, float]) -> str:
-        return "/".join(f"{times[name]:.1f}" if name in times else "-" for name in ("align", "gate_up", "down"))
+        return "/".join(f"{times[name]:.1f}" if name in times else "-"
+                        for name in ("align", "order", "gate_up", "down"))
 
     print()
     print(f"MXFP4 routed experts, one TP8 rank of pruned75 (E={E}, top-{K}, H_lat={H}, I={I}); CUDA graph, median; "
           f"floors at {moe.HBM_BYTES_PER_S / 1e12:.2f} TB/s and {FLOP_PER_S / 1e12:.0f} TFLOP/s")
     head = ["T", "experts", "byte floor us", "FLOP floor us", "mstar us", "x floor", "humming us", "mstar/humming",
-            "humming x floor", "align/gate-up/down us", "rel err", "humming err", "aligned us", "torch bf16 us"]
+            "humming x floor", "align/order/gate-up/down us", "rel err", "humming err", "aligned us", "torch bf16 us"]
     if tuned:
         head += ["tuned us", "tuned/humming"]
     print("| " + " | ".join(head) + " |")

@@ -278,7 +278,7 @@ def main() -> None:
                "triton": __import__("triton").__version__, "projections": projections, "cases": [], "chain": []}
     print(f"{results['device']}, torch {results['torch']}, triton {results['triton']}", file=sys.stderr)
     for rows in args.rows:
-        for rows_chain in ([rows] if rows in (1, 16) else []):
+        for rows_chain in ([rows] if rows in (1, 16) and not args.only else []):  # the chain needs all
             results["chain"].append(measure_chain(projections, rows_chain, args.reps))
             write(results)
         for name, n, k, calls in projections:

@@ -49,12 +49,8 @@ def integer_args(kernel: str, num_tokens: int) -> dict[str, int]:
 def compile_sm90(kernel: str, config: moe.MoEConfig, num_tokens: int):
     fn = moe._gate_up_kernel if kernel == "gate_up" else moe._down_kernel
     tile = config.gate_up if kernel == "gate_up" else config.down
-    constexprs = moe._gemm_constexprs(config, tile, H, I, K)
+    constexprs = moe._gemm_constexprs(config, kernel, H, I, K)
     constexprs["COMPUTE"] = tl.bfloat16  # the GPU's, whatever this process's interpreter setting
-    if kernel == "gate_up":
-        constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=moe._ZERO_BLOCK)
-    else:
-        constexprs.update(ATOMIC=config.combine == "atomic", TILES=tile.tiles)
     ints = integer_args(kernel, num_tokens)
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):

@@ -398,7 +398,8 @@ class MoEWorkspace:
     sorted_pair: torch.Tensor  # int32 [blocks * BM]: pair index (t * k + j) of each sorted row
     block_expert: torch.Tensor  # int32 [blocks]: expert of each row block, -1 past the end
     block_rows: torch.Tensor  # int32 [blocks]: real rows in each row block
-    hidden_act: torch.Tensor  # bf16 [T * k, I]: SiTU(gate, up) per pair
+    hidden_act: torch.Tensor  # bf16 [T * k, I]: SiTU(gate, up) per pair (in the down GEMM's K order if it decodes)
+    z_ordered: torch.Tensor | None  # bf16 [T, H]: z in the gate/up GEMM's K order (when it decodes words)
     expert_out: torch.Tensor | None  # bf16 [T * k, H]: per-pair expert output (combine="reduce" only)
     # Split gate/up only: zero at allocation, and each gate/up launch leaves them zero.
     split_sum: torch.Tensor | None  # fp32 [T * k, 2I]: the parts of gate/up added up, gate/up interleaved
@@ -423,6 +424,7 @@ class MoEWorkspace:
             block_expert=torch.empty(blocks, **i32),
             block_rows=torch.empty(blocks, **i32),
             hidden_act=torch.empty(pairs, inter, **bf16),
+            z_ordered=torch.empty(num_tokens, hidden, **bf16) if _decodes_words(config, "gate_up") else None,
             expert_out=torch.empty(pairs, hidden, **bf16) if config.combine == "reduce" else None,
             split_sum=split_sum,
             split_count=split_count,
@@ -503,6 +505,8 @@ def moe_mxfp4(
 
     if config.align:
         _launch_align(ids, num_experts, workspace)
+    if workspace.z_ordered is not None:
+        _launch_order(z, out, config, workspace)
     _launch_gate_up(z, ids, w13_packed, w13_scale, out, config, workspace, situ_beta, situ_linear_beta)
     _launch_down(ids, w2_packed, w2_scale, weights, out, config, workspace)
     if config.combine == "reduce":
@@ -536,6 +540,8 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
         problems.append(f"{ws.num_blocks} row blocks, need {blocks}")
     if tuple(ws.hidden_act.shape) != (pairs, inter):
         problems.append(f"hidden_act {tuple(ws.hidden_act.shape)} != {(pairs, inter)}")
+    if _decodes_words(config, "gate_up") and (ws.z_ordered is None or ws.z_ordered.shape[1] != hidden):
+        problems.append(f"a gate/up GEMM that decodes words needs z_ordered of {hidden} columns")
     if config.combine == "reduce" and (ws.expert_out is None or tuple(ws.expert_out.shape) != (pairs, hidden)):
         problems.append(f"combine='reduce' needs expert_out of shape {(pairs, hidden)}")
     if config.gate_up.split_k > 1:
@@ -605,11 +611,30 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     )
 
 
-def _gemm_constexprs(config: MoEConfig, tile: GemmTile, hidden: int, inter: int, top_k: int) -> dict:
-    return {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
-            "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "SPLIT_K": tile.split_k,
-            "ALIGNED": config.align, "SWAP_AB": config.swap_ab, "SUBNORMAL_DECODE": config.decode == "subnormal",
-            "COMPUTE": _compute_dtype()}
+def _decodes_words(config: MoEConfig, gemm: str) -> bool:
+    """Whether the GEMM ("gate_up" or "down") decodes its weights a word at a time (`_dequant_words`): the
+    weights are the wgmma's A operand (swap_ab) and its tile has at least one wgmma's 64 rows. Its activations
+    are then stored in `_k_order` (module doc, "K order")."""
+    rows = 2 * config.gate_up.block_n if gemm == "gate_up" else config.down.block_n
+    return config.swap_ab and rows >= _WGMMA_M.value
+
+
+def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_k: int) -> dict:
+    """The constexpr arguments of the "gate_up" or "down" kernel's launch."""
+    tile = config.gate_up if gemm == "gate_up" else config.down
+    constexprs = {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
+                  "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
+                  "SPLIT_K": tile.split_k, "ALIGNED": config.align, "SWAP_AB": config.swap_ab,
+                  "WORDS": _decodes_words(config, gemm), "SUBNORMAL_DECODE": config.decode == "subnormal",
+                  "COMPUTE": _compute_dtype()}
+    atomic = config.combine == "atomic"
+    if gemm == "gate_up":
+        # Where z is put in order first, that launch zeroes the output.
+        constexprs.update(ZERO_OUT=atomic and not constexprs["WORDS"], ZERO_BLOCK=_ZERO_BLOCK,
+                          H_ORDER=config.down.block_k if _decodes_words(config, "down") else 0)
+    else:
+        constexprs.update(ATOMIC=atomic, TILES=tile.tiles)
+    return constexprs
 
 
 def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
@@ -619,9 +644,20 @@ def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple
     return programs, (ids, ws.sorted_pair, ws.block_expert, ws.block_rows, ids.shape[0])
 
 
+def _launch_order(z, out, config: MoEConfig, ws: MoEWorkspace) -> None:
+    """z into the gate/up GEMM's K order (ws.z_ordered), and the output zeroed for an atomic combine."""
+    num_tokens, hidden = z.shape
+    block_k = config.gate_up.block_k
+    _order_kernel[(num_tokens, hidden // block_k)](
+        z, ws.z_ordered, out, z.stride(0), out.numel(), BLOCK_K=block_k, ZERO_OUT=config.combine == "atomic",
+        ZERO_BLOCK=_ZERO_BLOCK, num_warps=4, **pdl.options(_order_kernel, z.device))
+
+
 def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,
                     beta: float, linear_beta: float) -> None:
     tile = config.gate_up
+    if ws.z_ordered is not None:
+        z = ws.z_ordered
     hidden, inter = z.shape[1], ws.hidden_act.shape[1]
     scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
     programs, route = _route_args(ids, config, ws)
@@ -629,8 +665,7 @@ def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: M
     split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
     args = (z, w13_packed, scale, ws.hidden_act, out, *split, *route, out.numel(), beta, linear_beta, z.stride(0),
             w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
-    constexprs.update(ZERO_OUT=config.combine == "atomic", ZERO_BLOCK=_ZERO_BLOCK)
+    constexprs = _gemm_constexprs(config, "gate_up", hidden, inter, ids.shape[1])
     _launch(_gate_up_kernel, (programs, inter // tile.block_n, tile.split_k), args, constexprs, tile)
 
 
@@ -642,8 +677,7 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     programs, route = _route_args(ids, config, ws)
     args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, tile, hidden, inter, ids.shape[1])
-    constexprs.update(ATOMIC=atomic, TILES=tile.tiles)
+    constexprs = _gemm_constexprs(config, "down", hidden, inter, ids.shape[1])
     _launch(_down_kernel, (programs, hidden // (tile.block_n * tile.tiles), tile.split_k), args, constexprs, tile)
 
 
@@ -951,9 +985,9 @@ def _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M: tl.constexpr, N: t
     """
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
     if WORDS:
-        # Weights a word at a time in `_k_order`'s column order, and the activations in the same order.
+        # Weights a word at a time in `_k_order`'s column order; the activations are stored in that order
+        # (module doc, "K order"), so that this load feeds the dot straight from its pipelined buffer.
         w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
-        x = _k_order(x, BLOCK_M, BLOCK_K)
     else:
         w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
     return tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
@@ -973,6 +1007,30 @@ def _k_order(t, ROWS: tl.constexpr, COLS: tl.constexpr):
     fragment layout. The same reordering of both operands' K columns leaves the dot unchanged.
     """
     return tl.reshape(tl.permute(tl.reshape(t, (ROWS, 4, COLS // 32, 2, 4)), (0, 2, 4, 1, 3)), (ROWS, COLS))
+
+
+@triton.jit
+def _k_position(c, COLS: tl.constexpr):
+    """Where `_k_order` of COLS columns puts natural column c (0 <= c < COLS): source column
+    8 (j COLS/32 + v) + 4 h + i goes to 8 (4 v + i) + 2 j + h."""
+    j = c // (COLS // 4)
+    v = (c % (COLS // 4)) // 8
+    return 32 * v + 8 * (c % 4) + 2 * j + (c % 8) // 4
+
+
+@triton.jit
+def _order_kernel(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, BLOCK_K: tl.constexpr, ZERO_OUT: tl.constexpr,
+                  ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """zk[t] = z[t] in `_k_order` of each BLOCK_K columns; and (ZERO_OUT) `out` zeroed for the atomic adds."""
+    pdl.wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    if ZERO_OUT:
+        _zero_slice(out_ptr, out_numel, token * tl.num_programs(1) + chunk,
+                    tl.num_programs(0) * tl.num_programs(1), ZERO_BLOCK)
+    cols = tl.arange(0, BLOCK_K)
+    z = tl.load(z_ptr + token * stride_zt + chunk * BLOCK_K + cols)
+    tl.store(zk_ptr + token * tl.num_programs(1) * BLOCK_K + chunk * BLOCK_K + _k_position(cols, BLOCK_K), z)
 
 
 @triton.jit
@@ -1007,8 +1065,12 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
-                    SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
-    """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split)."""
+                    WORDS: tl.constexpr, H_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                    COMPUTE: tl.constexpr, PDL: tl.constexpr):
+    """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split).
+
+    WORDS: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
+    H_ORDER columns, the down kernel's (module doc, "K order")."""
     pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -1030,7 +1092,6 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     k_part: tl.constexpr = HIDDEN // SPLIT_K
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
-    WORDS: tl.constexpr = SWAP_AB and 2 * BLOCK_N >= _WGMMA_M
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
                                   stride_sn, BLOCK_K, WORDS)
     acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
@@ -1056,6 +1117,8 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     # SiTU(a, b) = [beta tanh(a / beta) sigmoid(a)] [linear_beta tanh(b / linear_beta)], in fp32.
     act = (beta * _tanh(gate / beta) * tl.sigmoid(gate)) * (linear_beta * _tanh(up / linear_beta))
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if H_ORDER > 0:
+        offs_n = offs_n - offs_n % H_ORDER + _k_position(offs_n % H_ORDER, H_ORDER)
     tl.store(h_ptr + pair[:, None] * INTER + offs_n[None, :], _to_bf16(act, COMPUTE), mask=row_ok[:, None])
 
 
@@ -1065,7 +1128,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
+                 WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
     adds the parts up); added into out (atomic) or stored per pair (reduce).
 
@@ -1080,9 +1143,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
 
     STEPS: tl.constexpr = INTER // SPLIT_K // BLOCK_K
     k_start = tl.program_id(2) * (INTER // SPLIT_K)
-    WORDS: tl.constexpr = SWAP_AB and BLOCK_N >= _WGMMA_M
-    if ATOMIC:
-        coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD)
+    coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD) if ATOMIC else None
     first_n = tl.program_id(1) * TILES * BLOCK_N
     x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, first_n + tl.arange(0, BLOCK_N), k_start, stride_we,
@@ -1096,16 +1157,29 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
         acc = _mxfp4_step(acc, x_ptrs + step * BLOCK_K, row_ok, w_ptrs + (tile * w_tile + step * w_step),
                           s_ptrs + (tile * BLOCK_N * stride_sn + step * (BLOCK_K // _SCALE_WORD)), BLOCK_M, BLOCK_N,
                           BLOCK_K, SWAP_AB, WORDS, SUBNORMAL_DECODE, COMPUTE)
-        if step == STEPS - 1:
-            offs_n = first_n + tile * BLOCK_N + tl.arange(0, BLOCK_N)
-            y = tl.trans(acc) if SWAP_AB else acc
-            if ATOMIC:
-                out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
-                tl.atomic_add(out_ptrs, y * coef[:, None], mask=row_ok[:, None], sem="relaxed")
-            else:
-                tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(y, COMPUTE),
-                         mask=row_ok[:, None])
+        if TILES > 1 and step == STEPS - 1:
+            _down_epilogue(acc, out_ptr, y_ptr, pair, row_ok, coef, first_n + tile * BLOCK_N, HIDDEN, TOP_K, BLOCK_N,
+                           ATOMIC, SWAP_AB, COMPUTE)
             acc = tl.zeros_like(acc)
+    if TILES == 1:
+        # Outside the loop, so that nothing but the wgmmas writes the accumulator inside it: ptxas then keeps
+        # them in flight (it serializes them when the zeroing above is in the loop, sm_90 having no
+        # accumulate-or-not flag from Triton).
+        _down_epilogue(acc, out_ptr, y_ptr, pair, row_ok, coef, first_n, HIDDEN, TOP_K, BLOCK_N, ATOMIC, SWAP_AB,
+                       COMPUTE)
+
+
+@triton.jit
+def _down_epilogue(acc, out_ptr, y_ptr, pair, row_ok, coef, first_n, HIDDEN: tl.constexpr, TOP_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr, COMPUTE: tl.constexpr):
+    """One output tile of the down GEMM added into out (atomic, times the combine weights) or stored per pair."""
+    offs_n = first_n + tl.arange(0, BLOCK_N)
+    y = tl.trans(acc) if SWAP_AB else acc
+    if ATOMIC:
+        out_ptrs = out_ptr + (pair // TOP_K)[:, None] * HIDDEN + offs_n[None, :]
+        tl.atomic_add(out_ptrs, y * coef[:, None], mask=row_ok[:, None], sem="relaxed")
+    else:
+        tl.store(y_ptr + pair[:, None] * HIDDEN + offs_n[None, :], _to_bf16(y, COMPUTE), mask=row_ok[:, None])
 
 
 @triton.jit

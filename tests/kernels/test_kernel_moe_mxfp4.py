@@ -30,7 +30,7 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
-from mstar.kernels.moe_mxfp4 import _dequant_mxfp4, _dequant_words, _k_order  # noqa: E402
+from mstar.kernels.moe_mxfp4 import _dequant_mxfp4, _dequant_words, _k_order, _k_position  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
 
 # Interpreted only if triton's own helpers (tl.sum & co.) were defined under the interpreter too.
@@ -380,6 +380,26 @@ def test_dequant_is_exact(decode, words):
         assert torch.equal(column.sort(dim=1).values, torch.arange(2 * kb, device=TINY_DEVICE).expand(rows, -1).int())
         expected = expected.gather(1, column.long())
     assert torch.equal(out, expected), "dequantized weights differ from dequantize_mxfp4"
+
+
+@triton.jit
+def _order_probe(order_ptr, position_ptr, COLS: tl.constexpr):
+    cols = tl.arange(0, COLS)
+    tl.store(order_ptr + cols, tl.reshape(_k_order(cols[None, :], 1, COLS), (COLS,)))
+    tl.store(position_ptr + cols, _k_position(cols, COLS))
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("cols", [128, 256])
+def test_k_position_inverts_k_order(cols):
+    """The order kernel and the gate/up epilogue store natural column c at `_k_position(c)`; the GEMMs then read
+    the layout `_k_order` gives: the two must be inverse permutations."""
+    order = torch.full((cols,), -1, dtype=torch.int32, device=TINY_DEVICE)
+    position = torch.full((cols,), -1, dtype=torch.int32, device=TINY_DEVICE)
+    _order_probe[(1,)](order, position, COLS=cols)
+    natural = torch.arange(cols, dtype=torch.int32, device=TINY_DEVICE)
+    assert torch.equal(order.sort().values, natural), "_k_order is not a permutation"
+    assert torch.equal(order[position.long()], natural), "_k_position is not the inverse of _k_order"
 
 
 @needs_kernel_device

@@ -97,8 +97,7 @@ def test_every_bucket_replays_like_the_eager_step(model, deterministic_experts):
         contexts = torch.randint(0, MAX_SEQ - 1, (batch,)).tolist()
         plan = decode_plan(cfg, contexts, slots)
         # The eager reference runs the very step the replay runs (the staged bucket plan, same shapes, so
-        # the same GEMM kernels and MLA splits): only the experts' atomic sums where no alignment runs may differ
-        # in order (the aligned buckets combine deterministically here: `deterministic_experts`). An
+        # the same GEMM kernels and MLA splits), with the experts' sums in a fixed order (`deterministic_experts`). An
         # eager step of the unpadded plan can pick other cuBLAS kernels, whose bf16 rounding flips
         # near-tied router choices now and then (measured: 2.1% on one batch of 11).
         ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
@@ -222,16 +221,16 @@ PREFILL_STEPS = (  # (new rows, cached rows) per sequence
 
 @pytest.fixture
 def deterministic_experts(monkeypatch):
-    """The routed experts' deterministic combine wherever the alignment runs (every prefill bucket). With the
-    atomic one (the default above 48 rows per expert) the k additions into an output land in any order, so
-    the last bits of a layer's output differ between two runs of the same step, and where the next layer's
-    router has a near tie they pick different experts: seen on the H200 at 03748c0 as a replay 0.064 off the
-    same staged step run eagerly (step [3, 1] below). Comparison (a) then measures only the graphs."""
+    """The routed experts' deterministic combine at every step size: aligned, with combine="reduce". With the
+    atomic one (the default, and the only one of the unaligned decode path) the k additions into an output
+    land in any order, so the last bits of a layer's output differ between two runs of the same step, and
+    where the next layer's router has a near tie they pick different experts: seen on the H200 at 03748c0 as
+    a replay 0.064 off the same staged step run eagerly (step [3, 1] below), and at 1fe4b83 in the decode
+    bucket of 8 (0.057, once in two runs). Comparison (a) then measures only the graphs."""
     chosen = moe_mxfp4.default_config
 
-    def reduce_combine(*args, **kwargs):
-        config = chosen(*args, **kwargs)
-        return replace(config, combine="reduce") if config.align else config
+    def reduce_combine(num_tokens, top_k, num_experts, **kwargs):
+        return replace(chosen(num_tokens, top_k, num_experts, align=True), combine="reduce")
 
     monkeypatch.setattr(moe_mxfp4, "default_config", reduce_combine)
 
