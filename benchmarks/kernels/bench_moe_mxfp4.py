@@ -330,12 +330,16 @@ GATE_UP_TILES = (moe.GemmTile(32, 256), moe.GemmTile(32, 128), moe.GemmTile(64, 
                  moe.GemmTile(64, 128, split_k=2), moe.GemmTile(32, 128, split_k=4), moe.GemmTile(32, 256, split_k=7))
 GATE_UP_TILES += (moe.GemmTile(64, 128, num_stages=4), moe.GemmTile(64, 128, split_k=2, num_stages=4),
                   moe.GemmTile(64, 128, split_k=4, num_stages=4), moe.GemmTile(64, 128, split_k=7))
+# Deeper pipelines, since the gate/up wgmma stays in flight (0937c2d):
+GATE_UP_TILES += (moe.GemmTile(64, 128, split_k=2, num_stages=6), moe.GemmTile(64, 128, num_stages=6),
+                  moe.GemmTile(64, 256, num_stages=4), moe.GemmTile(64, 128, split_k=4, num_stages=6))
 DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 128, num_warps=8),
               moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(128, 128, num_stages=2), moe.GemmTile(32, 128),
               moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3),
               *(moe.GemmTile(128, 128, tiles=t) for t in (2, 4, 7, 14)),
               moe.GemmTile(128, 128, tiles=4, num_stages=4), moe.GemmTile(64, 128, tiles=4),
-              moe.GemmTile(64, 128, tiles=7), moe.GemmTile(128, 128, split_k=3, tiles=7))
+              moe.GemmTile(64, 128, tiles=7), moe.GemmTile(128, 128, split_k=3, tiles=7),
+              moe.GemmTile(128, 128, num_stages=4), moe.GemmTile(64, 128, num_stages=4))
 TUNE_AXES = ("align", "block_m", "gate_up", "down", "swap_ab", "combine", "decode")
 
 
