@@ -5,8 +5,9 @@
 The projections and their counts per step come from the model: the rank's module (config.py through
 sharding.py's ShardingPlan, the sharded latent layout, the default; built on the meta device) walked layer by
 layer, with the input projections stacked as gpu_ops stacks them (KDA's q, k, v, f_a, b, g; MLA's q_a, kv_a, g;
-a gated MLP's gate and up). Not GEMVs of this kind, so not here: MLA's kv_b (absorbed: per-head batched
-products), the router (its fp32-output GEMM, kernels/router_topk.py), the routed experts (MXFP4).
+a gated MLP's gate and up; a MoE layer's latent up and shared down, by columns). Not GEMVs of this kind, so not
+here: MLA's kv_b (absorbed: per-head batched products), the router (its fp32-output GEMM,
+kernels/router_topk.py), the routed experts (MXFP4).
 
 Each case: bytes (W once, x in, y out), the floor at 4.3 TB/s, and the time per call of cuBLAS (F.linear) and
 of ours (default config, with and without PDL) in a CUDA graph of back-to-back calls that rotate over weight
@@ -96,13 +97,19 @@ def decode_projections(config: KimiK3Config, plan: ShardingPlan) -> list[tuple[s
                     calls[("MoE inputs (router, latent down, shared gate/up)", n, m.gate.weight.shape[1])] += 1
                 else:
                     add("latent down", m.routed_expert_down_proj)
-                add("latent up", m.routed_expert_up_proj)
+                if shared is not None and m.config.latent_shards > 1:  # gpu_ops' latent_output: one GEMM
+                    up, down = m.routed_expert_up_proj, shared.down_proj
+                    calls[("latent up + shared down", up.out_features, up.in_features + down.in_features)] += 1
+                else:
+                    add("latent up", m.routed_expert_up_proj)
         elif isinstance(m, GatedMLP):
-            kind = "shared experts" if any(m is getattr(x, "shared_experts", None) for x in model.modules()
-                                           if isinstance(x, LatentMoE)) else "dense MLP"
-            if kind == "dense MLP":
-                add(f"{kind} gate/up", m.gate_proj, m.up_proj)
-            add(f"{kind} down", m.down_proj)
+            moe = next((x for x in model.modules() if isinstance(x, LatentMoE)
+                        and m is getattr(x, "shared_experts", None)), None)
+            if moe is None:
+                add("dense MLP gate/up", m.gate_proj, m.up_proj)
+                add("dense MLP down", m.down_proj)
+            elif moe.config.latent_shards == 1:
+                add("shared experts down", m.down_proj)
     lm = model.lm_head.weight
     calls[("lm_head", lm.shape[0], lm.shape[1])] += 1
     return [(name, n, k, c) for (name, n, k), c in calls.items()]

@@ -2,7 +2,8 @@
 
 At decode a K3 layer's small projections of one input (KDA's q, k, v, f_a, b and g_a; a gated MLP's
 gate and up) cost a launch each and read too few bytes to reach full bandwidth alone. Stacked, one
-GEMM reads them all.
+GEMM reads them all. Projections whose outputs are summed (a MoE layer's latent up projection and its
+shared experts' down projection) stack by columns instead: one GEMM over the concatenated inputs.
 
 The stack never holds the bytes twice. Where the weights already are consecutive row blocks of one
 storage (an earlier stack of the same weights), the stack is a view of it. Otherwise their rows are
@@ -44,6 +45,37 @@ def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         t.data = stacked[start : start + t.shape[0]]
         start += t.shape[0]
+    return stacked
+
+
+def columns_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """`torch.cat(tensors, dim=1)` as a view, when the 2-D tensors are consecutive column blocks of one
+    row-major tensor (what `stack_columns` leaves behind); else None."""
+    first = tensors[0]
+    width = sum(t.shape[1] for t in tensors)
+    offset = first.storage_offset()
+    for t in tensors:
+        if (t.dim() != 2 or t.dtype != first.dtype or t.shape[0] != first.shape[0] or t.stride() != (width, 1)
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                or t.storage_offset() != offset):
+            return None
+        offset += t.shape[1]
+    return first.detach().as_strided((first.shape[0], width), (width, 1), first.storage_offset())
+
+
+def stack_columns(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The columns of the 2-D `tensors`, in order, as one tensor whose column blocks the tensors then are (as
+    `stack_rows` does for rows: the weights keep their values and identity, the bytes are held once)."""
+    if len({t.shape[0] for t in tensors}) != 1:
+        raise ValueError(f"stack_columns needs tensors of one row count, got {[tuple(t.shape) for t in tensors]}")
+    view = columns_view(tensors)
+    if view is not None:
+        return view
+    stacked = torch.cat([t.detach() for t in tensors], dim=1)
+    start = 0
+    for t in tensors:
+        t.data = stacked[:, start : start + t.shape[1]]
+        start += t.shape[1]
     return stacked
 
 

@@ -1,7 +1,9 @@
 """A MoE layer's input projections on the GPU path (`GpuLayerOps.moe_inputs`: router, latent down projection
 and shared experts' gate/up as one stacked GEMM with the router's logits in fp32) against the reference
-`LayerOps.moe_inputs`: the same experts and weights, the same latent input and shared output; the stacked
-weights are the modules' own. Without CUDA through Triton's interpreter (fp32); on the GPU in bf16 too."""
+`LayerOps.moe_inputs`: the same experts and weights, the same latent input and shared activations; the stacked
+weights are the modules' own. And the layer's output projections (`GpuLayerOps.latent_output`: latent up and
+shared down as one GEMM over their weights stacked by columns) against the reference's two. Without CUDA
+through Triton's interpreter (fp32); on the GPU in bf16 too."""
 
 from __future__ import annotations
 
@@ -51,3 +53,23 @@ def test_stacked_moe_inputs_equal_the_reference(rows, dtype, tol):
     stack = ops._moe_inputs[moe].weight
     assert moe.gate.weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
     assert rel(REFERENCE_OPS.moe_inputs(moe, x)[1], z) < 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+@pytest.mark.parametrize("dtype, tol", CASES)
+def test_stacked_latent_output_equals_the_reference(rows, dtype, tol):
+    cfg = parse_config(tiny_k3_raw_config())
+    moe = LatentMoE(cfg).to(DEVICE).requires_grad_(False).to(dtype)
+    r = torch.randn(rows, cfg.moe_input_size, device=DEVICE).to(dtype)
+    shared = torch.randn(rows, moe.shared_experts.down_proj.in_features, device=DEVICE).to(dtype)
+    want = REFERENCE_OPS.latent_output(moe, r, shared)
+    expect = (r.double() @ moe.routed_expert_up_proj.weight.double().T
+              + shared.double() @ moe.shared_experts.down_proj.weight.double().T)
+    assert rel(want, expect) < tol
+    ops = GpuLayerOps()
+    got = ops.latent_output(moe, r, shared)
+    assert got.shape == want.shape and got.dtype == dtype and rel(got, expect) < tol
+    stack = ops._latent_output[moe]
+    assert moe.routed_expert_up_proj.weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
+    assert rel(REFERENCE_OPS.latent_output(moe, r, shared), want) < 1e-6  # the modules read the stack
+    assert rel(ops.latent_output(moe, r, None), r.double() @ moe.routed_expert_up_proj.weight.double().T) < tol

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from mstar.kernels.stacked_linear import StackedLinear, rows_view, stack_rows
+from mstar.kernels.stacked_linear import StackedLinear, columns_view, rows_view, stack_columns, stack_rows
 
 
 def test_stacked_outputs_equal_the_separate_projections_and_share_storage():
@@ -32,6 +32,28 @@ def test_stacking_the_same_weights_again_is_a_view_of_the_first_stack():
     assert all(torch.equal(w, v) for w, v in zip(weights, values, strict=True))
     assert rows_view([weights[1], weights[0]]) is None  # out of order: not one view
     assert rows_view([torch.randn(3, 8), torch.randn(5, 8)]) is None  # two storages
+
+
+def test_column_stacks_sum_the_projections_of_concatenated_inputs_and_share_storage():
+    linears = [nn.Linear(k, 12, bias=False).double() for k in (5, 9, 2)]
+    params = [lin.weight for lin in linears]
+    xs = [torch.randn(4, lin.in_features, dtype=torch.float64) for lin in linears]
+    expect = sum(lin(x) for lin, x in zip(linears, xs, strict=True))
+    stacked = stack_columns(params)
+    assert stacked.shape == (12, 16) and stacked.is_contiguous()
+    torch.testing.assert_close(torch.cat(xs, dim=-1) @ stacked.T, expect, rtol=1e-12, atol=1e-12)
+    assert [lin.weight for lin in linears] == params  # the same parameters, now column blocks of the stack
+    torch.testing.assert_close(sum(lin(x) for lin, x in zip(linears, xs, strict=True)), expect, rtol=1e-12,
+                               atol=1e-12)  # the modules read the same values through the strided views
+    with torch.no_grad():
+        stacked[:, 5:14] = 0
+    assert torch.equal(linears[1](xs[1]), torch.zeros(4, 12, dtype=torch.float64))
+    again = stack_columns(params)
+    assert again.data_ptr() == stacked.data_ptr() and again.shape == stacked.shape
+    assert columns_view([params[1], params[0]]) is None  # out of order
+    assert columns_view([torch.randn(12, 5), torch.randn(12, 9)]) is None  # two storages
+    with pytest.raises(ValueError, match="one row count"):
+        stack_columns([torch.zeros(2, 4), torch.zeros(3, 4)])
 
 
 def test_mismatched_inputs_or_biases_are_refused():

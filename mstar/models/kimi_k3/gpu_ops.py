@@ -37,7 +37,7 @@ from mstar.kernels import (
     sigmoid_gate,
     skinny_gemm,
 )
-from mstar.kernels.stacked_linear import StackedLinear, rows_view
+from mstar.kernels.stacked_linear import StackedLinear, rows_view, stack_columns
 from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
@@ -236,6 +236,7 @@ class GpuLayerOps(LayerOps):
         self.experts = experts or {}
         self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
         self._moe_inputs: dict[LatentMoE, StackedLinear] = {}  # per MoE layer, likewise
+        self._latent_output: dict[LatentMoE, torch.Tensor] = {}  # per MoE layer: [up | shared down] by columns
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
@@ -268,7 +269,7 @@ class GpuLayerOps(LayerOps):
     def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
         """The router, the latent down projection and the shared experts' gate/up read the same x: one GEMM over
         their stacked weights (the router's logits kept in fp32, the rest rounded as each alone would be), then
-        the selection and the shared experts' SiTU and down projection. Layers without that shape: one each."""
+        the selection and the shared experts' SiTU. Layers without that shape: one each."""
         cfg, mlp = moe.config, moe.shared_experts if moe.config.num_shared_experts else None
         projections = [moe.routed_expert_down_proj] + ([mlp.gate_proj, mlp.up_proj] if mlp is not None else [])
         if (cfg.num_expert_group != 1 or cfg.routed_expert_hidden_size is None or mlp is None
@@ -284,7 +285,17 @@ class GpuLayerOps(LayerOps):
                                           cfg.moe_renormalize, cfg.routed_scaling_factor)
         act = mlp.config
         hidden = gated_mlp.situ_and_mul(gate_up, act.activation_situ_beta, act.activation_situ_linear_beta)
-        return Routing(ids, weights), z, self.linear(mlp.down_proj, hidden)
+        return Routing(ids, weights), z, hidden
+
+    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """up(r) + shared_down(shared) as one GEMM: [r | shared] times the two weights stacked by columns (one
+        launch and one fp32 accumulation instead of two GEMMs and an add)."""
+        projections = [moe.routed_expert_up_proj] + ([moe.shared_experts.down_proj] if shared is not None else [])
+        if shared is None or shared.dtype != r.dtype or any(p.bias is not None for p in projections):
+            return super().latent_output(moe, r, shared)
+        if moe not in self._latent_output:
+            self._latent_output[moe] = stack_columns([p.weight for p in projections])
+        return self.gemm(torch.cat([r, shared], dim=-1), self._latent_output[moe])
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         kernel = self.experts.get(moe)
@@ -293,14 +304,16 @@ class GpuLayerOps(LayerOps):
         return kernel(z, routing.experts, routing.weights).to(z.dtype)
 
     def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(mlp.down_proj, self.mlp_hidden(mlp, x))
+
+    def mlp_hidden(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         cfg = mlp.config
         if cfg.hidden_act != "situ":
-            return mlp(x)
+            return mlp.hidden(x)
         if mlp not in self._gate_up:
             self._gate_up[mlp] = stacked([mlp.gate_proj, mlp.up_proj])
         gate_up = self.gemm(x, self._gate_up[mlp].weight)
-        return self.linear(mlp.down_proj, gated_mlp.situ_and_mul(gate_up, cfg.activation_situ_beta,
-                                                                 cfg.activation_situ_linear_beta))
+        return gated_mlp.situ_and_mul(gate_up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta)
 
 
 EXPERT_PROJECTIONS = ("w1", "w3", "w2")

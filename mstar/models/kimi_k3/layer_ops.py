@@ -49,10 +49,17 @@ class LayerOps:
 
     def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
         """What a MoE layer computes from its input x alone: the routing, the routed experts' input (the latent
-        down projection, or x itself without a latent space) and the shared experts' output (None without)."""
+        down projection, or x itself without a latent space) and the shared experts' activations, the input of
+        their down projection (None without shared experts)."""
         z = self.linear(moe.routed_expert_down_proj, x) if moe.config.routed_expert_hidden_size is not None else x
-        shared = self.mlp(moe.shared_experts, x) if moe.config.num_shared_experts else None
+        shared = self.mlp_hidden(moe.shared_experts, x) if moe.config.num_shared_experts else None
         return self.route(moe.gate, x), z, shared
+
+    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+        """The latent up projection of the routed sum r plus the shared experts' down projection of their
+        activations `shared` (when there are shared experts): both land in the hidden space."""
+        y = self.linear(moe.routed_expert_up_proj, r)
+        return y if shared is None else y + self.linear(moe.shared_experts.down_proj, shared)
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The routed experts' weighted sum [T, latent] (a partial sum on a tensor-parallel rank)."""
@@ -60,6 +67,10 @@ class LayerOps:
 
     def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         return mlp(x)
+
+    def mlp_hidden(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x), up(x)) of a gated MLP: the input of its down projection."""
+        return mlp.hidden(x)
 
 
 REFERENCE_OPS = LayerOps()

@@ -41,8 +41,12 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """act(gate(x), up(x)): what the down projection reads."""
+        return gated_activation(self.config, self.gate_proj(x), self.up_proj(x))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_activation(self.config, self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.hidden(x))
 
 
 class Expert(nn.Module):

@@ -161,19 +161,22 @@ class LatentMoE(nn.Module):
         r, shared = both.split([r.shape[-1], shared.shape[-1]], dim=-1)
         return r, shared
 
+    def latent_norm(self, r: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        return ops.norm(self.routed_expert_norm, r) if self.config.latent_moe_use_norm else r
+
     def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         if self.config.latent_shards > 1:
             return self.forward_sharded_latent(x, ops)
-        routing, z, shared = ops.moe_inputs(self, x)
+        routing, z, hidden = ops.moe_inputs(self, x)
+        r = ops.routed(self, z, routing)
         latent = self.config.routed_expert_hidden_size is not None
-        r, shared = self.reduce_partials(ops.routed(self, z, routing), shared)
+        if latent and self.comm.world_size == 1:  # nothing to reduce: up and the shared experts' down together
+            return ops.latent_output(self, self.latent_norm(r, ops), hidden)
+        shared = None if hidden is None else ops.linear(self.shared_experts.down_proj, hidden)
+        r, shared = self.reduce_partials(r, shared)
         if latent:
-            if self.config.latent_moe_use_norm:
-                r = ops.norm(self.routed_expert_norm, r)
-            r = ops.linear(self.routed_expert_up_proj, r)
-        if shared is not None:
-            r = r + shared
-        return r
+            r = ops.linear(self.routed_expert_up_proj, self.latent_norm(r, ops))
+        return r if shared is None else r + shared
 
     def forward_sharded_latent(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         """The same function with the latent projections split over the ranks (module doc)."""
@@ -181,13 +184,9 @@ class LatentMoE(nn.Module):
         if comm.world_size != cfg.latent_shards:
             raise ValueError(f"latent_shards={cfg.latent_shards} needs a communicator over as many ranks, "
                              f"got world_size={comm.world_size}")
-        routing, z_held, shared = ops.moe_inputs(self, x)
+        routing, z_held, hidden = ops.moe_inputs(self, x)
         z = comm.all_gather(z_held)  # [T, latent], every rank's slice in order
-        r = comm.all_reduce(ops.routed(self, z, routing))
-        if cfg.latent_moe_use_norm:
-            r = ops.norm(self.routed_expert_norm, r)
+        r = self.latent_norm(comm.all_reduce(ops.routed(self, z, routing)), ops)
         held = r.shape[-1] // cfg.latent_shards
-        y = ops.linear(self.routed_expert_up_proj, r[:, comm.rank * held : (comm.rank + 1) * held])
-        if shared is not None:
-            y = y + shared
+        y = ops.latent_output(self, r[:, comm.rank * held : (comm.rank + 1) * held], hidden)
         return comm.all_reduce(y)
