@@ -63,7 +63,8 @@ not HBM, are what bound these loops).
 
 Split K (GemmTile.split_k): at T=1 the gate/up GEMM has 16 experts x 2I = 12,288 rows, 192 tiles of
 64 rows for 132 SMs: too few programs to hide the load and wgmma latencies of a 14-step K loop.
-Splitting K gives each tile split_k programs. The down GEMM's parts add into the fp32 output like its
+Splitting K gives each tile split_k programs (tiles of 32 rows, 384 programs, do as well unsplit and
+are the default; split K stays among the tuned candidates). The down GEMM's parts add into the fp32 output like its
 k experts do (combine="atomic"); the gate/up parts add into `split_sum` (fp32, atomically) and the
 part that completes a tile (a counter per tile, `split_count`) reads the sum, applies SiTU as usual,
 and leaves sum and counter zero, so that a workspace needs zeroing only when allocated.
@@ -115,7 +116,7 @@ SCALE_WORD = 4 * GROUP_SIZE  # weight columns covered by one int32 word of scale
 HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); for floors
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
 DIRECT_MAX_PAIRS = 128  # default_config skips the alignment up to this many pairs (T <= 8 at top-16)
-DIRECT_SPLIT_MAX_PAIRS = 16  # ... and splits the gate/up GEMM's K in two up to this many (T = 1)
+DIRECT_ONE_TILE_MAX_PAIRS = 16  # ... and gives each down program one output tile up to this many (T = 1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -298,25 +299,25 @@ def default_config(num_tokens: int, top_k: int, num_experts: int, *, align: bool
 
     Down tiles since 8521d1b (several output tiles a program, module doc "Short K"), from the --tune sweep at
     0dfb529 (benchmarks/kernels/results/h200_0dfb529_moe_mxfp4_tiles.md): 4 tiles a program beat 1 at every T
-    from 8 to 1024, and 2 at T = 1; BLOCK_K 256 won the unsplit direct gate/up, 4 stages the aligned one at
-    decode sizes.
+    from 8 to 1024, and 2 at T = 1. Since the K-ordered activations (0937c2d) the --tune sweep at a05930c
+    (h200_a05930c_moe_mxfp4_tune.md) moved these: gate/up tiles of 32 rows and BLOCK_K 256 won at every T
+    up to 256 (T = 1: 28.1 us against 35.8 with the split 64-row tiles; 8: 101.2 against 105.0; 64: 200.4
+    against 223.8), the direct down launch wants 1 tile a program at T = 1 and 2 at T = 8, and at up to 12
+    rows per expert 1 and 4 tiles are within 1% of each other.
     """
     pairs = num_tokens * top_k
     if align is None:
         align = pairs > DIRECT_MAX_PAIRS
+    narrow = GemmTile(32, 256)  # gate/up at decode sizes: 384 programs at one token
     if not align:
-        if pairs <= DIRECT_SPLIT_MAX_PAIRS:
-            # At one token 96 gate/up tiles of 128 rows are too few for 132 SMs: split K in two.
-            gate_up, down = GemmTile(64, 128, split_k=2), GemmTile(128, 128, tiles=2)
-        else:
-            gate_up, down = GemmTile(64, 256), GemmTile(128, 128, num_stages=4, tiles=4)
-        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), gate_up, down, align=False)
+        down = GemmTile(128, 128, tiles=1 if pairs <= DIRECT_ONE_TILE_MAX_PAIRS else 2)
+        return MoEConfig(max(16, triton.next_power_of_2(num_tokens)), narrow, down, align=False)
     rows = pairs / max(num_experts, 1)
-    if rows <= 12:
-        return MoEConfig(16, GemmTile(64, 128, num_stages=4), GemmTile(128, 128, num_stages=4, tiles=4))
     down = GemmTile(128, 128, tiles=4)
+    if rows <= 12:
+        return MoEConfig(16, narrow, down)
     if rows <= 24:
-        return MoEConfig(32, GemmTile(64, 128), down)
+        return MoEConfig(32, narrow, down)
     if rows <= 48:
         return MoEConfig(64, GemmTile(64, 128), down, swap_ab=False)
     # Tuned on the H200 (--tune at 1024 and 4096 tokens, benchmarks/kernels/results/h200_bef60d1_moe_mxfp4_tune.md):
