@@ -2,7 +2,7 @@
 one TP8 rank of pruned75 (hidden 7168, 12 KDA heads of 128, AttnRes with 9 sources, 224 experts top-16,
 shared-expert width 768):
 
-    python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200]
+    python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only attn_res]
 
 Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
 graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
@@ -55,11 +55,12 @@ def bench(name: str, tokens: int, floor_bytes: int, make: Callable[[], tuple[Cal
             "x_floor": fused_us / floor_us, "torch_us": torch_us}
 
 
-def attn_res_case(t: int):
+def attn_res_case(t: int, one_launch: bool | None = None):
+    """The default path (one launch where it fits), or the one forced (False: the three launches)."""
     src = torch.randn(SOURCES, t, D, device="cuda", dtype=BF16)
     proj, res_w, out_w = (torch.randn(1, D, device="cuda", dtype=BF16) * D**-0.5,
                           torch.ones(D, device="cuda", dtype=BF16), torch.ones(D, device="cuda", dtype=BF16))
-    return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6),
+    return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6, one_launch=one_launch),
             lambda: attn_res.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6))
 
 
@@ -113,6 +114,8 @@ def decode_conv_case(t: int):
 
 CASES = {  # name -> (inputs, floor bytes for t tokens)
     "attn_res_norm": (attn_res_case, lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
+    "attn_res_norm, three launches": (lambda t: attn_res_case(t, one_launch=False),
+                                      lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
     "rms_norm_rows": (rms_case, lambda t: 2 * t * D * 2 + D * 2),
     "router (GEMM + select)": (router_case, lambda t: EXPERTS * D * 2 + t * D * 2 + t * TOP_K * 12),
     "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
@@ -125,12 +128,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--only", help="time only the kernels whose name contains this")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_kernels: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = []
     for name, (make, floor) in CASES.items():
+        if args.only and args.only not in name:
+            continue
         for t in args.tokens:
             results.append(bench(name, t, floor(t), lambda make=make, t=t: make(t), args.reps))
             r = results[-1]

@@ -23,6 +23,16 @@ tiles, and from 2048 rows S = 1 and the mix normalises its own row (two launches
 
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
+
+One launch (decode sizes, on the GPU): when the row's tiles, one program each, fit the GPU at once (at most
+ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their registers), the three
+stages run in one kernel whose programs meet at two per-row barriers instead of kernel boundaries: a
+program loads its tile of the sources once (kept in registers for the mix), stores its stats, waits for the
+row's other tiles (an atomic counter per row), mixes, stores its square sum, waits again, normalises its
+tile. The barriers need every program of the row resident, which the grid bound guarantees: the kernel
+before it has all its programs running before this one's start (PDL launches a dependent only then), and
+the kernel after it starts only when this one's programs exit. Triton's interpreter runs programs one
+after another, so it takes this path only with one tile per row (barriers that wait for no one).
 """
 
 from __future__ import annotations
@@ -38,14 +48,18 @@ MAX_SOURCES = 16
 # Each tile costs a dependent load and a cross-warp reduction (~2 us in the mix on the H200): with
 # ~2 programs per SM, 64 rows took 6 tiles a program and the mix 17 us; many small programs overlap them.
 TARGET_PROGRAMS = 2048
+ONE_LAUNCH_CTAS_PER_SM = 2  # programs of 4 warps a SM the one-launch path may need resident at once
+ONE_LAUNCH_ELEMENTS = 8192  # [sources, columns] of one tile of the one-launch path (64 fp32 a thread)
 
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
                   out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None,
-                  splits: int | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                  splits: int | None = None, residual: torch.Tensor | None = None,
+                  one_launch: bool | None = None) -> torch.Tensor:
     """The fused kernels: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`).
     `residual` [T, D]: added into sources[-1] in place first (the stats pass does it). `splits`: column
-    chunks per row (default: enough to fill the GPU at this row count)."""
+    chunks per row of the three-launch path (default: enough to fill the GPU at this row count).
+    `one_launch`: the one-launch path (module doc); default: where it fits and `splits` is not given."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
@@ -55,6 +69,11 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
                          f"{tuple(residual.shape)} {residual.dtype}")
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
     n_pad = triton.next_power_of_2(n)
+    if one_launch is None:
+        one_launch = splits is None and _one_launch_fits(T, D, n_pad, sources.device)
+    if one_launch:
+        return _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
+                                         out, residual, n_pad)
     block = _block(D, n_pad)
     chunk, S = _chunks(T, D, block, splits)
     stats = torch.empty(T, S, 2, n_pad, dtype=torch.float32, device=sources.device)
@@ -77,6 +96,58 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
             D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False, num_warps=8,
             **pdl.options(_norm_kernel, sources.device),
         )
+    return out
+
+
+def _one_launch_block(D: int, n_pad: int) -> int:
+    return min(triton.next_power_of_2(D), max(256, ONE_LAUNCH_ELEMENTS // n_pad))
+
+
+def _one_launch_fits(T: int, D: int, n_pad: int, device: torch.device) -> bool:
+    """Whether the one-launch grid (a program per tile) can be resident at once on `device` (a GPU)."""
+    if device.type != "cuda" or type(_one_launch_kernel).__name__ == "InterpretedFunction":
+        return False
+    programs = T * triton.cdiv(D, _one_launch_block(D, n_pad))
+    return programs <= ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+_ROW_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: one barrier counter a row, zero between launches
+
+
+def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
+    """At least `rows` counters; on a GPU as many as the one-launch path can have rows (one allocation)."""
+    have = _ROW_COUNTERS.get(device)
+    if have is None or have.numel() < rows:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("attn_res_norm: the first one-launch call on a device must run before CUDA-graph "
+                               "capture (it allocates the rows' barrier counters); run one eager step first")
+        most = ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count \
+            if device.type == "cuda" else 0
+        _ROW_COUNTERS[device] = have = torch.zeros(max(rows, most), dtype=torch.int32, device=device)
+    return have
+
+
+def _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, out, residual,
+                              n_pad):
+    n, T, D = sources.shape
+    block = _one_launch_block(D, n_pad)
+    S = triton.cdiv(D, block)
+    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
+    if interpreted and S > 1:
+        raise ValueError(f"attn_res_norm: one launch of {S} tiles a row needs a GPU (the interpreter runs one program "
+                         "at a time, and a row's programs wait for each other)")
+    if not interpreted and not _one_launch_fits(T, D, n_pad, sources.device):
+        raise ValueError(f"attn_res_norm: one launch of {T} rows x {S} tiles does not fit the GPU at once "
+                         f"(at most {ONE_LAUNCH_CTAS_PER_SM} programs a SM)")
+    stats = torch.empty(T, S, 2, n_pad, dtype=torch.float32, device=sources.device)
+    square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
+    _one_launch_kernel[(T, S)](
+        sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, res_eps,
+        sources if residual is None else residual, 0 if residual is None else residual.stride(0), stats, square_sums,
+        _row_counters(sources.device, T), out_norm_weight, out_eps, out,
+        D=D, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None,
+        num_warps=4, **pdl.options(_one_launch_kernel, sources.device),
+    )
     return out
 
 
@@ -119,29 +190,66 @@ def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_src = src_ptr + t * stride_t
-    srcs = tl.arange(0, N_PAD)
-    live = srcs < n_sources
-    last = srcs == n_sources - 1
     cols = tl.arange(0, BLOCK_D)
     sq = tl.zeros([N_PAD], dtype=tl.float32)
     dot = tl.zeros([N_PAD], dtype=tl.float32)
     for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
-        c = d0 + cols
-        ok = c < D
-        w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
-                                                                              other=0).to(tl.float32)
-        v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
-                    other=0).to(tl.float32)
-        if ADD:
-            r = tl.load(residual_ptr + t * stride_rt + c, mask=ok, other=0).to(tl.float32)
-            summed = (tl.sum(tl.where(last[:, None], v, 0.0), axis=0) + r).to(src_ptr.dtype.element_ty)
-            tl.store(row_src + (n_sources - 1) * stride_n + c, summed, mask=ok)
-            v = tl.where(last[:, None], summed.to(tl.float32)[None, :], v)
+        v, w = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
+                             d0 + cols, D, N_PAD, ADD)
         sq += tl.sum(v * v, axis=1)
         dot += tl.sum(v * w[None, :], axis=1)
+    _store_stats(stats_ptr, t, s, S, sq, dot, N_PAD)
+
+
+@triton.jit
+def _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_row, c, D: tl.constexpr,
+                  N_PAD: tl.constexpr, ADD: tl.constexpr):
+    """(V [N_PAD, cols] fp32, w [cols] fp32) at columns c of a row; with ADD the last source becomes
+    V_last + residual first, stored in place rounded to the stream dtype (as the torch add)."""
+    srcs = tl.arange(0, N_PAD)
+    live = srcs < n_sources
+    ok = c < D
+    w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
+                                                                          other=0).to(tl.float32)
+    v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
+                other=0).to(tl.float32)
+    if ADD:
+        last = srcs == n_sources - 1
+        r = tl.load(residual_row + c, mask=ok, other=0).to(tl.float32)
+        summed = (tl.sum(tl.where(last[:, None], v, 0.0), axis=0) + r).to(row_src.dtype.element_ty)
+        tl.store(row_src + (n_sources - 1) * stride_n + c, summed, mask=ok)
+        v = tl.where(last[:, None], summed.to(tl.float32)[None, :], v)
+    return v, w
+
+
+@triton.jit
+def _store_stats(stats_ptr, t, s, S: tl.constexpr, sq, dot, N_PAD: tl.constexpr):
     out = stats_ptr + (t * S + s) * 2 * N_PAD
+    srcs = tl.arange(0, N_PAD)
     tl.store(out + srcs, sq)
     tl.store(out + N_PAD + srcs, dot)
+
+
+@triton.jit
+def _row_weights(stats_ptr, t, n_sources, res_eps, D: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr,
+                 N_PAD: tl.constexpr):
+    """alpha = softmax over the sources of <V_i, w> * rsqrt(mean(V_i^2) + eps), from the row's chunk stats
+    (read from L2: other programs of the row wrote them)."""
+    srcs = tl.arange(0, N_PAD)
+    chunks = tl.arange(0, S_PAD)
+    row_stats = stats_ptr + t * S * 2 * N_PAD + chunks[:, None] * 2 * N_PAD + srcs[None, :]
+    full = (chunks[:, None] < S) & (srcs[None, :] < N_PAD)
+    sq = tl.sum(tl.load(row_stats, mask=full, other=0, cache_modifier=".cg"), axis=0)
+    dot = tl.sum(tl.load(row_stats + N_PAD, mask=full, other=0, cache_modifier=".cg"), axis=0)
+    score = tl.where(srcs < n_sources, dot / tl.sqrt(sq / D + res_eps), float("-inf"))
+    e = tl.exp(score - tl.max(score, axis=0))
+    return e / tl.sum(e, axis=0)
+
+
+@triton.jit
+def _row_square_sum(ss_ptr, t, S: tl.constexpr, S_PAD: tl.constexpr):
+    chunks = tl.arange(0, S_PAD)
+    return tl.sum(tl.load(ss_ptr + t * S + chunks, mask=chunks < S, other=0, cache_modifier=".cg"), axis=0)
 
 
 @triton.jit
@@ -155,15 +263,7 @@ def _mix_kernel(src_ptr, stride_n, stride_t, n_sources, stats_ptr, res_eps, mixe
     s = tl.program_id(1)
     srcs = tl.arange(0, N_PAD)
     live = srcs < n_sources
-    chunks = tl.arange(0, S_PAD)
-    row_stats = stats_ptr + t * S * 2 * N_PAD + chunks[:, None] * 2 * N_PAD + srcs[None, :]
-    full = (chunks[:, None] < S) & (srcs[None, :] < N_PAD)
-    sq = tl.sum(tl.load(row_stats, mask=full, other=0), axis=0)
-    dot = tl.sum(tl.load(row_stats + N_PAD, mask=full, other=0), axis=0)
-    score = tl.where(live, dot / tl.sqrt(sq / D + res_eps), float("-inf"))
-    e = tl.exp(score - tl.max(score, axis=0))
-    alpha = e / tl.sum(e, axis=0)
-
+    alpha = _row_weights(stats_ptr, t, n_sources, res_eps, D, S, S_PAD, N_PAD)
     dtype = out_ptr.dtype.element_ty
     row_src = src_ptr + t * stride_t
     row_mixed = mixed_ptr + t * D
@@ -204,9 +304,49 @@ def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.con
             acc += x * x
         ss = tl.sum(acc, axis=0)
     else:
-        chunks = tl.arange(0, S_PAD)
-        ss = tl.sum(tl.load(ss_ptr + t * S + chunks, mask=chunks < S, other=0), axis=0)
+        ss = _row_square_sum(ss_ptr, t, S, S_PAD)
     _normalize(row, out_ptr + t * D, out_w_ptr, ss, out_eps, s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), D, BLOCK_D)
+
+
+@triton.jit
+def _one_launch_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, res_eps, residual_ptr, stride_rt,
+                       stats_ptr, ss_ptr, counters_ptr, out_w_ptr, out_eps, out_ptr, D: tl.constexpr, S: tl.constexpr,
+                       S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Stats, mix and norm of tile s of row t, the row's programs meeting at two barriers (module doc)."""
+    if PDL:  # no early launch of the dependents: they start when this grid's programs exit
+        tl.extra.cuda.gdc_wait()
+    t = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    c = s * BLOCK_D + tl.arange(0, BLOCK_D)
+    v, w = _tile_sources(src_ptr + t * stride_t, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
+                         c, D, N_PAD, ADD)
+    _store_stats(stats_ptr, t, s, S, tl.sum(v * v, axis=1), tl.sum(v * w[None, :], axis=1), N_PAD)
+    counter = counters_ptr + t
+    _row_barrier(counter, S)
+    alpha = _row_weights(stats_ptr, t, n_sources, res_eps, D, S, S_PAD, N_PAD)
+    dtype = out_ptr.dtype.element_ty
+    m = tl.sum(alpha[:, None] * v, axis=0).to(dtype).to(tl.float32)  # the mix, rounded as attn_res_mix returns it
+    tl.store(ss_ptr + t * S + s, tl.sum(m * m, axis=0))
+    _row_barrier(counter, 2 * S)
+    r = 1.0 / tl.sqrt(_row_square_sum(ss_ptr, t, S, S_PAD) / D + out_eps)
+    ok = c < D
+    tl.store(out_ptr + t * D + c, _scaled(m, r, out_w_ptr, c, ok, dtype), mask=ok)
+    # Every program of the row has left both barriers once all have arrived a third time: the last one zeroes
+    # the counter for the next launch.
+    if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == 3 * S - 1:
+        tl.store(counter, 0)
+
+
+@triton.jit
+def _row_barrier(counter, target):
+    """Arrive at `counter` and wait until it reaches `target`: what the row's programs stored before arriving
+    is then visible (release/acquire at GPU scope; their stats are read past L1)."""
+    tl.debug_barrier()  # every thread's stores come before the arrival
+    seen = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") + 1
+    while seen < target:
+        seen = tl.atomic_add(counter, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()  # no thread reads before the wait is over
 
 
 @triton.jit
@@ -219,6 +359,11 @@ def _normalize(row_ptr, out_row_ptr, w_ptr, square_sum, eps, c0, c1, D: tl.const
         c = d0 + cols
         ok = c < c1
         x = tl.load(row_ptr + c, mask=ok, other=0).to(tl.float32)
-        normed = (x * r).to(dtype).to(tl.float32)
-        w = tl.load(w_ptr + c, mask=ok, other=0).to(tl.float32)
-        tl.store(out_row_ptr + c, (w * normed).to(dtype), mask=ok)
+        tl.store(out_row_ptr + c, _scaled(x, r, w_ptr, c, ok, dtype), mask=ok)
+
+
+@triton.jit
+def _scaled(x, r, w_ptr, c, ok, dtype: tl.constexpr):
+    """w * (x * r).to(dtype), rounded to dtype (x fp32 at columns c)."""
+    w = tl.load(w_ptr + c, mask=ok, other=0).to(tl.float32)
+    return (w * (x * r).to(dtype).to(tl.float32)).to(dtype)

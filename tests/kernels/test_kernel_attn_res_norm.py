@@ -106,3 +106,59 @@ def test_column_chunks_fill_the_gpu_at_few_rows(rows, splits, expect):
 def test_zero_splits_is_refused():
     with pytest.raises(ValueError, match="at least 1 chunk"):
         k._chunks(1, 7168, 256, 0)
+
+
+# The one-launch path: on the GPU at K3's width (rows whose tiles wait for each other at the barriers); under the
+# interpreter with one tile a row (its barriers wait for no one), which runs the same code.
+ONE_LAUNCH_CASES = [(torch.float32, 160, 1e-5)] + ([(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype, d, tol", ONE_LAUNCH_CASES)
+@pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 1), (9, 8), (16, 2)])
+@pytest.mark.parametrize("add", [False, True])
+def test_one_launch_equals_torch_and_repeats_bit_for_bit(dtype, d, tol, n, t, add):
+    """Fresh inputs, poisoned output; the same call again (the counters left zero) gives the same bits."""
+    buffer = torch.randn(n + 1, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 1, device=DEVICE)[:, None, None]
+    sources = buffer.to(dtype)[:n]
+    residual = (torch.randn(t, d, device=DEVICE) * 2).to(dtype) if add else None
+    proj, res_w, out_w = weights(d, dtype)
+    reference_sources = sources.clone()
+    expect = reference(reference_sources, proj, res_w, 1e-6, out_w, 1e-5, residual)
+    before = sources.clone()
+    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
+                          residual=residual, one_launch=True)
+    assert torch.equal(sources, reference_sources)  # the add in place (if any), the same bits as torch's
+    assert got.dtype == expect.dtype and torch.isfinite(got).all()
+    assert rel(got, expect) < tol, rel(got, expect)
+    sources.copy_(before)
+    again = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, residual=residual, one_launch=True)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the default path choice and CUDA graphs need a GPU")
+def test_one_launch_is_the_default_at_decode_rows_and_replays_in_a_graph():
+    d, n = 7168, 9
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert k._one_launch_fits(8, d, 16, torch.device("cuda"))
+    assert not k._one_launch_fits(k.ONE_LAUNCH_CTAS_PER_SM * sms, d, 16, torch.device("cuda"))
+    proj, res_w, out_w = weights(d, torch.bfloat16)
+    sources = (torch.randn(n, 4, d, device=DEVICE)).to(torch.bfloat16)
+    out = torch.empty(4, d, device=DEVICE, dtype=torch.bfloat16)
+    k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=out)  # eager first: allocates the counters
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=out)
+    for _ in range(3):  # fresh inputs each replay
+        sources.copy_(torch.randn(n, 4, d, device=DEVICE))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel(out, reference(sources, proj, res_w, 1e-6, out_w, 1e-5)) < 1e-2
+
+
+def test_one_launch_of_several_tiles_a_row_is_refused_by_the_interpreter():
+    if DEVICE == "cuda":
+        pytest.skip("the GPU runs it")
+    proj, res_w, out_w = weights(1100, torch.float32)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        k.attn_res_norm(torch.randn(16, 1, 1100), proj, res_w, 1e-6, out_w, 1e-6, one_launch=True)  # 3 tiles
