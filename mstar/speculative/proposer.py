@@ -21,7 +21,15 @@ import torch
 
 from mstar.engine.params import SamplingParams
 from mstar.models.dspark import paged
-from mstar.models.dspark.model import BlockBatch, DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
+from mstar.models.dspark.model import (
+    BlockBatch,
+    DraftProposal,
+    DraftSampling,
+    Embed,
+    K3DSparkModel,
+    LMHead,
+    module_norm,
+)
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.step import StepDecl
@@ -179,5 +187,6 @@ class DSparkProposer:
         row_seq = to_device([b for b, n in enumerate(counts) for _ in range(n)], torch.long, device)
         behind = to_device([n - j for n in counts for j in range(n)], torch.long, device)  # rows to the block's end
         positions = plan.context_lens[row_seq] - behind
-        for layer, rows in enumerate(self.draft.context_kv(taps, positions)):
+        norm = paged.kernel_norm if self.paged else module_norm
+        for layer, rows in enumerate(self.draft.context_kv(taps, positions, norm)):
             self.kv.write(layer, plan.slot_mapping, rows)

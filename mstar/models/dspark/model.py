@@ -66,6 +66,12 @@ from mstar.models.kimi_k3.norm import RMSNorm, at_least_fp32
 
 Embed = Callable[[Tensor], Tensor]  # token ids [k] -> embeddings [k, D] (the target's embed_tokens)
 LMHead = Callable[[Tensor], Tensor]  # hidden [k, D] -> logits [k, V] (the target's lm_head)
+Norm = Callable[[RMSNorm, Tensor], Tensor]  # (an RMSNorm, x) -> its output; the GPU path passes a one-launch kernel
+
+
+def module_norm(norm: RMSNorm, x: Tensor) -> Tensor:
+    """The reference's RMSNorm: the module itself (torch ops)."""
+    return norm(x)
 
 
 # --- per-request state ------------------------------------------------------------------------------
@@ -267,14 +273,14 @@ class DSparkMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.rotary = YarnRotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
-    def latent_rows(self, x: Tensor, positions: Tensor) -> Tensor:
+    def latent_rows(self, x: Tensor, positions: Tensor, norm: Norm = module_norm) -> Tensor:
         """x [..., T, D] -> latent rows [..., T, kv_lora_rank + rope] = [kv_a_layernorm(c) | RoPE(k_pe, positions)]."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return torch.cat([self.kv_a_layernorm(c), self.rotate(k_pe, positions)], dim=-1)
+        return torch.cat([norm(self.kv_a_layernorm, c), self.rotate(k_pe, positions)], dim=-1)
 
-    def queries(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    def queries(self, x: Tensor, positions: Tensor, norm: Norm = module_norm) -> tuple[Tensor, Tensor]:
         """x [..., T, D] -> (q_nope [..., T, H, nope], q_pe [..., T, H, rope] rotated to its position)."""
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(norm(self.q_a_layernorm, self.q_a_proj(x)))
         q_nope, q_pe = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope_dim], dim=-1)
         return q_nope, self.rotate(q_pe, positions)
 
@@ -400,12 +406,12 @@ class K3DSparkModel(nn.Module):
 
     # --- context -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def context_kv(self, taps: Tensor, positions: Tensor) -> list[Tensor]:
+    def context_kv(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm) -> list[Tensor]:
         """Target taps [T, m * D_target] at positions [T] -> per-layer latent rows [T, width] (`context_rows`
         without autograd, as inference runs it)."""
-        return self.context_rows(taps, positions)
+        return self.context_rows(taps, positions, norm)
 
-    def context_rows(self, taps: Tensor, positions: Tensor) -> list[Tensor]:
+    def context_rows(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm) -> list[Tensor]:
         """The differentiable context path: taps [T, m * D_target] at positions [T] -> per-layer rows [T, width].
 
         H_ctx = context_norm(context_proj(taps)) is shared by every layer, and each layer projects it with its
@@ -421,8 +427,8 @@ class K3DSparkModel(nn.Module):
             raise ValueError(f"positions must be [T] with T = {taps.shape[0]}; got shape {tuple(positions.shape)}")
         if taps.dtype != self.dtype:
             raise ValueError(f"taps are {taps.dtype} but the draft runs in {self.dtype}; cast them first")
-        h_ctx = self.context_norm(self.context_proj(taps))
-        return [layer.self_attn.latent_rows(h_ctx, positions) for layer in self.layers]
+        h_ctx = norm(self.context_norm, self.context_proj(taps))
+        return [layer.self_attn.latent_rows(h_ctx, positions, norm) for layer in self.layers]
 
     def extend_context(self, cache: DraftCache, taps: Tensor) -> None:
         """Append the rows of the next T context tokens (positions len(cache) ..) to `cache`."""

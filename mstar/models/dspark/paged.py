@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mstar.kernels import mla_attention
+from mstar.kernels import attn_res_norm, mla_attention
+from mstar.models.kimi_k3.norm import RMSNorm
 from mstar.resources.transfer import to_device
 
 from .model import DSparkMLA, Embed, K3DSparkModel
@@ -64,6 +65,12 @@ class PagedBlocks:
         return cls(anchors, starts, page_table, slots, lens, cu, k_max)
 
 
+def kernel_norm(norm: RMSNorm, x: Tensor) -> Tensor:
+    """`norm(x)` in one launch (the torch RMSNorm is ~6 kernels): every norm of the paged path and of the context
+    rows it reads."""
+    return attn_res_norm.rms_norm_rows(x, norm.weight, norm.eps)
+
+
 def kernel_fits(draft: K3DSparkModel, device: torch.device) -> bool:
     """Whether the paged kernel runs this draft here: a supported GPU, bf16/fp16, power-of-two row parts."""
     cfg = draft.config
@@ -79,16 +86,16 @@ def paged_blocks_hidden(draft: K3DSparkModel, cache: Tensor, blocks: PagedBlocks
     x = draft.block_inputs(blocks.anchors, k, embed).flatten(0, 1)  # [B * k, D]
     positions = (blocks.starts[:, None] + torch.arange(k, device=x.device)).flatten()
     for index, layer in enumerate(draft.layers):
-        h = layer.input_layernorm(x)
+        h = kernel_norm(layer.input_layernorm, x)
         x = x + _paged_attention(layer.self_attn, h, positions, cache[index], blocks)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return draft.final_norm(x).view(n, k, -1)
+        x = x + layer.mlp(kernel_norm(layer.post_attention_layernorm, x))
+    return kernel_norm(draft.final_norm, x).view(n, k, -1)
 
 
 def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, cache: Tensor, blocks: PagedBlocks) -> Tensor:
-    rows = attn.latent_rows(h, positions)
+    rows = attn.latent_rows(h, positions, kernel_norm)
     cache.view(-1, cache.shape[-1])[blocks.slots] = rows.to(cache.dtype)
-    q_nope, q_pe = attn.queries(h, positions)
+    q_nope, q_pe = attn.queries(h, positions, kernel_norm)
     w_uk, w_uv = attn.kv_b_weights()
     q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
     out = torch.empty(h.shape[0], attn.num_heads, attn.kv_lora_rank, device=h.device, dtype=h.dtype)

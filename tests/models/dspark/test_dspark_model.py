@@ -363,6 +363,31 @@ def test_draft_distribution_rejects_bad_arguments():
 # --- the context cache -----------------------------------------------------------------------------------
 
 
+def test_every_norm_of_the_context_and_query_paths_goes_through_the_given_norm(draft):
+    """The GPU path passes a one-launch RMSNorm kernel (models/dspark/paged.py, kernel_norm): each norm of the
+    context rows (context_norm, every layer's kv_a_layernorm) and of a layer's queries (q_a_layernorm) must reach
+    it, and a norm that computes the same function must give the same rows."""
+    cfg = draft.config
+    taps, positions = _taps(cfg, 5), torch.arange(5)
+    seen = []
+
+    def recording(norm, x):
+        seen.append(norm)
+        return norm(x)
+
+    rows = draft.context_kv(taps, positions, recording)
+    attn = [layer.self_attn for layer in draft.layers]
+    assert seen == [draft.context_norm] + [a.kv_a_layernorm for a in attn]
+    for got, expect in zip(rows, draft.context_kv(taps, positions), strict=True):
+        assert torch.equal(got, expect)
+    seen.clear()
+    x = torch.randn(3, cfg.hidden_size, dtype=F64)
+    q_nope, q_pe = attn[0].queries(x, torch.arange(3), recording)
+    assert seen == ([attn[0].q_a_layernorm] if cfg.q_lora_rank is not None else [])
+    expect_nope, expect_pe = attn[0].queries(x, torch.arange(3))
+    assert torch.equal(q_nope, expect_nope) and torch.equal(q_pe, expect_pe)
+
+
 def test_context_rows_are_incremental(draft):
     cfg = draft.config
     t, a = 13, int(torch.randint(1, 12, ()))
