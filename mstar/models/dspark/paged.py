@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from mstar.kernels import attn_res_norm, mla_attention
+from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.norm import RMSNorm
 from mstar.resources.transfer import to_device
 
@@ -68,7 +68,9 @@ class PagedBlocks:
 def kernel_norm(norm: RMSNorm, x: Tensor) -> Tensor:
     """`norm(x)` in one launch (the torch RMSNorm is ~6 kernels): every norm of the paged path and of the context
     rows it reads."""
-    return attn_res_norm.rms_norm_rows(x, norm.weight, norm.eps)
+    from mstar.kernels.attn_res_norm import rms_norm_rows  # imports triton: the serving path must load without it
+
+    return rms_norm_rows(x, norm.weight, norm.eps)
 
 
 def kernel_fits(draft: K3DSparkModel, device: torch.device) -> bool:
