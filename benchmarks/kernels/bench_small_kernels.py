@@ -4,6 +4,10 @@ shared-expert width 768):
 
     python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only attn_res]
 
+T is the step's token rows, except for fold_recurrent (a verify step's KDA recurrence), where it is the
+sequences, each a block of VERIFY_ROWS rows after PENDING_ROWS accepted ones folded from its slot's state;
+that kernel is timed at each of its candidate tiles (kda_blocks.FOLD_TILES, the default marked).
+
 Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
 graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
 model's 93 layers do) and replayed behind a GPU sleep (`bench_moe_mxfp4.time_graphs`); the time per
@@ -29,14 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
-from mstar.kernels import attn_res_norm, gated_mlp, kda_decode, router_topk  # noqa: E402
+from mstar.kernels import attn_res_norm, gated_mlp, kda_blocks, kda_decode, router_topk  # noqa: E402
 from mstar.models.kimi_k3 import attn_res, norm  # noqa: E402
-from mstar.models.kimi_k3.kda import GatedHeadNorm  # noqa: E402
+from mstar.models.kimi_k3.kda import GatedHeadNorm, kda_gate, kda_recurrent, l2_normalize  # noqa: E402
 from mstar.models.kimi_k3.mlp import situ  # noqa: E402
 
 HBM = 4.3e12
 D, HEADS, HEAD_DIM, SOURCES, EXPERTS, TOP_K, SHARED = 7168, 12, 128, 9, 224, 16, 768
 SETS = 8
+VERIFY_ROWS, PENDING_ROWS = 8, 2  # DSpark k = 7
 BF16 = torch.bfloat16
 
 
@@ -112,6 +117,44 @@ def decode_conv_case(t: int):
             lambda: kda_decode.decode_conv_reference(torch.stack([q, k, v], 1), windows, weight)[0])
 
 
+def fold_case(t: int, tile: tuple[int, int]):
+    """t sequences of PENDING_ROWS + VERIFY_ROWS rows; the pending rows fold. The reference reads a copy of
+    the states as they were (the kernel folds into them in place)."""
+    n = PENDING_ROWS + VERIFY_ROWS
+    q, k, f = (torch.randn(t * n, HEADS, HEAD_DIM, device="cuda", dtype=BF16) for _ in range(3))
+    v = torch.randn(t * n, HEADS, HEAD_DIM, device="cuda", dtype=BF16)
+    beta = torch.randn(t * n, HEADS, device="cuda", dtype=BF16)
+    a_log, dt_bias = torch.randn(HEADS, device="cuda") * 0.5, torch.randn(HEADS * HEAD_DIM, device="cuda") * 0.5
+    states = torch.randn(t + 1, HEADS, HEAD_DIM, HEAD_DIM, device="cuda") * 0.05
+    initial = states.clone()
+    index = [torch.arange(t, device="cuda", dtype=torch.int32) * n + offset for offset in (0, n)]
+    slots = torch.arange(1, t + 1, device="cuda", dtype=torch.int32)
+    folds = torch.full((t,), PENDING_ROWS, device="cuda", dtype=torch.int32)
+    scale = HEAD_DIM**-0.5
+
+    def fused():
+        return kda_blocks.fold_recurrent(q, k, v, f, beta, a_log, dt_bias, scale, -5.0, 1e-6, states, slots, *index,
+                                         folds, tile=tile)
+
+    def reference():
+        g, b = kda_gate(f, a_log, dt_bias, -5.0), torch.sigmoid(beta.float())
+        qn, kn = l2_normalize(q, 1e-6), l2_normalize(k, 1e-6)
+        rows = [slice(i * n, (i + 1) * n) for i in range(t)]
+        return torch.cat([kda_recurrent(qn[r], kn[r], v[r], g[r], b[r], scale, initial[i + 1])[0]
+                          for i, r in enumerate(rows)])
+
+    return fused, reference
+
+
+def fold_bytes(t: int) -> int:
+    """Each sequence's state read and written, its rows' q, k, f, v, beta read and o written."""
+    rows = t * (PENDING_ROWS + VERIFY_ROWS)
+    return t * 2 * HEADS * HEAD_DIM * HEAD_DIM * 4 + rows * HEADS * (5 * HEAD_DIM + 1) * 2
+
+
+FOLD_CASES = {f"kda fold_recurrent {bv}x{w}{' (default)' if (bv, w) == kda_blocks.FOLD_TILE else ''}":
+              (lambda t, tile=(bv, w): fold_case(t, tile), fold_bytes) for bv, w in kda_blocks.FOLD_TILES}
+
 CASES = {  # name -> (inputs, floor bytes for t tokens)
     "attn_res_norm": (attn_res_case, lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
     "attn_res_norm, three launches": (lambda t: attn_res_case(t, one_launch=False),
@@ -121,6 +164,7 @@ CASES = {  # name -> (inputs, floor bytes for t tokens)
     "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
     "situ_and_mul": (situ_case, lambda t: 3 * t * SHARED * 2),
     "kda decode_conv": (decode_conv_case, lambda t: t * HEADS * HEAD_DIM * 3 * 2 * (1 + 3 + 3 + 1)),
+    **FOLD_CASES,
 }
 
 

@@ -36,6 +36,10 @@ from mstar.kernels import pdl
 ZERO_ROW = -1
 PREFIX_ROW = -2
 _ROW_BLOCK = 1024  # columns a row-movement program copies
+# fold_recurrent's (state columns, warps) a program: each row is a chain of reductions over K, so the
+# rows of a verify block are latency-bound; bench_small_kernels.py's "fold_recurrent" cases time others.
+FOLD_TILE = (32, 4)
+FOLD_TILES = ((32, 4), (16, 2), (16, 1), (8, 1), (8, 2), (4, 1))  # the candidates the benchmark times
 PREFIX_ROW_C = tl.constexpr(PREFIX_ROW)  # kernels read only constexpr globals
 
 
@@ -198,22 +202,25 @@ def _fold_windows_kernel(q_ptr, k_ptr, v_ptr, q_stride, k_stride, v_stride, conv
 def fold_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, scale: float, lower_bound: float | None,
                    l2_eps: float, states: torch.Tensor, slots: torch.Tensor, seq_starts: torch.Tensor,
-                   seq_ends: torch.Tensor, fold_lens: torch.Tensor) -> torch.Tensor:
+                   seq_ends: torch.Tensor, fold_lens: torch.Tensor,
+                   tile: tuple[int, int] | None = None) -> torch.Tensor:
     """The gated delta rule over rows of B sequences (see the module doc): sequence b is rows
     seq_starts[b] .. seq_ends[b] - 1. q, k, f [M, H, K] and v [M, H, V] with unit inner strides, beta
     [M, H] (pre-sigmoid), a_log fp32 [H], dt_bias fp32 [H*K]; states fp32 [slots, H, K, V] (one layer of
     the pool), read at slots[b] and written there after row seq_starts[b] + fold_lens[b] - 1 when
-    fold_lens[b] > 0. Returns o [M, H, V] in v's dtype (rows outside every sequence are not written)."""
+    fold_lens[b] > 0. Returns o [M, H, V] in v's dtype (rows outside every sequence are not written).
+    `tile`: (state columns a program owns, its warps); default `FOLD_TILE`."""
     M, H, K = q.shape
     V = v.shape[-1]
     B = slots.shape[0]
     out = torch.empty(M, H, V, dtype=v.dtype, device=v.device)
-    block_v = min(32, triton.next_power_of_2(V))
+    block_v, warps = FOLD_TILE if tile is None else tile
+    block_v = min(block_v, triton.next_power_of_2(V))
     _fold_recurrent_kernel[(B * H, triton.cdiv(V, block_v))](
         q, k, v, f, beta, q.stride(0), k.stride(0), v.stride(0), f.stride(0), beta.stride(0), a_log, dt_bias,
         states, states.stride(0), slots, seq_starts, seq_ends, fold_lens, out, scale,
         0.0 if lower_bound is None else lower_bound, H=H, K=K, V=V, BLOCK_V=block_v,
-        HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=4,
+        HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=warps,
         **pdl.options(_fold_recurrent_kernel, q.device),
     )
     return out
