@@ -24,15 +24,17 @@ tiles, and from 2048 rows S = 1 and the mix normalises its own row (two launches
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
 
-One launch (decode sizes, on the GPU): when the row's tiles, one program each, fit the GPU at once (at most
+One launch (decode and verify sizes, on the GPU): when the rows' programs fit the GPU at once (at most
 ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their registers), the three
 stages run in one kernel whose programs meet at two per-row barriers instead of kernel boundaries: a
 program loads its tile of the sources once (kept in registers for the mix), stores its stats, waits for the
 row's other tiles (an atomic counter per row), mixes, stores its square sum, waits again, normalises its
-tile. The barriers need every program of the row resident, which the grid bound guarantees: the kernel
-before it has all its programs running before this one's start (PDL launches a dependent only then), and
-the kernel after it starts only when this one's programs exit. Triton's interpreter runs programs one
-after another, so it takes this path only with one tile per row (barriers that wait for no one).
+tile. Past ~18 rows of K3 a program takes several smaller tiles of its row in a loop instead (the sources
+read twice, the mix kept in the output until the norm): 64 rows are 4 programs a row, 264 rows one. The
+barriers need every program of the row resident, which the grid bound guarantees: the kernel before it has
+all its programs running before this one's start (PDL launches a dependent only then), and the kernel after
+it starts only when this one's programs exit. Triton's interpreter runs programs one after another, so
+there a row is one program (barriers that wait for no one), which runs the several-tile code.
 """
 
 from __future__ import annotations
@@ -99,16 +101,32 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     return out
 
 
-def _one_launch_block(D: int, n_pad: int) -> int:
-    return min(triton.next_power_of_2(D), max(256, ONE_LAUNCH_ELEMENTS // n_pad))
+def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[int, int, int] | None:
+    """(tile columns, tiles a program, programs a row) of the one-launch grid, or None where it cannot be
+    resident at once on `device`. A program takes one tile (kept in registers) where the rows' tiles fit,
+    else several smaller ones in a loop (the sources read twice). Triton's interpreter runs programs one
+    after another: there a row is one program (its barriers wait for no one)."""
+    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
+    if interpreted:
+        per_row = 1
+    elif device.type == "cuda":
+        per_row = ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // T
+    else:
+        return None
+    if per_row < 1:
+        return None
+    block = min(triton.next_power_of_2(D), max(256, ONE_LAUNCH_ELEMENTS // n_pad))
+    if per_row < triton.cdiv(D, block):
+        block = _block(D, n_pad)  # tiles loaded in a loop: the size of the three-launch path's
+    n_tiles = triton.cdiv(D, block)
+    tiles = triton.cdiv(n_tiles, min(per_row, n_tiles))
+    return block, tiles, triton.cdiv(n_tiles, tiles)
 
 
 def _one_launch_fits(T: int, D: int, n_pad: int, device: torch.device) -> bool:
-    """Whether the one-launch grid (a program per tile) can be resident at once on `device` (a GPU)."""
-    if device.type != "cuda" or type(_one_launch_kernel).__name__ == "InterpretedFunction":
-        return False
-    programs = T * triton.cdiv(D, _one_launch_block(D, n_pad))
-    return programs <= ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    """Whether the default path is the one launch: on a GPU (not the interpreter), with a grid resident at once."""
+    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
+    return device.type == "cuda" and not interpreted and _one_launch_plan(T, D, n_pad, device) is not None
 
 
 _ROW_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: one barrier counter a row, zero between launches
@@ -130,23 +148,19 @@ def _row_counters(device: torch.device, rows: int) -> torch.Tensor:
 def _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, out, residual,
                               n_pad):
     n, T, D = sources.shape
-    block = _one_launch_block(D, n_pad)
-    S = triton.cdiv(D, block)
-    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
-    if interpreted and S > 1:
-        raise ValueError(f"attn_res_norm: one launch of {S} tiles a row needs a GPU (the interpreter runs one program "
-                         "at a time, and a row's programs wait for each other)")
-    if not interpreted and not _one_launch_fits(T, D, n_pad, sources.device):
-        raise ValueError(f"attn_res_norm: one launch of {T} rows x {S} tiles does not fit the GPU at once "
-                         f"(at most {ONE_LAUNCH_CTAS_PER_SM} programs a SM)")
+    plan = _one_launch_plan(T, D, n_pad, sources.device)
+    if plan is None:
+        raise ValueError(f"attn_res_norm: one launch of {T} rows does not fit the GPU at once (at most "
+                         f"{ONE_LAUNCH_CTAS_PER_SM} programs a SM, a program a row at least)")
+    block, tiles, S = plan
     stats = torch.empty(T, S, 2, n_pad, dtype=torch.float32, device=sources.device)
     square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
     _one_launch_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, res_eps,
         sources if residual is None else residual, 0 if residual is None else residual.stride(0), stats, square_sums,
         _row_counters(sources.device, T), out_norm_weight, out_eps, out,
-        D=D, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None,
-        num_warps=4, **pdl.options(_one_launch_kernel, sources.device),
+        D=D, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, TILES=tiles, N_PAD=n_pad,
+        ADD=residual is not None, num_warps=4, **pdl.options(_one_launch_kernel, sources.device),
     )
     return out
 
@@ -311,27 +325,58 @@ def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.con
 @triton.jit
 def _one_launch_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, res_eps, residual_ptr, stride_rt,
                        stats_ptr, ss_ptr, counters_ptr, out_w_ptr, out_eps, out_ptr, D: tl.constexpr, S: tl.constexpr,
-                       S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr,
-                       PDL: tl.constexpr):
-    """Stats, mix and norm of tile s of row t, the row's programs meeting at two barriers (module doc)."""
+                       S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, TILES: tl.constexpr, N_PAD: tl.constexpr,
+                       ADD: tl.constexpr, PDL: tl.constexpr):
+    """Stats, mix and norm of tiles s * TILES .. of row t, the row's programs meeting at two barriers (module
+    doc). One tile stays in registers from the stats to the norm; several are read again for the mix, whose
+    rounded values wait in `out` (this program's own columns) for the norm."""
     if PDL:  # no early launch of the dependents: they start when this grid's programs exit
         tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    c = s * BLOCK_D + tl.arange(0, BLOCK_D)
-    v, w = _tile_sources(src_ptr + t * stride_t, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
-                         c, D, N_PAD, ADD)
-    _store_stats(stats_ptr, t, s, S, tl.sum(v * v, axis=1), tl.sum(v * w[None, :], axis=1), N_PAD)
+    row_src = src_ptr + t * stride_t
+    out_row = out_ptr + t * D
+    cols = s * TILES * BLOCK_D + tl.arange(0, BLOCK_D)
+    if TILES == 1:
+        v, w = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt, cols,
+                             D, N_PAD, ADD)
+        sq, dot = tl.sum(v * v, axis=1), tl.sum(v * w[None, :], axis=1)
+    else:
+        sq, dot = tl.zeros([N_PAD], dtype=tl.float32), tl.zeros([N_PAD], dtype=tl.float32)
+        for i in range(TILES):
+            v, w = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
+                                 cols + i * BLOCK_D, D, N_PAD, ADD)
+            sq += tl.sum(v * v, axis=1)
+            dot += tl.sum(v * w[None, :], axis=1)
+    _store_stats(stats_ptr, t, s, S, sq, dot, N_PAD)
     counter = counters_ptr + t
     _row_barrier(counter, S)
     alpha = _row_weights(stats_ptr, t, n_sources, res_eps, D, S, S_PAD, N_PAD)
     dtype = out_ptr.dtype.element_ty
-    m = tl.sum(alpha[:, None] * v, axis=0).to(dtype).to(tl.float32)  # the mix, rounded as attn_res_mix returns it
-    tl.store(ss_ptr + t * S + s, tl.sum(m * m, axis=0))
-    _row_barrier(counter, 2 * S)
+    if TILES == 1:
+        m = tl.sum(alpha[:, None] * v, axis=0).to(dtype).to(tl.float32)  # the mix, rounded as attn_res_mix returns it
+        ss = tl.sum(m * m, axis=0)
+    else:
+        ss = 0.0
+        for i in range(TILES):
+            c = cols + i * BLOCK_D
+            v, _ = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr, c, D, N_PAD, False)
+            m = tl.sum(alpha[:, None] * v, axis=0).to(dtype)
+            tl.store(out_row + c, m, mask=c < D)
+            mf = m.to(tl.float32)
+            ss += tl.sum(mf * mf, axis=0)
+    tl.store(ss_ptr + t * S + s, ss)
+    _row_barrier(counter, 2 * S)  # its leading thread barrier also orders this program's mix stores before the reads
     r = 1.0 / tl.sqrt(_row_square_sum(ss_ptr, t, S, S_PAD) / D + out_eps)
-    ok = c < D
-    tl.store(out_ptr + t * D + c, _scaled(m, r, out_w_ptr, c, ok, dtype), mask=ok)
+    if TILES == 1:
+        ok = cols < D
+        tl.store(out_row + cols, _scaled(m, r, out_w_ptr, cols, ok, dtype), mask=ok)
+    else:
+        for i in range(TILES):
+            c = cols + i * BLOCK_D
+            ok = c < D
+            x = tl.load(out_row + c, mask=ok, other=0).to(tl.float32)
+            tl.store(out_row + c, _scaled(x, r, out_w_ptr, c, ok, dtype), mask=ok)
     # Every program of the row has left both barriers once all have arrived a third time: the last one zeroes
     # the counter for the next launch.
     if tl.atomic_add(counter, 1, sem="relaxed", scope="gpu") == 3 * S - 1:

@@ -108,13 +108,15 @@ def test_zero_splits_is_refused():
         k._chunks(1, 7168, 256, 0)
 
 
-# The one-launch path: on the GPU at K3's width (rows whose tiles wait for each other at the barriers); under the
-# interpreter with one tile a row (its barriers wait for no one), which runs the same code.
-ONE_LAUNCH_CASES = [(torch.float32, 160, 1e-5)] + ([(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
+# The one-launch path: on the GPU at K3's width (rows whose tiles wait for each other at the barriers; from 19
+# rows several tiles a program); under the interpreter one program a row (its barriers wait for no one), which
+# runs the several-tile loop where the row has more than one tile (d = 1100 at 9 sources: five, the last partial).
+ONE_LAUNCH_CASES = [(torch.float32, 160, 1e-5), (torch.float32, 1100, 1e-5)] + (
+    [(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
 
 
 @pytest.mark.parametrize("dtype, d, tol", ONE_LAUNCH_CASES)
-@pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 1), (9, 8), (16, 2)])
+@pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 1), (9, 8), (16, 2), (9, 40), (9, 64), (2, 130)])
 @pytest.mark.parametrize("add", [False, True])
 def test_one_launch_equals_torch_and_repeats_bit_for_bit(dtype, d, tol, n, t, add):
     """Fresh inputs, poisoned output; the same call again (the counters left zero) gives the same bits."""
@@ -156,9 +158,16 @@ def test_one_launch_is_the_default_at_decode_rows_and_replays_in_a_graph():
         assert rel(out, reference(sources, proj, res_w, 1e-6, out_w, 1e-5)) < 1e-2
 
 
-def test_one_launch_of_several_tiles_a_row_is_refused_by_the_interpreter():
-    if DEVICE == "cuda":
-        pytest.skip("the GPU runs it")
-    proj, res_w, out_w = weights(1100, torch.float32)
-    with pytest.raises(ValueError, match="needs a GPU"):
-        k.attn_res_norm(torch.randn(16, 1, 1100), proj, res_w, 1e-6, out_w, 1e-6, one_launch=True)  # 3 tiles
+def test_one_launch_plan_bounds_the_grid_to_what_is_resident():
+    """(tile columns, tiles a program, programs a row) at K3's width and 9 sources: one 512-column tile a
+    program while the rows' 14 tiles fit, then 256-column tiles shared out; no plan past one program a row."""
+    if DEVICE != "cuda":
+        assert k._one_launch_plan(64, 7168, 16, torch.device("cpu")) == (256, 28, 1)  # interpreter: a row a program
+        assert not k._one_launch_fits(8, 7168, 16, torch.device("cpu"))  # never the default off the GPU
+        return
+    capacity = k.ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    for rows in (1, 8, capacity // 14, capacity // 14 + 1, 64, capacity):
+        block, tiles, per_row = k._one_launch_plan(rows, 7168, 16, torch.device("cuda"))
+        assert rows * per_row <= capacity and (per_row - 1) * tiles * block < 7168 <= per_row * tiles * block
+        assert (block, tiles) == ((512, 1) if rows <= capacity // 14 else (256, tiles))
+    assert k._one_launch_plan(capacity + 1, 7168, 16, torch.device("cuda")) is None
