@@ -37,8 +37,10 @@ ZERO_ROW = -1
 PREFIX_ROW = -2
 _ROW_BLOCK = 1024  # columns a row-movement program copies
 # fold_recurrent's (state columns, warps) a program: each row is a chain of reductions over K, so the
-# rows of a verify block are latency-bound; bench_small_kernels.py's "fold_recurrent" cases time others.
-FOLD_TILE = (32, 4)
+# rows of a verify block are latency-bound. One warp keeps the reductions inside the warp (no shared-memory
+# round trip a row) and 16 columns keep its state tile in 64 registers a thread; bench_small_kernels.py's
+# "fold_recurrent" cases time the candidates (results: h200_57a6be2_small_kernels.md).
+FOLD_TILE = (16, 1)
 FOLD_TILES = ((32, 4), (16, 2), (16, 1), (8, 1), (8, 2), (4, 1))  # the candidates the benchmark times
 PREFIX_ROW_C = tl.constexpr(PREFIX_ROW)  # kernels read only constexpr globals
 

@@ -138,20 +138,22 @@ def test_one_launch_equals_torch_and_repeats_bit_for_bit(dtype, d, tol, n, t, ad
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the default path choice and CUDA graphs need a GPU")
-def test_one_launch_is_the_default_at_decode_rows_and_replays_in_a_graph():
+@pytest.mark.parametrize("rows", [4, 64])  # one tile a program; several
+def test_one_launch_is_the_default_at_decode_rows_and_replays_in_a_graph(rows):
     d, n = 7168, 9
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    assert k._one_launch_fits(8, d, 16, torch.device("cuda"))
-    assert not k._one_launch_fits(k.ONE_LAUNCH_CTAS_PER_SM * sms, d, 16, torch.device("cuda"))
+    capacity = k.ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    assert k._one_launch_fits(rows, d, 16, torch.device("cuda"))
+    assert k._one_launch_fits(capacity, d, 16, torch.device("cuda"))  # a program a row
+    assert not k._one_launch_fits(capacity + 1, d, 16, torch.device("cuda"))
     proj, res_w, out_w = weights(d, torch.bfloat16)
-    sources = (torch.randn(n, 4, d, device=DEVICE)).to(torch.bfloat16)
-    out = torch.empty(4, d, device=DEVICE, dtype=torch.bfloat16)
+    sources = (torch.randn(n, rows, d, device=DEVICE)).to(torch.bfloat16)
+    out = torch.empty(rows, d, device=DEVICE, dtype=torch.bfloat16)
     k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=out)  # eager first: allocates the counters
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=out)
     for _ in range(3):  # fresh inputs each replay
-        sources.copy_(torch.randn(n, 4, d, device=DEVICE))
+        sources.copy_(torch.randn(n, rows, d, device=DEVICE))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
