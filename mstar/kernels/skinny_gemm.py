@@ -85,7 +85,8 @@ _LONG = SkinnyConfig(64, 256, 4)
 # 7168x768, the latent 448x7168 and 7168x448, MLA q_b 2304x1536, the dense MLP's down 7168x4224) ran faster
 # through cuBLAS at every row count, as does any shape not measured.
 H200_TABLE: dict[tuple[int, int], tuple[SkinnyConfig | None, ...]] = {
-    (6284, 7168): (_WIDE, _WIDE, _WIDE, SkinnyConfig(64, 128, 4)),  # KDA inputs: 25.4 vs 31.8; 32.0 vs 43.4 at 64
+    # KDA inputs (6284 rows, stacked padded to 6288): 25.4 vs 31.8; 32.0 vs 43.4 at 64
+    (6288, 7168): (_WIDE, _WIDE, _WIDE, SkinnyConfig(64, 128, 4)),
     (1536, 128): (_WIDE, _WIDE, _WIDE, SkinnyConfig(32, 128, 4, ctas_per_sm=2)),  # KDA f_b: 1.41 vs 2.58
     (8448, 7168): (_DEEP, _LONG, _DEEP, None),  # the dense MLP's gate/up: 30.2 vs 31.9
     (1536, 7168): (_DEEP, None, _DEEP, None),  # the shared experts' gate/up: 9.72 vs 9.97

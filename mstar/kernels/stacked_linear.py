@@ -10,6 +10,11 @@ storage (an earlier stack of the same weights), the stack is a view of it. Other
 copied into a new tensor and each weight's storage moves to its rows there (`Tensor.data`: the
 weight keeps its values and its identity; the old storage is freed). So whatever reads the weights
 themselves (a reference forward) reads the same numbers, and stacking them again is free.
+
+A row stack is padded with zero rows to a multiple of ROW_ALIGN: the GEMM's output rows then start 16 bytes
+apart at 16-bit widths, and so do the column views of them that feed further GEMMs. Unpadded, KDA's stacked
+inputs (6284 rows at a TP8 rank of K3) made cuBLAS fall back to an sm80 kernel for 2-byte-aligned operands
+past the rows the skinny kernel takes (112 us a layer at 160 rows, benchmarks/emulate_rank/README.md).
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+ROW_ALIGN = 8  # rows a row stack is padded to a multiple of: 16 bytes of bf16
 
-def rows_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+
+
+def rows_view(tensors: Sequence[torch.Tensor], rows: int | None = None) -> torch.Tensor | None:
     """`torch.cat(tensors)` as a view, when the tensors are consecutive, contiguous row blocks of one storage
-    (same trailing shape and dtype); else None."""
+    (same trailing shape and dtype); else None. `rows` (at least theirs): the view runs on over the storage's
+    rows after them (an earlier padded stack's), or is None where the storage ends first."""
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
@@ -31,16 +40,25 @@ def rows_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
                 or t.storage_offset() != offset):
             return None
         offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
+    have = sum(t.shape[0] for t in tensors)
+    rows = have if rows is None else rows
+    row_numel = first[0].numel() if have else 0
+    if (offset + (rows - have) * row_numel) * first.element_size() > first.untyped_storage().nbytes():
+        return None
     return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
-def stack_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The rows of `tensors`, in order, as one tensor whose row blocks the tensors then are (module doc)."""
-    view = rows_view(tensors)
+def stack_rows(tensors: Sequence[torch.Tensor], align: int = 1) -> torch.Tensor:
+    """The rows of `tensors`, in order, as one tensor whose row blocks the tensors then are (module doc), with
+    zero rows after them up to a multiple of `align`."""
+    rows = sum(t.shape[0] for t in tensors)
+    padded = -(-rows // align) * align
+    view = rows_view(tensors, padded)
     if view is not None:
         return view
-    stacked = torch.cat([t.detach() for t in tensors])
+    first = tensors[0]
+    pad = [first.new_zeros(padded - rows, *first.shape[1:])] if padded > rows else []
+    stacked = torch.cat([t.detach() for t in tensors] + pad)
     start = 0
     for t in tensors:
         t.data = stacked[start : start + t.shape[0]]
@@ -80,16 +98,18 @@ def stack_columns(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 class StackedLinear:
-    """Bias-free projections of one input (their weights [out_i, in]) as one GEMM over the stacked weight."""
+    """Bias-free projections of one input (their weights [out_i, in]) as one GEMM over the stacked weight, whose
+    last `pad` rows are zeros (ROW_ALIGN)."""
 
     def __init__(self, weights: Sequence[torch.Tensor]):
         if len({w.shape[1] for w in weights}) != 1:
             shapes = [tuple(w.shape) for w in weights]
             raise ValueError(f"StackedLinear stacks weights of one input width, got {shapes}")
         self.widths = [w.shape[0] for w in weights]
-        self.weight = stack_rows(weights)
+        self.weight = stack_rows(weights, ROW_ALIGN)
+        self.pad = self.weight.shape[0] - sum(self.widths)
 
     def __call__(self, x: torch.Tensor, gemm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.linear
                  ) -> list[torch.Tensor]:
         """Each projection of x, as column blocks (views) of one GEMM's output; `gemm(x, weight)` runs it."""
-        return list(gemm(x, self.weight).split(self.widths, dim=-1))
+        return list(gemm(x, self.weight).split(self.widths + [self.pad], dim=-1)[:len(self.widths)])

@@ -23,6 +23,27 @@ def test_stacked_outputs_equal_the_separate_projections_and_share_storage():
     assert torch.equal(linears[1](x), torch.zeros(5, 16, dtype=torch.float64))
 
 
+def test_a_row_stack_is_padded_with_zero_rows_to_aligned_outputs():
+    """24 rows of weights become 24 (aligned already); 7 + 16 + 2 = 25 become 32, the last 7 zeros; the outputs'
+    rows are then a multiple of ROW_ALIGN apart, and a second stack of the same weights is the first one."""
+    from mstar.kernels.stacked_linear import ROW_ALIGN
+
+    aligned = StackedLinear([torch.randn(n, 8) for n in (8, 16)])
+    assert aligned.pad == 0 and aligned.weight.shape == (24, 8)
+    weights = [torch.randn(n, 8) for n in (7, 16, 2)]
+    stacked = StackedLinear(weights)
+    assert stacked.weight.shape == (32, 8) and stacked.pad == 7 and ROW_ALIGN == 8
+    assert torch.equal(stacked.weight[25:], torch.zeros(7, 8))
+    x = torch.randn(3, 8)
+    outs = stacked(x)
+    assert [o.shape[-1] for o in outs] == [7, 16, 2] and all(o.stride(0) == 32 for o in outs)
+    for got, w in zip(outs, weights, strict=True):
+        torch.testing.assert_close(got, x @ w.T)
+    again = StackedLinear(weights)
+    assert again.weight.data_ptr() == stacked.weight.data_ptr() and again.weight.shape == (32, 8)
+    assert rows_view(weights, 40) is None  # past the storage's end
+
+
 def test_stacking_the_same_weights_again_is_a_view_of_the_first_stack():
     weights = [torch.randn(n, 8) for n in (3, 5)]
     values = [w.clone() for w in weights]

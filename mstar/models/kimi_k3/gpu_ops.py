@@ -280,7 +280,7 @@ class GpuLayerOps(LayerOps):
         stack = self._moe_inputs[moe]
         num_experts, z_width, gate_up_width = stack.widths[0], stack.widths[1], sum(stack.widths[2:])
         logits, rest = skinny_gemm.linear_split(x, stack.weight, num_experts)
-        z, gate_up = rest.split([z_width, gate_up_width], dim=-1)
+        z, gate_up, _ = rest.split([z_width, gate_up_width, stack.pad], dim=-1)
         ids, weights = router_topk.select(logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token,
                                           cfg.moe_renormalize, cfg.routed_scaling_factor)
         act = mlp.config
