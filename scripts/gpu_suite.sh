@@ -24,6 +24,7 @@ export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NU
 # fla's chunk_kda autotunes per process (~100 s at a TP8 rank's shapes): later processes reuse the result
 export TRITON_CACHE_AUTOTUNING=1
 # SUITE picks sections (default: all): kernels served emulate benches mini
+# PACK=1 leaves $OUT as summary.txt + suite.tar.gz of everything (the lent device returns only a few files).
 SUITE=${SUITE:-kernels served emulate benches mini}
 want() { [[ " $SUITE " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -61,5 +62,8 @@ want mini && run mini-pair-sweep env KS="${MINI_KS:-0 7}" \
 
 echo
 echo "== summary =="
-printf '%-28s %-6s %9s\n' check result wall
-for r in "${rows[@]}"; do echo "$r"; done
+{ printf '%-28s %-6s %9s\n' check result wall; for r in "${rows[@]}"; do echo "$r"; done; } | tee "$OUT/summary.txt"
+if [ "${PACK:-0}" = 1 ]; then
+    tar czf /tmp/suite.tar.gz -C "$OUT" --exclude summary.txt . && find "$OUT" -mindepth 1 ! -name summary.txt -delete \
+        && mv /tmp/suite.tar.gz "$OUT/"
+fi
