@@ -25,6 +25,7 @@ export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NU
 export TRITON_CACHE_AUTOTUNING=1
 # SUITE picks sections (default: all): kernels served emulate benches mini
 # PACK=1 leaves $OUT as summary.txt + suite.tar.gz of everything (the lent device returns only a few files).
+# MSTAR_COMMIT=<hash>: the commit the results name where the copy's git metadata lags (the lent device's does).
 SUITE=${SUITE:-kernels served emulate benches mini}
 want() { [[ " $SUITE " == *" $1 "* ]]; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"

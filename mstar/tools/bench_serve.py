@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -226,6 +227,10 @@ def load_prompts(path: Path) -> list[str]:
 
 
 def git_commit() -> str:
+    """The commit results are recorded under: MSTAR_COMMIT where set (a copy of the tree whose repository
+    metadata lags, as a lent GPU machine's does), else git's HEAD, else "unknown"."""
+    if os.environ.get("MSTAR_COMMIT"):
+        return os.environ["MSTAR_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

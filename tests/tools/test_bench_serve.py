@@ -53,3 +53,12 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path, capsys)
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 9 and float(cells[7]) >= 1.0  # accepted length: at least the bonus token
         assert all(0.0 <= float(x) <= 1.0 for x in cells[8].split())
+
+
+def test_the_recorded_commit_is_mstar_commit_where_set(monkeypatch):
+    from mstar.tools.bench_serve import git_commit
+
+    monkeypatch.setenv("MSTAR_COMMIT", "abc1234")
+    assert git_commit() == "abc1234"
+    monkeypatch.delenv("MSTAR_COMMIT")
+    assert git_commit() != "abc1234"
