@@ -106,8 +106,7 @@ def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[
     resident at once on `device`. A program takes one tile (kept in registers) where the rows' tiles fit,
     else several smaller ones in a loop (the sources read twice). Triton's interpreter runs programs one
     after another: there a row is one program (its barriers wait for no one)."""
-    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
-    if interpreted:
+    if _interpreted():
         per_row = 1
     elif device.type == "cuda":
         per_row = ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count // T
@@ -125,8 +124,11 @@ def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[
 
 def _one_launch_fits(T: int, D: int, n_pad: int, device: torch.device) -> bool:
     """Whether the default path is the one launch: on a GPU (not the interpreter), with a grid resident at once."""
-    interpreted = type(_one_launch_kernel).__name__ == "InterpretedFunction"
-    return device.type == "cuda" and not interpreted and _one_launch_plan(T, D, n_pad, device) is not None
+    return device.type == "cuda" and not _interpreted() and _one_launch_plan(T, D, n_pad, device) is not None
+
+
+def _interpreted() -> bool:
+    return type(_one_launch_kernel).__name__ == "InterpretedFunction"
 
 
 _ROW_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: one barrier counter a row, zero between launches

@@ -31,7 +31,7 @@ ROW_ALIGN = 8  # rows a row stack is padded to a multiple of: 16 bytes of bf16
 def rows_view(tensors: Sequence[torch.Tensor], rows: int | None = None) -> torch.Tensor | None:
     """`torch.cat(tensors)` as a view, when the tensors are consecutive, contiguous row blocks of one storage
     (same trailing shape and dtype); else None. `rows` (at least theirs): the view runs on over the storage's
-    rows after them (an earlier padded stack's), or is None where the storage ends first."""
+    rows after them where the storage ends right there (an earlier padded stack's zero rows), else None."""
     first = tensors[0]
     offset = first.storage_offset()
     for t in tensors:
@@ -43,7 +43,8 @@ def rows_view(tensors: Sequence[torch.Tensor], rows: int | None = None) -> torch
     have = sum(t.shape[0] for t in tensors)
     rows = have if rows is None else rows
     row_numel = first[0].numel() if have else 0
-    if (offset + (rows - have) * row_numel) * first.element_size() > first.untyped_storage().nbytes():
+    end = (offset + (rows - have) * row_numel) * first.element_size()
+    if end > first.untyped_storage().nbytes() or (rows > have and end != first.untyped_storage().nbytes()):
         return None
     return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 

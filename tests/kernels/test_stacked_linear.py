@@ -42,6 +42,8 @@ def test_a_row_stack_is_padded_with_zero_rows_to_aligned_outputs():
     again = StackedLinear(weights)
     assert again.weight.data_ptr() == stacked.weight.data_ptr() and again.weight.shape == (32, 8)
     assert rows_view(weights, 40) is None  # past the storage's end
+    inside = torch.randn(40, 8)  # consecutive rows of a storage that goes on: its next rows are not zeros of ours
+    assert rows_view([inside[:7], inside[7:25]]) is not None and rows_view([inside[:7], inside[7:25]], 32) is None
 
 
 def test_stacking_the_same_weights_again_is_a_view_of_the_first_stack():
