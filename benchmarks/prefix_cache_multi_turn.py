@@ -1,13 +1,18 @@
 """Multi-turn conversations with the prefix cache on and off: time to first token per turn, and throughput.
 
     PYTHONPATH=. python benchmarks/prefix_cache_multi_turn.py [--checkpoint DIR] [--device cpu] [--out FILE.md]
+    PYTHONPATH=. python benchmarks/prefix_cache_multi_turn.py --config configs/kimi_k3_mini.yaml \
+        --set dtype=bfloat16 model_kwargs.cuda_graphs=true --out FILE.md       # a served config, as served
+
 
 Each of --conversations chats runs --turns turns one after another; turn t's prompt is turn t-1's prompt,
 its answer and a new message of --message tokens (random ids), the first prompt --first tokens. The chats
 take turns (one request in the engine at a time), so TTFT is a turn's own prefill; each engine first serves
 one warm-up request, whose cache it then resets. Greedy: the answers, and
 so the prompts, are the same with the cache on and off, which the script checks. Without --checkpoint it
-writes the tiny checkpoint (mstar-make-tiny's) to a temporary folder.
+writes the tiny checkpoint (mstar-make-tiny's) to a temporary folder. With --config it builds the engine
+that `mstar-serve --config` would (its dtype, device, CUDA graphs and DSpark draft; --set overrides keys as
+mstar-serve's --set does), the cache switched on and off by `prefix_cache.enabled`.
 """
 
 from __future__ import annotations
@@ -21,11 +26,12 @@ from pathlib import Path
 
 import torch
 
-from mstar.config import EngineConfig
+from mstar.config import EngineConfig, load_serve_config, resolve_device, torch_dtype
 from mstar.engine.core import EngineCore
 from mstar.engine.params import SamplingParams
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
+from mstar.serve import speculative_models
 from mstar.tools.make_tiny import write_tiny
 
 
@@ -44,14 +50,31 @@ def serve_turn(engine: EngineCore, request_id: str, prompt: list[int], max_token
     return tokens, ttft, cached
 
 
-def run(model, tokenizer, args, enabled: bool, messages) -> dict:
+def tiny_engine(model, tokenizer, args, enabled: bool) -> EngineCore:
     cfg = EngineConfig(max_seq_len=args.max_seq_len,
                        resources={"mla_kv": {"page_size": args.page_size, "max_num_pages": args.pages},
                                   "kda_state": {"max_slots": 8}},
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": args.budget},
                        prefix_cache={"enabled": enabled, "kda_snapshot_interval": args.interval},
                        model_kwargs={"cuda_graphs": False})
-    engine = EngineCore(model, tokenizer, cfg)
+    return EngineCore(model, tokenizer, cfg)
+
+
+def served_engine(args, enabled: bool) -> tuple[EngineCore, str]:
+    """The engine of a serve config (model and draft loaded again for each setting: CUDA graphs are captured
+    per engine), and a line naming what it runs."""
+    cfg = load_serve_config(args.config, [*args.set, f"prefix_cache.enabled={str(enabled).lower()}"])
+    device = resolve_device(cfg)
+    model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device)
+    engine = EngineCore(model, KimiTokenizer.from_dir(cfg.checkpoint), cfg, speculative_models(cfg, device))
+    kw = cfg.model_kwargs
+    what = (f"{args.config} {' '.join(args.set)}: {device}, {cfg.dtype}, page {cfg.resources.mla_kv.page_size}, "
+            f"snapshot interval {cfg.prefix_cache.kda_snapshot_interval}, CUDA graphs {kw.cuda_graphs}, "
+            f"DSpark k={kw.speculative_tokens if kw.speculative_draft else 0}")
+    return engine, what
+
+
+def run(engine: EngineCore, args, messages) -> dict:
     # warm up (the first steps of a process are slower), then forget what the warm-up cached
     serve_turn(engine, "warmup", [t + 1 for t in messages[0][0]], args.answer)
     engine.reset_prefix_cache()
@@ -78,6 +101,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--checkpoint", default=None)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--config", default=None, help="a serve YAML: benchmark the engine it serves")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides of --config's keys")
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--first", type=int, default=384)
@@ -92,20 +117,26 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = Path(args.checkpoint) if args.checkpoint else write_tiny(Path(tmp))[0]
-        model = load_model(checkpoint, dtype=torch.float32).to(args.device)
-        tokenizer = KimiTokenizer.from_dir(checkpoint)
+        if args.config:
+            engines = {enabled: served_engine(args, enabled) for enabled in (False, True)}
+        else:
+            checkpoint = Path(args.checkpoint) if args.checkpoint else write_tiny(Path(tmp))[0]
+            model = load_model(checkpoint, dtype=torch.float32).to(args.device)
+            tokenizer = KimiTokenizer.from_dir(checkpoint)
+            engines = {enabled: (tiny_engine(model, tokenizer, args, enabled),
+                                 f"{args.device}, fp32, {checkpoint.name}, page {args.page_size}, "
+                                 f"snapshot interval {args.interval}, step budget {args.budget}")
+                       for enabled in (False, True)}
     rng = random.Random(0)
-    vocab = model.config.vocab_size - 256
+    vocab = engines[False][0].model_config.vocab_size - 256
     messages = [[[rng.randrange(vocab) for _ in range(args.first if t == 0 else args.message)]
                  for t in range(args.turns)] for _ in range(args.conversations)]
-    off = run(model, tokenizer, args, False, messages)
-    on = run(model, tokenizer, args, True, messages)
+    off = run(engines[False][0], args, messages)
+    on = run(engines[True][0], args, messages)
     if on["answers"] != off["answers"]:
         raise SystemExit("the answers differ with the cache on and off")
     lines = [f"{args.conversations} conversations x {args.turns} turns: first prompt {args.first} tokens, then "
-             f"+{args.answer} answer +{args.message} message per turn; page {args.page_size}, snapshot interval "
-             f"{args.interval}, step budget {args.budget}; {args.device}, fp32, {checkpoint.name}",
+             f"+{args.answer} answer +{args.message} message per turn; {engines[True][1]}",
              "", "| turn | prompt tokens | TTFT off ms | TTFT on ms | speedup |", "|---|---|---|---|---|"]
     length = args.first
     for turn in range(args.turns):
