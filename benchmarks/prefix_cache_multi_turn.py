@@ -27,11 +27,11 @@ from pathlib import Path
 import torch
 
 from mstar.config import EngineConfig, load_serve_config, resolve_device, torch_dtype
-from mstar.engine.core import EngineCore
+from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
+from mstar.models.dspark.model import K3DSparkModel
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
-from mstar.serve import speculative_models
 from mstar.tools.make_tiny import write_tiny
 
 
@@ -66,8 +66,11 @@ def served_engine(args, enabled: bool) -> tuple[EngineCore, str]:
     cfg = load_serve_config(args.config, [*args.set, f"prefix_cache.enabled={str(enabled).lower()}"])
     device = resolve_device(cfg)
     model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device)
-    engine = EngineCore(model, KimiTokenizer.from_dir(cfg.checkpoint), cfg, speculative_models(cfg, device))
     kw = cfg.model_kwargs
+    # as mstar-serve loads the draft (mstar.serve imports the HTTP stack, which this needs not)
+    draft = (SpeculativeModels(K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=torch_dtype(cfg.dtype))
+                               .to(device)) if cfg.speculative else None)
+    engine = EngineCore(model, KimiTokenizer.from_dir(cfg.checkpoint), cfg, draft)
     what = (f"{args.config} {' '.join(args.set)}: {device}, {cfg.dtype}, page {cfg.resources.mla_kv.page_size}, "
             f"snapshot interval {cfg.prefix_cache.kda_snapshot_interval}, CUDA graphs {kw.cuda_graphs}, "
             f"DSpark k={kw.speculative_tokens if kw.speculative_draft else 0}")
