@@ -49,7 +49,7 @@ def integer_args(kernel: str, num_tokens: int) -> dict[str, int]:
 def compile_sm90(kernel: str, config: moe.MoEConfig, num_tokens: int):
     fn = moe._gate_up_kernel if kernel == "gate_up" else moe._down_kernel
     tile = config.gate_up if kernel == "gate_up" else config.down
-    constexprs = {**moe._gemm_constexprs(config, kernel, H, I, K, pdl_on=True), "PDL": True}  # as launched there
+    constexprs = moe._gemm_constexprs(config, kernel, H, I, K)
     constexprs["COMPUTE"] = tl.bfloat16  # the GPU's, whatever this process's interpreter setting
     ints = integer_args(kernel, num_tokens)
     signature, attrs = {}, {}

@@ -77,16 +77,6 @@ tiles x (K steps), which Triton software-pipelines across the tile boundaries: t
 are in flight while this one's are decoded, and each tile's epilogue (the atomic adds) runs inside the
 loop when its last K step is done.
 
-Prefetch (PDL): a GEMM launch may start while the launch before it runs its last programs, and then waits for
-it (kernels/pdl.py). Before that wait a program asks L2 for its weights (`prefetch.global.L2`; no kernel of the
-step writes them): the down GEMM for all of its rows' K part, the gate/up GEMM for its first K steps. So the
-weight stream of the next GEMM starts in the idle bandwidth of the previous one's last wave. Finding which
-expert's rows those are means reading the routing (ids or the block table) before the wait, which is safe
-because it was written two or more launches back: every PDL kernel lets its dependents launch only after its
-own wait, so when a program of launch n + 1 runs, launch n - 1 has finished. The down GEMM always follows the
-gate/up GEMM, which writes no routing; the gate/up GEMM prefetches only where the K reordering precedes it (not
-the alignment, which writes the block table).
-
 Dequantization: an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16 number
 value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's bf16
 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
@@ -127,7 +117,6 @@ HBM_BYTES_PER_S = 4.26e12  # measured copy bandwidth of the H200 (DESIGN.md); fo
 DROPPED = -1  # expert id of a pair the call skips (an expert this rank does not hold)
 DIRECT_MAX_PAIRS = 128  # default_config skips the alignment up to this many pairs (T <= 8 at top-16)
 DIRECT_ONE_TILE_MAX_PAIRS = 16  # ... and gives each down program one output tile up to this many (T = 1)
-GATE_UP_PREFETCH_STEPS = 2  # K steps of its weights a gate/up program asks of L2 before the PDL wait
 
 
 # ----------------------------------------------------------------------------------------------
@@ -631,8 +620,8 @@ def _decodes_words(config: MoEConfig, gemm: str) -> bool:
     return config.swap_ab and rows >= _WGMMA_M.value
 
 
-def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_k: int, pdl_on: bool) -> dict:
-    """The constexpr arguments of the "gate_up" or "down" kernel's launch (pdl_on: launched with PDL)."""
+def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_k: int) -> dict:
+    """The constexpr arguments of the "gate_up" or "down" kernel's launch."""
     tile = config.gate_up if gemm == "gate_up" else config.down
     constexprs = {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
                   "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
@@ -640,7 +629,6 @@ def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_
                   "WORDS": _decodes_words(config, gemm), "SUBNORMAL_DECODE": config.decode == "subnormal",
                   "COMPUTE": _compute_dtype()}
     atomic = config.combine == "atomic"
-    constexprs.update(_prefetch_constexprs(config, gemm, hidden, inter, pdl_on))
     if gemm == "gate_up":
         # Where z is put in order first, that launch zeroes the output.
         constexprs.update(ZERO_OUT=atomic and not constexprs["WORDS"], ZERO_BLOCK=_ZERO_BLOCK,
@@ -648,19 +636,6 @@ def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_
     else:
         constexprs.update(ATOMIC=atomic, TILES=tile.tiles)
     return constexprs
-
-
-def _prefetch_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, pdl_on: bool) -> dict:
-    """PREFETCH_BYTES / PREFETCH_LINES of a GEMM launch (module doc, "Prefetch"): the down GEMM asks for each
-    row's whole K part; the gate/up GEMM for its first GATE_UP_PREFETCH_STEPS K steps, where the launch before it
-    is the K reordering (which writes no routing) and not the alignment. Only with PDL (off: nothing runs
-    early)."""
-    tile = config.gate_up if gemm == "gate_up" else config.down
-    if not pdl_on or (gemm == "gate_up" and not _decodes_words(config, "gate_up")):
-        return {"PREFETCH_BYTES": 0, "PREFETCH_LINES": 1}
-    k_part = (hidden if gemm == "gate_up" else inter) // tile.split_k
-    row_bytes = (min(k_part, GATE_UP_PREFETCH_STEPS * tile.block_k) if gemm == "gate_up" else k_part) // 2
-    return {"PREFETCH_BYTES": row_bytes, "PREFETCH_LINES": triton.next_power_of_2(triton.cdiv(row_bytes, 128) + 1)}
 
 
 def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple[int, tuple]:
@@ -691,8 +666,7 @@ def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: M
     split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
     args = (z, w13_packed, scale, ws.hidden_act, out, *split, *route, out.numel(), beta, linear_beta, z.stride(0),
             w13_packed.stride(0), w13_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, "gate_up", hidden, inter, ids.shape[1],
-                                  pdl.options(_gate_up_kernel, z.device)["PDL"])
+    constexprs = _gemm_constexprs(config, "gate_up", hidden, inter, ids.shape[1])
     _launch(_gate_up_kernel, (programs, inter // tile.block_n, tile.split_k), args, constexprs, tile)
 
 
@@ -704,8 +678,7 @@ def _launch_down(ids, w2_packed, w2_scale, weights, out, config: MoEConfig, ws: 
     programs, route = _route_args(ids, config, ws)
     args = (ws.hidden_act, w2_packed, scale, out, ws.hidden_act if atomic else ws.expert_out, weights, *route,
             w2_packed.stride(0), w2_packed.stride(1), scale.stride(0), scale.stride(1))
-    constexprs = _gemm_constexprs(config, "down", hidden, inter, ids.shape[1],
-                                  pdl.options(_down_kernel, out.device)["PDL"])
+    constexprs = _gemm_constexprs(config, "down", hidden, inter, ids.shape[1])
     _launch(_down_kernel, (programs, hidden // (tile.block_n * tile.tiles), tile.split_k), args, constexprs, tile)
 
 
@@ -1078,17 +1051,6 @@ def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stri
 
 
 @triton.jit
-def _prefetch_rows(base_ptr, row_offsets, BYTES: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for bytes [0, BYTES) of each row at the u8 pointer base_ptr + row_offsets (bytes): one request per
-    128-byte line, at offsets 0, 128, ... and BYTES - 1 (LINES >= BYTES / 128 + 1 of them, a power of two; extra
-    ones repeat the last byte), so that every line a row touches is asked for."""
-    lines = tl.minimum(tl.arange(0, LINES) * 128, BYTES - 1)
-    ptrs = base_ptr + row_offsets.to(tl.int64)[:, None] + lines[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def _zero_slice(out_ptr, numel, pid, nprog, ZERO_BLOCK: tl.constexpr):
     start = pid * ZERO_BLOCK
     while start < numel:
@@ -1105,39 +1067,30 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
                     WORDS: tl.constexpr, H_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                    COMPUTE: tl.constexpr, PREFETCH_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr,
-                    PDL: tl.constexpr):
+                    COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split).
 
     WORDS: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
-    H_ORDER columns, the down kernel's (module doc, "K order"). PREFETCH_BYTES > 0: the routing is read before
-    the PDL wait (module doc, "Prefetch") and each weight row's first PREFETCH_BYTES asked of L2."""
+    H_ORDER columns, the down kernel's (module doc, "K order")."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     n_tiles = tl.num_programs(1)
+    if ZERO_OUT:
+        # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
+        _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
+                    tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
+    expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
+                                         program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
+    if expert < 0:
+        return
+
     # One B tile of 2 BLOCK_N rows: gate row n at tile row 2n, up row n at 2n + 1, so one dot gives
     # both and the epilogue separates them in registers.
     tile_rows = tl.arange(0, 2 * BLOCK_N)
     w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
     k_part: tl.constexpr = HIDDEN // SPLIT_K
-    if PREFETCH_BYTES > 0:
-        expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-                                             num_tokens, program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
-        if expert >= 0:
-            _prefetch_rows(w_ptr + expert * stride_we + pid_k * (k_part // 2), w_rows * stride_wn, PREFETCH_BYTES,
-                           PREFETCH_LINES)
-    pdl.wait_for_inputs(PDL)
-    if ZERO_OUT:
-        # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
-        _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
-                    tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
-    if PREFETCH_BYTES == 0:
-        expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr,
-                                             num_tokens, program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
-    if expert < 0:
-        return
-
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
@@ -1176,34 +1129,23 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr,
-                 PREFETCH_BYTES: tl.constexpr, PREFETCH_LINES: tl.constexpr, PDL: tl.constexpr):
+                 WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
     adds the parts up); added into out (atomic) or stored per pair (reduce).
 
     The tiles run as one loop of TILES x (K steps), so that the software pipeline loads the next tile's
-    weights while this one's are decoded (module doc, "Short K"). PREFETCH_BYTES > 0: the routing is read before
-    the PDL wait (module doc, "Prefetch") and each weight row's first PREFETCH_BYTES (all of its K part) and the
-    tiles' scales asked of L2."""
+    weights while this one's are decoded (module doc, "Short K")."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
                                          program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
-    STEPS: tl.constexpr = INTER // SPLIT_K // BLOCK_K
-    k_start = tl.program_id(2) * (INTER // SPLIT_K)
-    first_n = tl.program_id(1) * TILES * BLOCK_N
-    if PREFETCH_BYTES > 0:  # noqa: SIM102 (a constexpr test, then a run-time one: Triton's `and` takes no mix)
-        if expert >= 0:
-            for t in tl.static_range(TILES):
-                rows = first_n + t * BLOCK_N + tl.arange(0, BLOCK_N)
-                _prefetch_rows(w_ptr + expert * stride_we + k_start // 2, rows * stride_wn, PREFETCH_BYTES,
-                               PREFETCH_LINES)
-                _prefetch_rows(s_ptr.to(tl.pointer_type(tl.uint8)) + (expert * stride_se + k_start // _SCALE_WORD) * 4,
-                               rows * (stride_sn * 4), STEPS * BLOCK_K // _SCALE_WORD * 4, 2)
-    pdl.wait_for_inputs(PDL)
     if expert < 0:
         return
 
+    STEPS: tl.constexpr = INTER // SPLIT_K // BLOCK_K
+    k_start = tl.program_id(2) * (INTER // SPLIT_K)
     coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD) if ATOMIC else None
+    first_n = tl.program_id(1) * TILES * BLOCK_N
     x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, first_n + tl.arange(0, BLOCK_N), k_start, stride_we,
                                   stride_wn, stride_se, stride_sn, BLOCK_K, WORDS)
