@@ -4,15 +4,14 @@
     PYTHONPATH=. python benchmarks/prefix_cache_multi_turn.py --config configs/kimi_k3_mini.yaml \
         --set dtype=bfloat16 model_kwargs.cuda_graphs=true --out FILE.md       # a served config, as served
 
-
 Each of --conversations chats runs --turns turns one after another; turn t's prompt is turn t-1's prompt,
 its answer and a new message of --message tokens (random ids), the first prompt --first tokens. The chats
-take turns (one request in the engine at a time), so TTFT is a turn's own prefill; each engine first serves
-one warm-up request, whose cache it then resets. Greedy: the answers, and
-so the prompts, are the same with the cache on and off, which the script checks. Without --checkpoint it
-writes the tiny checkpoint (mstar-make-tiny's) to a temporary folder. With --config it builds the engine
-that `mstar-serve --config` would (its dtype, device, CUDA graphs and DSpark draft; --set overrides keys as
-mstar-serve's --set does), the cache switched on and off by `prefix_cache.enabled`.
+take turns (one request in the engine at a time), so TTFT is a turn's own prefill; each engine first plays
+the same conversations on other tokens (untimed: every step shape compiles), whose cache it then resets.
+Greedy: the answers, and so the prompts, are the same with the cache on and off, which the script checks.
+Without --checkpoint it writes the tiny checkpoint (mstar-make-tiny's) to a temporary folder. With --config it
+builds the engine that `mstar-serve --config` would (its dtype, device, CUDA graphs and DSpark draft; --set
+overrides keys as mstar-serve's --set does), the cache switched on and off by `prefix_cache.enabled`.
 """
 
 from __future__ import annotations
@@ -78,9 +77,18 @@ def served_engine(args, enabled: bool) -> tuple[EngineCore, str]:
 
 
 def run(engine: EngineCore, args, messages) -> dict:
-    # warm up (the first steps of a process are slower), then forget what the warm-up cached
-    serve_turn(engine, "warmup", [t + 1 for t in messages[0][0]], args.answer)
+    """The conversations once untimed on other tokens of the same lengths (so every step shape has compiled and
+    autotuned: on a GPU the first step of a new length costs up to ~0.6 s eager), the cache reset, then timed."""
+    play(engine, args, [[[(t + 1) % len(vocab_range(engine)) for t in m] for m in chat] for chat in messages], "warm")
     engine.reset_prefix_cache()
+    return play(engine, args, messages, "c")
+
+
+def vocab_range(engine: EngineCore) -> range:
+    return range(engine.model_config.vocab_size - 256)
+
+
+def play(engine: EngineCore, args, messages, name: str) -> dict:
     prompts = [[] for _ in messages]
     by_turn = [[] for _ in range(args.turns)]
     answers, cached_tokens, prompt_tokens, output_tokens = [], 0, 0, 0
@@ -88,7 +96,7 @@ def run(engine: EngineCore, args, messages) -> dict:
     for turn in range(args.turns):
         for c, chat in enumerate(messages):
             prompts[c] = prompts[c] + chat[turn]
-            tokens, ttft, cached = serve_turn(engine, f"c{c}t{turn}", prompts[c], args.answer)
+            tokens, ttft, cached = serve_turn(engine, f"{name}{c}t{turn}", prompts[c], args.answer)
             by_turn[turn].append(ttft)
             answers.append(tokens)
             cached_tokens += cached
@@ -131,7 +139,7 @@ def main() -> None:
                                  f"snapshot interval {args.interval}, step budget {args.budget}")
                        for enabled in (False, True)}
     rng = random.Random(0)
-    vocab = engines[False][0].model_config.vocab_size - 256
+    vocab = len(vocab_range(engines[False][0]))
     messages = [[[rng.randrange(vocab) for _ in range(args.first if t == 0 else args.message)]
                  for t in range(args.turns)] for _ in range(args.conversations)]
     off = run(engines[False][0], args, messages)
