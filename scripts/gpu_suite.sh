@@ -23,7 +23,7 @@ BASE_PYTHONPATH=$PWD:/tmp/serve-site
 export PYTHONPATH=$PWD:/tmp/serve-site:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 # fla's chunk_kda autotunes per process (~100 s at a TP8 rank's shapes): later processes reuse the result
 export TRITON_CACHE_AUTOTUNING=1
-# SUITE picks sections (default: all): kernels served emulate benches mini
+# SUITE picks sections (default: kernels served emulate benches mini; also opt-in: multinode prefix)
 # PACK=1 leaves $OUT as summary.txt + suite.tar.gz of everything (the lent device returns only a few files).
 # MSTAR_COMMIT=<hash>: the commit the results name where the copy's git metadata lags (the lent device's does).
 SUITE=${SUITE:-kernels served emulate benches mini}
@@ -60,6 +60,16 @@ want mini && run mini-pair-sweep env KS="${MINI_KS:-0 7}" \
     LEVELS="${MINI_LEVELS:-1,4,16,64}" OUTPUT_LEN=48 REQUESTS=2 PROMPTS=mstar/training/heldout_prompts.json \
     bash scripts/bench_sweep.sh configs/kimi_k3_mini.yaml "$OUT/mini_pair" device=cuda dtype=bfloat16 \
     model_kwargs.cuda_graphs=true
+# Opt-in: rank 0 of the full K3 at TP16/EP2 with inter-node collective costs, and one TP8xPP2 stage (47 layers),
+# for docs/multi_node.md section 6 (~100 s each to build the weights).
+want multinode && run emulate-k3-tp16-ep2 python3 -m mstar.tools.emulate_rank --config kimi_k3_config.json --tp 16 \
+    --ep 2 --batch 1,64 --steps decode --comm-latency-us 25 --comm-gb-per-s 50 --reps 5 --warmup 2 --out "$OUT/tp16_ep2"
+want multinode && run emulate-k3-tp8-stage python3 -m mstar.tools.emulate_rank --config kimi_k3_config.json --tp 8 \
+    --layers 47 --batch 1,64 --steps decode --reps 5 --warmup 2 --out "$OUT/tp8_stage"
+# Opt-in: the prefix cache over multi-turn chats with the mini pair (benchmarks/prefix_cache_h200_mini.md).
+want prefix && run prefix-cache-multi-turn python3 benchmarks/prefix_cache_multi_turn.py --config configs/kimi_k3_mini.yaml \
+    --set dtype=bfloat16 max_seq_len=4096 scheduler.max_num_batched_tokens=512 prefix_cache.kda_snapshot_interval=64 \
+    --conversations 2 --turns 5 --first 1024 --message 256 --answer 16 --out "$OUT/prefix_cache_multi_turn.md"
 
 echo
 echo "== summary =="
