@@ -28,8 +28,7 @@ import torch
 from mstar.config import EngineConfig, load_serve_config, resolve_device, torch_dtype
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
-from mstar.models.dspark.model import K3DSparkModel
-from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+from mstar.models.kimi_k3.tokenizer import NUM_SPECIAL_SLOTS, KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
 from mstar.tools.make_tiny import write_tiny
 
@@ -65,27 +64,27 @@ def served_engine(args, enabled: bool) -> tuple[EngineCore, str]:
     cfg = load_serve_config(args.config, [*args.set, f"prefix_cache.enabled={str(enabled).lower()}"])
     device = resolve_device(cfg)
     model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device)
+    engine = EngineCore(model, KimiTokenizer.from_dir(cfg.checkpoint), cfg, SpeculativeModels.for_config(cfg, device))
     kw = cfg.model_kwargs
-    # as mstar-serve loads the draft (mstar.serve imports the HTTP stack, which this needs not)
-    draft = (SpeculativeModels(K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=torch_dtype(cfg.dtype))
-                               .to(device)) if cfg.speculative else None)
-    engine = EngineCore(model, KimiTokenizer.from_dir(cfg.checkpoint), cfg, draft)
     what = (f"{args.config} {' '.join(args.set)}: {device}, {cfg.dtype}, page {cfg.resources.mla_kv.page_size}, "
             f"snapshot interval {cfg.prefix_cache.kda_snapshot_interval}, CUDA graphs {kw.cuda_graphs}, "
-            f"DSpark k={kw.speculative_tokens if kw.speculative_draft else 0}")
+            f"DSpark k={kw.speculative_tokens if cfg.speculative else 0}")
     return engine, what
 
 
 def run(engine: EngineCore, args, messages) -> dict:
     """The conversations once untimed on other tokens of the same lengths (so every step shape has compiled and
     autotuned: on a GPU the first step of a new length costs up to ~0.6 s eager), the cache reset, then timed."""
-    play(engine, args, [[[(t + 1) % len(vocab_range(engine)) for t in m] for m in chat] for chat in messages], "warm")
+    vocab = message_vocab(engine)
+    play(engine, args, [[[(t + 1) % vocab for t in m] for m in chat] for chat in messages], "warm")
     engine.reset_prefix_cache()
     return play(engine, args, messages, "c")
 
 
-def vocab_range(engine: EngineCore) -> range:
-    return range(engine.model_config.vocab_size - 256)
+def message_vocab(engine: EngineCore) -> int:
+    """Message tokens are random ids below this: the vocabulary less as many ids as the tokenizer has special
+    slots, which K3's vocabulary puts after its BPE ranks."""
+    return engine.model_config.vocab_size - NUM_SPECIAL_SLOTS
 
 
 def play(engine: EngineCore, args, messages, name: str) -> dict:
@@ -139,7 +138,7 @@ def main() -> None:
                                  f"snapshot interval {args.interval}, step budget {args.budget}")
                        for enabled in (False, True)}
     rng = random.Random(0)
-    vocab = len(vocab_range(engines[False][0]))
+    vocab = message_vocab(engines[False][0])
     messages = [[[rng.randrange(vocab) for _ in range(args.first if t == 0 else args.message)]
                  for t in range(args.turns)] for _ in range(args.conversations)]
     off = run(engines[False][0], args, messages)

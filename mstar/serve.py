@@ -51,7 +51,6 @@ from mstar.server.options import ServerOptions
 
 if TYPE_CHECKING:  # the engine (torch) is imported where it is built: a tokenizer worker re-imports this module
     from mstar.engine.async_engine import AsyncEngine
-    from mstar.engine.core import SpeculativeModels
     from mstar.engine.faults import FaultInjector
 
 log = logging.getLogger("mstar.serve")
@@ -83,20 +82,6 @@ def ensure_tiny_checkpoint(cfg: ServeConfig) -> None:
     write_tiny(cfg.checkpoint.parent)
 
 
-def speculative_models(cfg: ServeConfig, device: str) -> SpeculativeModels | None:
-    """The DSpark draft, loaded when the config speculates."""
-    kw = cfg.model_kwargs
-    if not cfg.speculative:
-        return None
-    from mstar.engine.core import SpeculativeModels
-    from mstar.models.dspark.model import K3DSparkModel
-
-    log.info("loading the DSpark draft %s (k=%d, schedule %s)", kw.speculative_draft, kw.speculative_tokens,
-             dict(kw.speculative_schedule) or "none")
-    draft = K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=torch_dtype(cfg.dtype)).to(device)
-    return SpeculativeModels(draft)
-
-
 def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool | None = None,
                  faults: FaultInjector | None = None, tensor_comm_protocol: str = "SHM",
                  rendezvous: Rendezvous | None = None) -> AsyncEngine:
@@ -104,7 +89,7 @@ def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool 
     `env.fault_inject` (MSTAR_FAULT_INJECT) asks for, when it is set. `rendezvous`: the nodes of a
     tensor-parallel config (default: all its ranks on this one)."""
     from mstar.engine.async_engine import AsyncEngine
-    from mstar.engine.core import EngineCore
+    from mstar.engine.core import EngineCore, SpeculativeModels
     from mstar.engine.faults import FaultInjector
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
     from mstar.models.kimi_k3.weights import load_model
@@ -121,13 +106,13 @@ def build_engine(cfg: ServeConfig, *, env: Environment = NO_ENV, progress: bool 
         from mstar.models.kimi_k3.config import load_config
 
         check_expert_parallel(cfg, load_config(cfg.checkpoint).num_experts)
-        return build_tp_engine(cfg, speculative_models(cfg, device), env=env, device=device,
+        return build_tp_engine(cfg, SpeculativeModels.for_config(cfg, device), env=env, device=device,
                                tensor_comm_protocol=tensor_comm_protocol, rendezvous=rendezvous,
                                max_step_failures=cfg.server.max_step_failures, faults=faults)
     log.info("loading %s (%s on %s)", cfg.checkpoint, cfg.dtype, device)
     model = load_model(cfg.checkpoint, dtype=torch_dtype(cfg.dtype), device=device, progress=progress)
     tokenizer = KimiTokenizer.from_dir(cfg.checkpoint)
-    core = EngineCore(model, tokenizer, cfg, speculative_models(cfg, device), env=env)
+    core = EngineCore(model, tokenizer, cfg, SpeculativeModels.for_config(cfg, device), env=env)
     return AsyncEngine(core, cfg.served_model_name, max_step_failures=cfg.server.max_step_failures,
                        faults=faults).start()
 

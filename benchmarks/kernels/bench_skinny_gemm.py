@@ -46,7 +46,7 @@ from mstar.distributed.loader import rank_module  # noqa: E402
 from mstar.distributed.sharding import ShardingPlan  # noqa: E402
 from mstar.kernels import skinny_gemm  # noqa: E402
 from mstar.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
-from mstar.kernels.stacked_linear import ROW_ALIGN  # noqa: E402
+from mstar.kernels.stacked_linear import padded_rows  # noqa: E402
 from mstar.models.kimi_k3.config import KimiK3Config  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
 from mstar.models.kimi_k3.mla import GatedMLA  # noqa: E402
@@ -66,10 +66,6 @@ SWEEP_64_ROWS = [SkinnyConfig(64, 128, 4), SkinnyConfig(128, 128, 3, warps=8), S
                  SkinnyConfig(64, 64, 6, ctas_per_sm=2)]
 
 
-def padded(rows: int) -> int:
-    return -(-rows // ROW_ALIGN) * ROW_ALIGN
-
-
 def decode_projections(config: KimiK3Config, plan: ShardingPlan) -> list[tuple[str, int, int, int]]:
     """(name, N, K, calls per decode step) of every dense projection of rank `plan.rank`, stacked as gpu_ops
     stacks them."""
@@ -78,7 +74,7 @@ def decode_projections(config: KimiK3Config, plan: ShardingPlan) -> list[tuple[s
 
     def add(name, *linears):  # several: a row stack, padded as StackedLinear pads it
         n = sum(lin.out_features for lin in linears)
-        calls[(name, padded(n) if len(linears) > 1 else n, linears[0].in_features)] += 1
+        calls[(name, padded_rows(n) if len(linears) > 1 else n, linears[0].in_features)] += 1
 
     for m in model.modules():
         if isinstance(m, KimiDeltaAttention):
@@ -98,9 +94,9 @@ def decode_projections(config: KimiK3Config, plan: ShardingPlan) -> list[tuple[s
             if getattr(m, "routed_expert_down_proj", None) is not None:
                 shared = m.shared_experts if m.config.num_shared_experts else None
                 if shared is not None:  # gpu_ops' moe_inputs: router + latent down + shared gate/up, one GEMM
-                    n = m.gate.weight.shape[0] + sum(p.out_features for p in (m.routed_expert_down_proj,
-                                                                              shared.gate_proj, shared.up_proj))
-                    calls[("MoE inputs (router, latent down, shared gate/up)", padded(n), m.gate.weight.shape[1])] += 1
+                    n = padded_rows(m.gate.weight.shape[0] + sum(
+                        p.out_features for p in (m.routed_expert_down_proj, shared.gate_proj, shared.up_proj)))
+                    calls[("MoE inputs (router, latent down, shared gate/up)", n, m.gate.weight.shape[1])] += 1
                 else:
                     add("latent down", m.routed_expert_down_proj)
                 if shared is not None and m.config.latent_shards > 1:  # gpu_ops' latent_output: one GEMM

@@ -72,13 +72,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from mstar.config import NO_ENV, EngineConfig, Environment
+from mstar.config import NO_ENV, EngineConfig, Environment, torch_dtype
 from mstar.engine.client import EngineStats
 from mstar.engine.logits_processing import LogitsProcessing, RowHistory
 from mstar.engine.output_text import OutputText
@@ -103,6 +104,8 @@ from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads
 from mstar.speculative.schedule import DraftSchedule
 
+log = logging.getLogger("mstar.engine")
+
 
 @dataclass(frozen=True)
 class SpeculativeModels:
@@ -117,6 +120,17 @@ class SpeculativeModels:
 
     def taps(self) -> tuple[int, ...]:
         return tuple(self.draft.config.target_layer_ids) if self.draft is not None else self.tap_layers
+
+    @classmethod
+    def for_config(cls, config: EngineConfig, device: torch.device | str) -> SpeculativeModels | None:
+        """The DSpark draft of `config` (model_kwargs.speculative_draft, in its dtype) on `device`; None when the
+        config does not speculate."""
+        if not config.speculative:
+            return None
+        kw = config.model_kwargs
+        log.info("loading the DSpark draft %s (k=%d, schedule %s)", kw.speculative_draft, kw.speculative_tokens,
+                 dict(kw.speculative_schedule) or "none")
+        return cls(K3DSparkModel.from_checkpoint(kw.speculative_draft, dtype=torch_dtype(config.dtype)).to(device))
 
 
 MAX_DRAFT_GRAPH_BATCH = 16  # larger batches draft eagerly (speculation pays least there, and memory grows with B)

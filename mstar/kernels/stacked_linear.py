@@ -49,11 +49,16 @@ def rows_view(tensors: Sequence[torch.Tensor], rows: int | None = None) -> torch
     return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
 
 
+def padded_rows(rows: int, align: int = ROW_ALIGN) -> int:
+    """Rows of a row stack of `rows` weight rows: the next multiple of `align`."""
+    return -(-rows // align) * align
+
+
 def stack_rows(tensors: Sequence[torch.Tensor], align: int = 1) -> torch.Tensor:
     """The rows of `tensors`, in order, as one tensor whose row blocks the tensors then are (module doc), with
     zero rows after them up to a multiple of `align`."""
     rows = sum(t.shape[0] for t in tensors)
-    padded = -(-rows // align) * align
+    padded = padded_rows(rows, align)
     view = rows_view(tensors, padded)
     if view is not None:
         return view

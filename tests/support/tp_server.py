@@ -16,7 +16,8 @@ import uvicorn
 
 from mstar.config import load_serve_config
 from mstar.distributed.worker import Timeouts, build_tp_engine
-from mstar.serve import DrainingServer, speculative_models
+from mstar.engine.core import SpeculativeModels
+from mstar.serve import DrainingServer
 from mstar.server.app import build_app
 
 
@@ -25,7 +26,7 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_serve_config(config, overrides)
     timeouts = Timeouts(startup_s=120, control_s=float(os.environ.get("TP_SERVER_CONTROL_S", 10)))
-    engine = build_tp_engine(cfg, speculative_models(cfg, "cpu"), device="cpu", tensor_comm_protocol="GLOO",
+    engine = build_tp_engine(cfg, SpeculativeModels.for_config(cfg, "cpu"), device="cpu", tensor_comm_protocol="GLOO",
                              timeouts=timeouts)
     app = build_app(engine, served_model_name=cfg.served_model_name)
     server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning",
