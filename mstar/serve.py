@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -181,6 +182,16 @@ def serve_other_node(cfg: ServeConfig, rendezvous: Rendezvous) -> int:
     return serve_node(cfg, rendezvous)
 
 
+def exit_now(status: int) -> None:
+    """End the process with `status` once the logs are out, without the interpreter's finalization: after node 0
+    is gone, the heartbeat thread can still be inside a TCPStore call, and finalizing under it aborts (SIGABRT
+    instead of the status the launcher chose)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def serve_main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="mstar-serve", description="Serve Kimi K3 behind an OpenAI-compatible API.")
     p.add_argument("--config", required=True, type=Path, help="serve config YAML (see configs/)")
@@ -204,7 +215,7 @@ def serve_main(argv: list[str] | None = None) -> None:
         cfg = load_serve_config(args.config, args.overrides)
         rendezvous = resolve_rendezvous(args, cfg.tp_size, env.rendezvous())
         if rendezvous.node_rank > 0:  # no HTTP here: this node runs its ranks for node 0
-            raise SystemExit(serve_other_node(cfg, rendezvous))
+            exit_now(serve_other_node(cfg, rendezvous))
         options = server_options(cfg, args.api_key, args.log_requests, env)
         http_socket = bind_http_socket(args.host, args.port)
         engine = build_engine(cfg, env=env, progress=True, tensor_comm_protocol=args.tensor_comm_protocol,
