@@ -3,6 +3,8 @@ one TP8 rank of pruned75 (hidden 7168, 12 KDA heads of 128, AttnRes with 9 sourc
 shared-expert width 768):
 
     python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only attn_res]
+    python3 benchmarks/kernels/bench_small_kernels.py --tokens 1024 8192 --attn-res-tiles 1024x4 512x2 \
+        --attn-res-sources 5 9     # AttnRes's three launches at prefill sizes, by tiling
 
 T is the step's token rows, except for fold_recurrent (a verify step's KDA recurrence), where it is the
 sequences, each a block of VERIFY_ROWS rows after PENDING_ROWS accepted ones folded from its slot's state;
@@ -60,13 +62,33 @@ def bench(name: str, tokens: int, floor_bytes: int, make: Callable[[], tuple[Cal
             "x_floor": fused_us / floor_us, "torch_us": torch_us}
 
 
-def attn_res_case(t: int, one_launch: bool | None = None):
-    """The default path (one launch where it fits), or the one forced (False: the three launches)."""
-    src = torch.randn(SOURCES, t, D, device="cuda", dtype=BF16)
+def attn_res_case(t: int, one_launch: bool | None = None, tile: tuple[int, int] | None = None, sources: int = SOURCES):
+    """The default path (one launch where it fits), or the one forced (False: the three launches; a `tile`: the
+    three launches of that tiling, one tile a program)."""
+    src = torch.randn(sources, t, D, device="cuda", dtype=BF16)
     proj, res_w, out_w = (torch.randn(1, D, device="cuda", dtype=BF16) * D**-0.5,
                           torch.ones(D, device="cuda", dtype=BF16), torch.ones(D, device="cuda", dtype=BF16))
-    return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6, one_launch=one_launch),
+    splits = None if tile is None else -(-D // tile[0])
+    return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6, one_launch=one_launch,
+                                                tile=tile, splits=splits),
             lambda: attn_res.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6))
+
+
+def attn_res_bytes(sources: int):
+    return lambda t: (sources + 1) * t * D * 2 + 3 * D * 2
+
+
+def attn_res_tile_cases(tiles: list[str], sources: list[int]) -> dict:
+    """--attn-res-tiles COLSxWARPS ...: the three launches at each tiling, for each source count."""
+    cases = {}
+    for n in sources:
+        for spec in tiles:
+            tile = tuple(int(x) for x in spec.split("x"))
+            cases[f"attn_res_norm, {n} sources, tile {spec}"] = (
+                lambda t, tile=tile, n=n: attn_res_case(t, one_launch=False, tile=tile, sources=n), attn_res_bytes(n))
+        cases[f"attn_res_norm, {n} sources, default"] = (
+            lambda t, n=n: attn_res_case(t, sources=n), attn_res_bytes(n))
+    return cases
 
 
 def rms_case(t: int):
@@ -156,9 +178,8 @@ FOLD_CASES = {f"kda fold_recurrent {bv}x{w}{' (default)' if (bv, w) == kda_block
               (lambda t, tile=(bv, w): fold_case(t, tile), fold_bytes) for bv, w in kda_blocks.FOLD_TILES}
 
 CASES = {  # name -> (inputs, floor bytes for t tokens)
-    "attn_res_norm": (attn_res_case, lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
-    "attn_res_norm, three launches": (lambda t: attn_res_case(t, one_launch=False),
-                                      lambda t: (SOURCES + 1) * t * D * 2 + 3 * D * 2),
+    "attn_res_norm": (attn_res_case, attn_res_bytes(SOURCES)),
+    "attn_res_norm, three launches": (lambda t: attn_res_case(t, one_launch=False), attn_res_bytes(SOURCES)),
     "rms_norm_rows": (rms_case, lambda t: 2 * t * D * 2 + D * 2),
     "router (GEMM + select)": (router_case, lambda t: EXPERTS * D * 2 + t * D * 2 + t * TOP_K * 12),
     "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
@@ -173,12 +194,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--only", help="time only the kernels whose name contains this")
+    parser.add_argument("--attn-res-tiles", nargs="+", metavar="COLSxWARPS",
+                        help="time only AttnRes's three launches at these tilings (one tile a program) and the default")
+    parser.add_argument("--attn-res-sources", type=int, nargs="+", default=[SOURCES],
+                        help="source counts of the --attn-res-tiles sweep")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_small_kernels: needs a CUDA GPU")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     results = []
-    for name, (make, floor) in CASES.items():
+    cases = attn_res_tile_cases(args.attn_res_tiles, args.attn_res_sources) if args.attn_res_tiles else CASES
+    for name, (make, floor) in cases.items():
         if args.only and args.only not in name:
             continue
         for t in args.tokens:

@@ -52,16 +52,24 @@ MAX_SOURCES = 16
 TARGET_PROGRAMS = 2048
 ONE_LAUNCH_CTAS_PER_SM = 2  # programs of 4 warps a SM the one-launch path may need resident at once
 ONE_LAUNCH_ELEMENTS = 8192  # [sources, columns] of one tile of the one-launch path (64 fp32 a thread)
+# From this many rows (prefill) the three launches take tiles of WIDE_TILE columns over WIDE_WARPS warps, one a
+# program: 8 columns a thread, so that each thread holds every source of its columns (the mix sums them in
+# registers, not across warps) and a program issues all its loads at once. The narrow tiles of 8 warps split the
+# sources across warps and walked a row's chunk in a loop of dependent loads: at 1,024 rows and 5-9 sources 0.3-0.5
+# TB/s (benchmarks/emulate_rank, prefill profile of 7758326).
+WIDE_TILE_ROWS = 256
+WIDE_TILE, WIDE_WARPS = 1024, 4
 
 
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
                   out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None,
                   splits: int | None = None, residual: torch.Tensor | None = None,
-                  one_launch: bool | None = None) -> torch.Tensor:
+                  one_launch: bool | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """The fused kernels: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`).
     `residual` [T, D]: added into sources[-1] in place first (the stats pass does it). `splits`: column
-    chunks per row of the three-launch path (default: enough to fill the GPU at this row count).
-    `one_launch`: the one-launch path (module doc); default: where it fits and `splits` is not given."""
+    chunks per row of the three-launch path; `tile`: its (columns a tile, warps a program), a power of two and
+    at most 32 (defaults: `three_launch_tiling`). `one_launch`: the one-launch path (module doc); default:
+    where it fits and neither `splits` nor `tile` is given."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
@@ -72,33 +80,49 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
     n_pad = triton.next_power_of_2(n)
     if one_launch is None:
-        one_launch = splits is None and _one_launch_fits(T, D, n_pad, sources.device)
+        one_launch = splits is None and tile is None and _one_launch_fits(T, D, n_pad, sources.device)
     if one_launch:
         return _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                          out, residual, n_pad)
-    block = _block(D, n_pad)
-    chunk, S = _chunks(T, D, block, splits)
+    (block, warps), default_splits = three_launch_tiling(T, D, n_pad, tile)
+    chunk, S = _chunks(T, D, block, default_splits if splits is None else splits)
     stats = torch.empty(T, S, 2, n_pad, dtype=torch.float32, device=sources.device)
     mixed = torch.empty_like(out)
     _source_stats_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, stats,
         sources if residual is None else residual, 0 if residual is None else residual.stride(0),
-        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, num_warps=8,
+        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, num_warps=warps,
         **pdl.options(_source_stats_kernel, sources.device),
     )
     square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
     _mix_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, stats, res_eps, mixed, square_sums, out_norm_weight,
         out_eps, out, D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, N_PAD=n_pad,
-        NORM=S == 1, num_warps=8, **pdl.options(_mix_kernel, sources.device),
+        NORM=S == 1, num_warps=warps, **pdl.options(_mix_kernel, sources.device),
     )
     if S > 1:
         _norm_kernel[(T, S)](
             mixed, D, square_sums, out_norm_weight, out_eps, out,
-            D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False, num_warps=8,
-            **pdl.options(_norm_kernel, sources.device),
+            D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False,
+            num_warps=warps, **pdl.options(_norm_kernel, sources.device),
         )
     return out
+
+
+def three_launch_tiling(T: int, D: int, n_pad: int, tile: tuple[int, int] | None = None
+                        ) -> tuple[tuple[int, int], int | None]:
+    """((columns a tile, warps a program), chunks a row or None for `_chunks`' default) of the three launches:
+    from WIDE_TILE_ROWS rows wide tiles, one a program (the WIDE_TILE note); below, tiles of ~4K elements over
+    8 warps and enough chunks to fill the GPU. A given `tile` is checked and kept, with `_chunks`' default."""
+    if tile is not None:
+        block, warps = tile
+        if block < 1 or block & (block - 1) or warps not in (1, 2, 4, 8, 16, 32):
+            raise ValueError(f"tile={tile}: need (columns a power of two, warps a power of two <= 32)")
+        return (block, warps), None
+    if T >= WIDE_TILE_ROWS:
+        block = min(WIDE_TILE, triton.next_power_of_2(D))
+        return (block, WIDE_WARPS), triton.cdiv(D, block)
+    return (_block(D, n_pad), 8), None
 
 
 def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[int, int, int] | None:
@@ -223,18 +247,22 @@ def _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ro
     """(V [N_PAD, cols] fp32, w [cols] fp32) at columns c of a row; with ADD the last source becomes
     V_last + residual first, stored in place rounded to the stream dtype (as the torch add)."""
     srcs = tl.arange(0, N_PAD)
-    live = srcs < n_sources
     ok = c < D
     w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
                                                                           other=0).to(tl.float32)
-    v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=live[:, None] & ok[None, :],
-                other=0).to(tl.float32)
     if ADD:
-        last = srcs == n_sources - 1
-        r = tl.load(residual_row + c, mask=ok, other=0).to(tl.float32)
-        summed = (tl.sum(tl.where(last[:, None], v, 0.0), axis=0) + r).to(row_src.dtype.element_ty)
-        tl.store(row_src + (n_sources - 1) * stride_n + c, summed, mask=ok)
-        v = tl.where(last[:, None], summed.to(tl.float32)[None, :], v)
+        # The last source is read as a row of its own: taking it out of the tile would be a reduction over the
+        # tile's source axis (across warps where the warps split the sources).
+        last_ptrs = row_src + (n_sources - 1) * stride_n + c
+        summed = (tl.load(last_ptrs, mask=ok, other=0).to(tl.float32)
+                  + tl.load(residual_row + c, mask=ok, other=0).to(tl.float32)).to(row_src.dtype.element_ty)
+        tl.store(last_ptrs, summed, mask=ok)
+        v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :],
+                    mask=(srcs < n_sources - 1)[:, None] & ok[None, :], other=0).to(tl.float32)
+        v = tl.where((srcs == n_sources - 1)[:, None], summed.to(tl.float32)[None, :], v)
+    else:
+        v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=(srcs < n_sources)[:, None] & ok[None, :],
+                    other=0).to(tl.float32)
     return v, w
 
 

@@ -37,16 +37,18 @@ def weights(d, dtype):
 @pytest.mark.parametrize("dtype, d, tol", CASES)
 @pytest.mark.parametrize("n, t", [(1, 1), (2, 3), (9, 5), (16, 2)])
 @pytest.mark.parametrize("splits", [None, 1, 3, 64])
-def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t, splits):
+@pytest.mark.parametrize("tile", [None, (256, 4)])
+def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t, splits, tile):
     """Any split of the row's columns into chunks (None: the default for t rows; 1: one program per
-    row, the mix normalising its own row; more chunks than tiles: one tile each)."""
+    row, the mix normalising its own row; more chunks than tiles: one tile each), with the default
+    tiles or wide ones (every source of a column in one thread on the GPU)."""
     # sources of very different scales (as blocks of a deep stream are) and a strided view of a larger buffer
     buffer = torch.randn(n + 2, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 2, device=DEVICE)[:, None, None]
     sources = buffer.to(dtype)[:n]
     proj, res_w, out_w = weights(d, dtype)
     expect = reference(sources, proj, res_w, 1e-6, out_w, 1e-5)
     got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
-                          splits=splits)
+                          splits=splits, tile=tile)
     assert got.dtype == expect.dtype and got.shape == expect.shape and torch.isfinite(got).all()
     assert rel(got, expect) < tol, rel(got, expect)
 
@@ -54,7 +56,8 @@ def test_fused_mix_and_norm_equal_torch(dtype, d, tol, n, t, splits):
 @pytest.mark.parametrize("dtype, d, tol", CASES)
 @pytest.mark.parametrize("n, t", [(1, 1), (3, 2), (9, 4)])
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_the_residual_add_is_fused_into_the_mix(dtype, d, tol, n, t, splits):
+@pytest.mark.parametrize("tile", [None, (256, 4)])
+def test_the_residual_add_is_fused_into_the_mix(dtype, d, tol, n, t, splits, tile):
     """With `residual`, the partial sum (the last source) becomes partial + residual in place, rounded as the
     torch add rounds it (bit for bit), and the output is the mix of the updated sources."""
     buffer = torch.randn(n + 1, t, d, device=DEVICE) * torch.logspace(-1, 1, n + 1, device=DEVICE)[:, None, None]
@@ -64,10 +67,33 @@ def test_the_residual_add_is_fused_into_the_mix(dtype, d, tol, n, t, splits):
     reference_sources = sources.clone()
     expect = reference(reference_sources, proj, res_w, 1e-6, out_w, 1e-5, residual)
     got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
-                          splits=splits, residual=residual)
+                          splits=splits, residual=residual, tile=tile)
     assert torch.equal(sources[-1], reference_sources[-1])  # the add, in place, the same bits
     assert torch.equal(sources[:-1], reference_sources[:-1])  # stored blocks untouched
     assert rel(got, expect) < tol, rel(got, expect)
+
+
+@pytest.mark.parametrize("dtype, d, tol", CASES)
+def test_prefill_rows_take_wide_tiles_one_a_program(dtype, d, tol):
+    """From WIDE_TILE_ROWS rows the default is the wide tiling, every chunk one tile (with the residual add)."""
+    t, n = k.WIDE_TILE_ROWS, 5
+    (block, warps), splits = k.three_launch_tiling(t, d, 8)
+    assert (block, warps) == (min(k.WIDE_TILE, 1 << (d - 1).bit_length()), k.WIDE_WARPS) and splits == -(-d // block)
+    sources = (torch.randn(n, t, d, device=DEVICE) * torch.logspace(-1, 1, n, device=DEVICE)[:, None, None]).to(dtype)
+    residual = torch.randn(t, d, device=DEVICE).to(dtype)
+    proj, res_w, out_w = weights(d, dtype)
+    reference_sources = sources.clone()
+    expect = reference(reference_sources, proj, res_w, 1e-6, out_w, 1e-5, residual)
+    got = k.attn_res_norm(sources, proj, res_w, 1e-6, out_w, 1e-5, out=torch.full_like(expect, float("nan")),
+                          residual=residual, one_launch=False)
+    assert torch.equal(sources, reference_sources)
+    assert rel(got, expect) < tol, rel(got, expect)
+
+
+def test_a_tile_that_is_not_a_power_of_two_is_refused():
+    proj, res_w, out_w = weights(8, torch.float32)
+    with pytest.raises(ValueError, match=r"tile=\(96, 4\)"):
+        k.attn_res_norm(torch.randn(2, 3, 8, device=DEVICE), proj, res_w, 1e-6, out_w, 1e-6, tile=(96, 4))
 
 
 def test_a_residual_of_the_wrong_shape_is_refused():
