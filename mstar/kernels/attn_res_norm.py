@@ -18,8 +18,9 @@ a launch over a grid of (rows, column chunks): a decode step has 1-64 rows, and 
 walking D = 7168 columns serially ran at 25 us a call on the H200 (latency-bound: ~80 dependent loads
 per program; 327 calls made a third of a batch-1 decode step). Splitting the columns over S programs
 per row puts many programs on every SM (one 256-column tile each at decode sizes); each stage then
-reads the (tiny) partial statistics of its row's chunks. At many rows (prefill) chunks hold several
-tiles, and from 2048 rows S = 1 and the mix normalises its own row (two launches).
+reads the (tiny) partial statistics of its row's chunks. At many rows (prefill) every program takes one
+wide tile (WIDE_TILE columns, every source of a column in one thread), S = D / WIDE_TILE; with S = 1 (a
+`splits` of 1) the mix normalises its own row (two launches).
 
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
@@ -29,7 +30,7 @@ ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their 
 stages run in one kernel whose programs meet at two per-row barriers instead of kernel boundaries: a
 program loads its tile of the sources once (kept in registers for the mix), stores its stats, waits for the
 row's other tiles (an atomic counter per row), mixes, stores its square sum, waits again, normalises its
-tile. Past ~18 rows of K3 a program takes several smaller tiles of its row in a loop instead (the sources
+tile. Past ~18 rows of K3 a program takes several wide tiles of its row in a loop instead (the sources
 read twice, the mix kept in the output until the norm): 64 rows are 4 programs a row, 264 rows one. The
 barriers need every program of the row resident, which the grid bound guarantees: the kernel before it has
 all its programs running before this one's start (PDL launches a dependent only then), and the kernel after
@@ -140,7 +141,7 @@ def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[
         return None
     block = min(triton.next_power_of_2(D), max(256, ONE_LAUNCH_ELEMENTS // n_pad))
     if per_row < triton.cdiv(D, block):
-        block = _block(D, n_pad)  # tiles loaded in a loop: the size of the three-launch path's
+        block = min(triton.next_power_of_2(D), WIDE_TILE)  # tiles loaded in a loop: wide ones (WIDE_TILE note)
     n_tiles = triton.cdiv(D, block)
     tiles = triton.cdiv(n_tiles, min(per_row, n_tiles))
     return block, tiles, triton.cdiv(n_tiles, tiles)

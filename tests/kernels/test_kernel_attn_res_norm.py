@@ -136,7 +136,7 @@ def test_zero_splits_is_refused():
 
 # The one-launch path: on the GPU at K3's width (rows whose tiles wait for each other at the barriers; from 19
 # rows several tiles a program); under the interpreter one program a row (its barriers wait for no one), which
-# runs the several-tile loop where the row has more than one tile (d = 1100 at 9 sources: five, the last partial).
+# runs the several-tile loop where the row has more than one tile (d = 1100 at 9 sources: two, the last partial).
 ONE_LAUNCH_CASES = [(torch.float32, 160, 1e-5), (torch.float32, 1100, 1e-5)] + (
     [(torch.bfloat16, 7168, 1e-2)] if DEVICE == "cuda" else [])
 
@@ -188,14 +188,15 @@ def test_one_launch_is_the_default_at_decode_rows_and_replays_in_a_graph(rows):
 
 def test_one_launch_plan_bounds_the_grid_to_what_is_resident():
     """(tile columns, tiles a program, programs a row) at K3's width and 9 sources: one 512-column tile a
-    program while the rows' 14 tiles fit, then 256-column tiles shared out; no plan past one program a row."""
+    program while the rows' 14 tiles fit, then wide tiles (WIDE_TILE) shared out; no plan past one program a row."""
+    wide = k.WIDE_TILE
     if DEVICE != "cuda":
-        assert k._one_launch_plan(64, 7168, 16, torch.device("cpu")) == (256, 28, 1)  # interpreter: a row a program
+        assert k._one_launch_plan(64, 7168, 16, torch.device("cpu")) == (wide, 7168 // wide, 1)  # a row a program
         assert not k._one_launch_fits(8, 7168, 16, torch.device("cpu"))  # never the default off the GPU
         return
     capacity = k.ONE_LAUNCH_CTAS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
     for rows in (1, 8, capacity // 14, capacity // 14 + 1, 64, capacity):
         block, tiles, per_row = k._one_launch_plan(rows, 7168, 16, torch.device("cuda"))
         assert rows * per_row <= capacity and (per_row - 1) * tiles * block < 7168 <= per_row * tiles * block
-        assert (block, tiles) == ((512, 1) if rows <= capacity // 14 else (256, tiles))
+        assert (block, tiles) == ((512, 1) if rows <= capacity // 14 else (wide, tiles))
     assert k._one_launch_plan(capacity + 1, 7168, 16, torch.device("cuda")) is None
