@@ -25,8 +25,8 @@ wide tile (WIDE_TILE columns, every source of a column in one thread), S = D / W
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
 launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
 
-One launch (decode and verify sizes, on the GPU): when the rows' programs fit the GPU at once (at most
-ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their registers), the three
+One launch (decode and verify sizes below WIDE_TILE_ROWS rows, on the GPU): when the rows' programs fit the GPU at
+once (at most ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their registers), the three
 stages run in one kernel whose programs meet at two per-row barriers instead of kernel boundaries: a
 program loads its tile of the sources once (kept in registers for the mix), stores its stats, waits for the
 row's other tiles (an atomic counter per row), mixes, stores its square sum, waits again, normalises its
@@ -53,12 +53,13 @@ MAX_SOURCES = 16
 TARGET_PROGRAMS = 2048
 ONE_LAUNCH_CTAS_PER_SM = 2  # programs of 4 warps a SM the one-launch path may need resident at once
 ONE_LAUNCH_ELEMENTS = 8192  # [sources, columns] of one tile of the one-launch path (64 fp32 a thread)
-# From this many rows (prefill) the three launches take tiles of WIDE_TILE columns over WIDE_WARPS warps, one a
-# program: 8 columns a thread, so that each thread holds every source of its columns (the mix sums them in
-# registers, not across warps) and a program issues all its loads at once. The narrow tiles of 8 warps split the
-# sources across warps and walked a row's chunk in a loop of dependent loads: at 1,024 rows and 5-9 sources 0.3-0.5
-# TB/s (benchmarks/emulate_rank, prefill profile of 7758326).
-WIDE_TILE_ROWS = 256
+# From this many rows (verify at B=16, prefill) the default is the three launches with tiles of WIDE_TILE columns
+# over WIDE_WARPS warps, one a program: 8 columns a thread, so that each thread holds every source of its columns
+# (the mix sums them in registers, not across warps) and a program issues all its loads at once. The narrow tiles
+# of 8 warps split the sources across warps and walked a row's chunk in a loop of dependent loads: at 1,024 rows and
+# 5-9 sources 0.3-0.5 TB/s (benchmarks/emulate_rank, prefill profile of 7758326). They also beat the one launch from
+# 128 rows (16.7 against 18.5 us at 128 rows of 9 sources; equal at 64: kernels/results/h200_6a25f35_attn_res_*).
+WIDE_TILE_ROWS = 128
 WIDE_TILE, WIDE_WARPS = 1024, 4
 
 
@@ -70,7 +71,7 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     `residual` [T, D]: added into sources[-1] in place first (the stats pass does it). `splits`: column
     chunks per row of the three-launch path; `tile`: its (columns a tile, warps a program), a power of two and
     at most 32 (defaults: `three_launch_tiling`). `one_launch`: the one-launch path (module doc); default:
-    where it fits and neither `splits` nor `tile` is given."""
+    below WIDE_TILE_ROWS rows where it fits, when neither `splits` nor `tile` is given."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
@@ -81,7 +82,8 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
     n_pad = triton.next_power_of_2(n)
     if one_launch is None:
-        one_launch = splits is None and tile is None and _one_launch_fits(T, D, n_pad, sources.device)
+        one_launch = (splits is None and tile is None and T < WIDE_TILE_ROWS
+                      and _one_launch_fits(T, D, n_pad, sources.device))
     if one_launch:
         return _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                          out, residual, n_pad)
