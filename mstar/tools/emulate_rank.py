@@ -16,9 +16,9 @@ latent KV cache and the KDA state pool with random context, and times the servin
   config's are) unless `--eager` or off CUDA; the time includes `run`'s copies into the graphs' buffers;
 - verify: B sequences of k+1 rows (anchor and k drafts) after `--context`, every row sampled, replayed as
   CUDA graphs like decode;
-- prefill: one fresh sequence of T tokens, its last row sampled, replayed through the prefill graph of
-  the smallest token bucket >= T (`mstar.runner.prefill_graphs`; a T past the largest bucket, 8,192,
-  runs eagerly).
+- prefill: B fresh sequences of T tokens each (`--prefill-batch`, default 1), each one's last row sampled,
+  replayed through the prefill graph of the smallest token bucket >= B T (`mstar.runner.prefill_graphs`; a
+  step past the largest bucket, 8,192 tokens, runs eagerly).
 `--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
 the ratio measured / floor, with the collectives its run held (count, bytes, modeled time, tallied on
@@ -168,13 +168,17 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
     if "verify" in args.steps:
         steps += [Step("verify", b, k + 1, args.context) for k in args.drafts for b in args.verify_batch]
     if "prefill" in args.steps:
-        steps += [Step("prefill", 1, t, 0) for t in args.prefill]
+        steps += [Step("prefill", b, t, 0) for t in args.prefill for b in args.prefill_batch]
     if "draft" in args.steps:
         steps += [Step("draft", b, k, args.context) for k in args.drafts for b in args.verify_batch]
     if not steps:
         raise ValueError("no steps to run: --steps and the batch/draft/prefill lists leave nothing")
     if min(min(s.batch, s.rows) for s in steps) < 1:
         raise ValueError("batch sizes, draft counts + 1 and prefill lengths must be >= 1")
+    most = SchedulerConfig().max_prefill_seqs
+    if any(s.kind == "prefill" and s.batch > most for s in steps):
+        raise ValueError(f"--prefill-batch: a prefill step holds at most {most} prompts (the scheduler's "
+                         "max_prefill_seqs, which the prefill graphs are captured for)")
     return steps
 
 
@@ -697,6 +701,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--drafts", type=_ints, default=[4, 7], help="drafts k of the verify steps (k+1 rows each)")
     p.add_argument("--verify-batch", type=_ints, default=[1, 16], help="batch sizes of the verify steps")
     p.add_argument("--prefill", type=_ints, default=[1024, 8192], help="prompt lengths of the prefill steps")
+    p.add_argument("--prefill-batch", type=_ints, default=[1],
+                   help="prompts of each length in one prefill step (the scheduler's max_prefill_seqs takes up to 8)")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (configs/*pruned75*: 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))

@@ -30,6 +30,8 @@ from mstar.tools.emulate_rank import (
     first_layers,
     main,
     pages_per_sequence,
+    parse_args,
+    steps_to_run,
 )
 from mstar.tools.make_tiny import tiny_k3_raw_config
 
@@ -108,8 +110,8 @@ def test_fill_refuses_tensors_without_a_rule():
         fill_random_(nn.Sequential(Odd()), torch.Generator())
 
 
-@pytest.mark.parametrize("step", [Step("decode", 3, 1, 100), Step("verify", 2, 5, 60), Step("prefill", 1, 40, 0)],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize("step", [Step("decode", 3, 1, 100), Step("verify", 2, 5, 60), Step("prefill", 1, 40, 0),
+                                  Step("prefill", 3, 40, 0)], ids=lambda s: f"{s.name}-{s.batch}")
 def test_plan_addresses_pages_and_slots(step):
     page_size = 16
     plan = batch_plan(step, page_size, vocab_slice=50, device=torch.device("cpu"), generator=torch.Generator())
@@ -166,12 +168,13 @@ def test_verify_steps_have_pending_prefixes_and_decode_steps_none(config):
 def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, capsys):
     main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
           "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "1,2",
-          "--drafts", "2", "--verify-batch", "1", "--prefill", "16", "--reps", "1", "--warmup", "1", "--profile",
+          "--drafts", "2", "--verify-batch", "1", "--prefill", "16", "--prefill-batch", "1,2", "--reps", "1",
+          "--warmup", "1", "--profile",
           "--steps", "decode,verify,prefill", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "emulate_rank.json").read_text())
     assert (report["tp"], report["layers"], report["context"]) == (TP, LAYERS, 40)
     assert [(r["step"], r["batch"], r["rows"]) for r in report["rows"]] == [
-        ("decode", 1, 1), ("decode", 2, 2), ("verify k=2", 1, 3), ("prefill", 1, 16)]
+        ("decode", 1, 1), ("decode", 2, 2), ("verify k=2", 1, 3), ("prefill", 1, 16), ("prefill", 2, 32)]
     assert report["collective_cost"] == {"latency_s": 6e-6, "small_bytes": 64 * 1024, "bytes_per_s": 150e9,
                                          "delay_overhead_ns": 0}  # nothing to subtract off CUDA
     fit = report["h100_fit"]  # the shipped config's pools at the tiny rank's shapes: far inside an H100
@@ -192,10 +195,18 @@ def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, c
     markdown = (tmp_path / "emulate_rank.md").read_text()
     assert "Profile of one step of each kind" in markdown and "| verify k=2 | 1 | 3 | eager |" in markdown
     for label in ("decode, batch 1, 1 rows", "decode, batch 2, 2 rows", "verify k=2, batch 1, 3 rows",
-                  "prefill, batch 1, 16 rows"):
+                  "prefill, batch 2, 32 rows"):  # the first and last step of each kind
         assert f"### {label} (eager): " in markdown, label
     printed = capsys.readouterr().out
-    assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 1 | 16 |")
+    assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 2 | 32 |")
+    prefills = [r for r in report["rows"] if r["step"] == "prefill"]
+    assert prefills[1]["floor"]["flops"] > 1.9 * prefills[0]["floor"]["flops"]  # two prompts' worth
+
+
+def test_a_prefill_step_of_more_prompts_than_the_graphs_take_is_refused():
+    args = parse_args(["--steps", "prefill", "--prefill", "64", "--prefill-batch", "9"])
+    with pytest.raises(ValueError, match="--prefill-batch: a prefill step holds at most 8 prompts"):
+        steps_to_run(args)
 
 
 def test_tokens_per_step_follows_the_acceptance_profile():
