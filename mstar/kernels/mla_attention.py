@@ -54,15 +54,23 @@ class KernelConfig:
     num_stages: int
 
 
-def default_config(num_heads: int, page_size: int, *, multi_query: bool) -> KernelConfig:
+PREFILL_QUERY_ROWS = 256  # query tokens a sequence from which a multi-query call counts as a prefill chunk
+
+
+def default_config(num_heads: int, page_size: int, *, multi_query: bool, query_rows: int = 1) -> KernelConfig:
     """Tiles that keep the fp32 accumulator [block_m, 512] in registers (ptxas for sm_90: no spills in decode).
 
     Decode puts all heads of a token in one tile when they fit (H <= 64): each row load then serves every
     head, which is the whole bandwidth argument. H=12 (TP8) runs 16-row tiles on mma.sync (about 30 FLOP per
     cache byte, far under the ridge); 64-row tiles (H=48, 96, and verify/prefill) run on wgmma. A tile of
     keys stays inside one page when block_n divides the page size (one page-id load, contiguous rows).
+    Prefill chunks (`query_rows` >= PREFILL_QUERY_ROWS a sequence) take 64 keys a tile: 1.34-1.43x faster than 32
+    at 1,024 and 8,192 tokens on the H200 (benchmarks/kernels/results/h200_ac2ed13_mla_prefill.md); verify and
+    draft blocks keep 32 (not measured with 64).
     """
-    if not multi_query and num_heads <= 16:
+    if multi_query and query_rows >= PREFILL_QUERY_ROWS:
+        cfg = KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+    elif not multi_query and num_heads <= 16:
         cfg = KernelConfig(block_m=16, block_n=64, num_warps=4, num_stages=2)
     elif not multi_query and num_heads <= 32:
         cfg = KernelConfig(block_m=32, block_n=64, num_warps=8, num_stages=2)
@@ -456,7 +464,7 @@ def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqle
                          f"on {cu_seqlens.device}")
     num_tokens, num_heads = q_abs.shape[:2]
     max_q = num_tokens if max_query_len is None else min(int(max_query_len), num_tokens)
-    cfg = config or default_config(num_heads, cache.shape[1], multi_query=True)
+    cfg = config or default_config(num_heads, cache.shape[1], multi_query=True, query_rows=max_q)
     return _launch(q_abs, cache, page_table, cu_seqlens, context_lens, scale, out, num_seqs=context_lens.shape[0],
                    max_rows=max_q * num_heads, num_splits=num_splits, min_split_tokens=min_split_tokens,
                    workspace=workspace, config=cfg, causal=causal)

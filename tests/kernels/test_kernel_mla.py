@@ -106,6 +106,15 @@ def test_paged_reference_equals_dense_absorbed_attention():
     torch.testing.assert_close(last, dense[-1:], rtol=1e-12, atol=1e-12)
 
 
+def test_prefill_chunks_take_wider_key_tiles_than_verify_blocks():
+    """Prefill chunks (PREFILL_QUERY_ROWS query rows a sequence and more) walk 64 keys a tile, verify/draft blocks
+    32; pages shorter than the tile cap it."""
+    chunk = mla.default_config(12, 64, multi_query=True, query_rows=mla.PREFILL_QUERY_ROWS)
+    block = mla.default_config(12, 64, multi_query=True, query_rows=8)
+    assert (chunk.block_m, chunk.block_n) == (64, 64) and (block.block_m, block.block_n) == (64, 32)
+    assert mla.default_config(12, 16, multi_query=True, query_rows=1024).block_n == 16
+
+
 def test_num_splits_fill_the_machine_and_respect_the_minimum_piece():
     for batch in (1, 2, 16, 64, 256):
         for ctx in (1, 100, 1024, 8192, 32768, 131072):
