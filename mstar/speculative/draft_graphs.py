@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from mstar.models.dspark.model import DraftProposal, DraftSampling, Embed, K3DSparkModel, LMHead
-from mstar.models.dspark.paged import SINK, PagedBlocks, paged_blocks_hidden
+from mstar.models.dspark.paged import SINK, PagedBlocks, kernel_chain, paged_blocks_hidden
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ class DraftGraphs:
     def _step(self, bucket: int) -> tuple[Tensor, list[DraftProposal]]:
         hidden = paged_blocks_hidden(self.draft, self.cache, self._blocks(bucket), self.embed)
         return hidden, self.draft.propose_from_hidden(hidden, self.anchors[:bucket], (self.drafts,) * bucket,
-                                                      self.lm_head, [DraftSampling()] * bucket)
+                                                      self.lm_head, [DraftSampling()] * bucket,
+                                                      kernel_chain(self.draft))
 
     def capture(self, pool: object | None = None) -> None:
         """Capture every bucket, largest first, into `pool` (a new one when None); a failure names the bucket."""

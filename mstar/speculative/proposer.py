@@ -28,7 +28,6 @@ from mstar.models.dspark.model import (
     Embed,
     K3DSparkModel,
     LMHead,
-    module_norm,
 )
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
@@ -142,7 +141,8 @@ class DSparkProposer:
                 return graphs.run(anchors, starts, table, row_slots)
             blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table, row_slots, self.kv.page_size)
             hidden = paged.paged_blocks_hidden(self.draft, self.kv.cache, blocks, self.heads.embed)
-            return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling)
+            return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling,
+                                                  paged.kernel_chain(self.draft))
         context_len = max(s.num_computed + s.lag for s in seqs)
         blocks = BlockBatch(anchors=anchors, starts=starts, num_drafts=num_drafts,
                             context=PagedContext(self.kv, table, starts, context_len), context_len=context_len)
@@ -187,6 +187,7 @@ class DSparkProposer:
         row_seq = to_device([b for b, n in enumerate(counts) for _ in range(n)], torch.long, device)
         behind = to_device([n - j for n in counts for j in range(n)], torch.long, device)  # rows to the block's end
         positions = plan.context_lens[row_seq] - behind
-        norm = paged.kernel_norm if self.paged else module_norm
-        for layer, rows in enumerate(self.draft.context_kv(taps, positions, norm)):
+        rows_of = paged.paged_context_kv if self.paged else K3DSparkModel.context_kv
+        for layer, rows in enumerate(rows_of(self.draft, taps, positions)):
             self.kv.write(layer, plan.slot_mapping, rows)
+

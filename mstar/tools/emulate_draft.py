@@ -135,7 +135,9 @@ class DraftStep:
         return "graph" if self.graphs is not None else "eager"
 
     def __call__(self) -> torch.Tensor:
-        for layer, rows in enumerate(self.draft.context_kv(self.taps, self.positions)):  # write_context
+        # write_context, as the proposer runs it: the paged path's kernels where the graphs run
+        context_kv = paged.paged_context_kv if self.graphs is not None else K3DSparkModel.context_kv
+        for layer, rows in enumerate(context_kv(self.draft, self.taps, self.positions)):
             self.kv.write(layer, self.slots, rows)
         if self.graphs is not None:
             proposals = self.graphs.run(self.anchors, self.starts, self.page_table, self.row_slots)

@@ -67,6 +67,12 @@ from mstar.models.kimi_k3.norm import RMSNorm, at_least_fp32
 Embed = Callable[[Tensor], Tensor]  # token ids [k] -> embeddings [k, D] (the target's embed_tokens)
 LMHead = Callable[[Tensor], Tensor]  # hidden [k, D] -> logits [k, V] (the target's lm_head)
 Norm = Callable[[RMSNorm, Tensor], Tensor]  # (an RMSNorm, x) -> its output; the GPU path passes a one-launch kernel
+# x [T, ..., rope] -> x rotated to the positions of the call's rows; None: `DSparkMLA.rotate`. The GPU path passes
+# one that holds the step's cos/sin tables (built once for every layer) and rotates in one launch.
+Rope = Callable[[Tensor], Tensor]
+# greedy Markov chain: (U [B, k, V], anchors [B]) -> tokens [B, k]; None: `markov_sample`. The GPU path passes a
+# kernel of one launch a slot (kernels/markov_chain.py).
+GreedyChain = Callable[[Tensor, Tensor], Tensor]
 
 
 def module_norm(norm: RMSNorm, x: Tensor) -> Tensor:
@@ -273,16 +279,18 @@ class DSparkMLA(nn.Module):
         self.o_proj = nn.Linear(h * self.v_dim, d, bias=False)
         self.rotary = YarnRotaryEmbedding(cfg.rope, cfg.qk_rope_head_dim)
 
-    def latent_rows(self, x: Tensor, positions: Tensor, norm: Norm = module_norm) -> Tensor:
+    def latent_rows(self, x: Tensor, positions: Tensor, norm: Norm = module_norm, rope: Rope | None = None) -> Tensor:
         """x [..., T, D] -> latent rows [..., T, kv_lora_rank + rope] = [kv_a_layernorm(c) | RoPE(k_pe, positions)]."""
         c, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        return torch.cat([norm(self.kv_a_layernorm, c), self.rotate(k_pe, positions)], dim=-1)
+        k_rot = self.rotate(k_pe, positions) if rope is None else rope(k_pe)
+        return torch.cat([norm(self.kv_a_layernorm, c), k_rot], dim=-1)
 
-    def queries(self, x: Tensor, positions: Tensor, norm: Norm = module_norm) -> tuple[Tensor, Tensor]:
+    def queries(self, x: Tensor, positions: Tensor, norm: Norm = module_norm,
+                rope: Rope | None = None) -> tuple[Tensor, Tensor]:
         """x [..., T, D] -> (q_nope [..., T, H, nope], q_pe [..., T, H, rope] rotated to its position)."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(norm(self.q_a_layernorm, self.q_a_proj(x)))
         q_nope, q_pe = q.unflatten(-1, (self.num_heads, -1)).split([self.nope, self.rope_dim], dim=-1)
-        return q_nope, self.rotate(q_pe, positions)
+        return q_nope, self.rotate(q_pe, positions) if rope is None else rope(q_pe)
 
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """RoPE of x [..., T, *rest] at positions [..., T] (the rotary itself takes one flat row dimension)."""
@@ -406,12 +414,14 @@ class K3DSparkModel(nn.Module):
 
     # --- context -------------------------------------------------------------------------------------
     @torch.no_grad()
-    def context_kv(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm) -> list[Tensor]:
+    def context_kv(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm,
+                   rope: Rope | None = None) -> list[Tensor]:
         """Target taps [T, m * D_target] at positions [T] -> per-layer latent rows [T, width] (`context_rows`
         without autograd, as inference runs it)."""
-        return self.context_rows(taps, positions, norm)
+        return self.context_rows(taps, positions, norm, rope)
 
-    def context_rows(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm) -> list[Tensor]:
+    def context_rows(self, taps: Tensor, positions: Tensor, norm: Norm = module_norm,
+                     rope: Rope | None = None) -> list[Tensor]:
         """The differentiable context path: taps [T, m * D_target] at positions [T] -> per-layer rows [T, width].
 
         H_ctx = context_norm(context_proj(taps)) is shared by every layer, and each layer projects it with its
@@ -428,7 +438,7 @@ class K3DSparkModel(nn.Module):
         if taps.dtype != self.dtype:
             raise ValueError(f"taps are {taps.dtype} but the draft runs in {self.dtype}; cast them first")
         h_ctx = norm(self.context_norm, self.context_proj(taps))
-        return [layer.self_attn.latent_rows(h_ctx, positions, norm) for layer in self.layers]
+        return [layer.self_attn.latent_rows(h_ctx, positions, norm, rope) for layer in self.layers]
 
     def extend_context(self, cache: DraftCache, taps: Tensor) -> None:
         """Append the rows of the next T context tokens (positions len(cache) ..) to `cache`."""
@@ -544,30 +554,37 @@ class K3DSparkModel(nn.Module):
     @torch.no_grad()
     def propose_from_hidden(
         self, hidden: Tensor, anchors: Tensor, num_drafts: Sequence[int], lm_head: LMHead,
-        sampling: Sequence[DraftSampling],
+        sampling: Sequence[DraftSampling], chain: GreedyChain | None = None,
     ) -> list[DraftProposal]:
         """The blocks' proposals from their final-normed hidden states [B, k_max, D] (`blocks_hidden`, or the
-        paged GPU path of models/dspark/paged.py): one lm_head GEMM, then the Markov stage."""
+        paged GPU path of models/dspark/paged.py): one lm_head GEMM, then the Markov stage (greedy blocks through
+        `chain` when given)."""
         n, k_max = len(num_drafts), max(num_drafts)
         base_logits = lm_head(hidden.flatten(0, 1))  # padding slots ride along: the GEMM's cost is the weight
         vocab = self.config.draft_vocab_size
         if base_logits.shape != (n * k_max, vocab):
             raise ValueError(f"lm_head returned {tuple(base_logits.shape)}; expected [{n * k_max}, {vocab}]")
         base_logits = base_logits.view(n, k_max, vocab)
-        tokens, drawn = self.markov_blocks(base_logits, anchors, num_drafts, sampling)
+        tokens, drawn = self.markov_blocks(base_logits, anchors, num_drafts, sampling, chain)
         return [DraftProposal(tokens=tokens[b, :k], probs=probs) for b, (k, probs) in
                 enumerate(zip(num_drafts, drawn, strict=True))]
 
     def markov_blocks(
-        self, base_logits: Tensor, anchors: Tensor, num_drafts: Sequence[int], sampling: Sequence[DraftSampling]
+        self, base_logits: Tensor, anchors: Tensor, num_drafts: Sequence[int], sampling: Sequence[DraftSampling],
+        chain: GreedyChain | None = None,
     ) -> tuple[Tensor, list[Tensor]]:
         """The Markov stage of B blocks: (tokens [B, k_max], per block q [k, V]).
 
-        Greedy blocks run as one batch: all B rows go through one argmax chain, which costs no more than
-        picking the greedy rows out, and a sampled block's row of it is overwritten. A sampled block runs
-        alone, so its generator makes exactly the calls it made when that block was drafted by itself."""
+        Greedy blocks run as one batch: all B rows go through one argmax chain (`markov_sample`, or `chain`),
+        which costs no more than picking the greedy rows out, and a sampled block's row of it is overwritten. A
+        sampled block runs alone, so its generator makes exactly the calls it made when that block was drafted
+        by itself."""
         greedy = [s.temperature == 0 for s in sampling]
-        if any(greedy):
+        if any(greedy) and chain is not None:
+            tokens = chain(base_logits, anchors)
+            probs = one_hot_probs(tokens, self.config.draft_vocab_size,
+                                  torch.promote_types(base_logits.dtype, torch.float32))
+        elif any(greedy):
             tokens, _, probs = self.markov_sample(base_logits, anchors)
         else:
             tokens = anchors.new_zeros(base_logits.shape[:2])

@@ -24,7 +24,7 @@ from mstar.kernels import mla_attention
 from mstar.models.kimi_k3.norm import RMSNorm
 from mstar.resources.transfer import to_device
 
-from .model import DSparkMLA, Embed, K3DSparkModel
+from .model import DSparkMLA, Embed, GreedyChain, K3DSparkModel, Rope
 
 SINK = 0  # page 0 of the draft KV: padding rows write there
 
@@ -73,6 +73,31 @@ def kernel_norm(norm: RMSNorm, x: Tensor) -> Tensor:
     return rms_norm_rows(x, norm.weight, norm.eps)
 
 
+def kernel_rope(draft: K3DSparkModel, positions: Tensor) -> Rope:
+    """RoPE at `positions` [T] for every layer of a step in one launch a tensor: the cos/sin tables are built
+    once here (every draft layer shares the rope config), the torch rotation is ~8 launches and its tables ~12
+    more, per tensor."""
+    from mstar.kernels.rope import rotate_interleaved  # imports triton (see kernel_norm)
+
+    rotary = draft.layers[0].self_attn.rotary
+    cos, sin = rotary.cos_sin(positions, torch.float32)
+    return lambda x: rotate_interleaved(x, cos, sin)
+
+
+def kernel_chain(draft: K3DSparkModel) -> GreedyChain:
+    """The greedy Markov chain in one launch a slot (kernels/markov_chain.py) over the draft's Markov head."""
+    from mstar.kernels.markov_chain import greedy_markov_chain  # imports triton (see kernel_norm)
+
+    head = draft.markov_head
+    return lambda base_logits, anchors: greedy_markov_chain(base_logits, anchors, head.markov_w1.weight,
+                                                            head.markov_w2.weight)
+
+
+def paged_context_kv(draft: K3DSparkModel, taps: Tensor, positions: Tensor) -> list[Tensor]:
+    """`K3DSparkModel.context_kv` with this path's norm and RoPE kernels: the rows `write_context` stores."""
+    return draft.context_kv(taps, positions, kernel_norm, kernel_rope(draft, positions))
+
+
 def kernel_fits(draft: K3DSparkModel, device: torch.device) -> bool:
     """Whether the paged kernel runs this draft here: a supported GPU, bf16/fp16, power-of-two row parts."""
     cfg = draft.config
@@ -87,17 +112,19 @@ def paged_blocks_hidden(draft: K3DSparkModel, cache: Tensor, blocks: PagedBlocks
     n, k = blocks.anchors.shape[0], blocks.k_max
     x = draft.block_inputs(blocks.anchors, k, embed).flatten(0, 1)  # [B * k, D]
     positions = (blocks.starts[:, None] + torch.arange(k, device=x.device)).flatten()
+    rope = kernel_rope(draft, positions)
     for index, layer in enumerate(draft.layers):
         h = kernel_norm(layer.input_layernorm, x)
-        x = x + _paged_attention(layer.self_attn, h, positions, cache[index], blocks)
+        x = x + _paged_attention(layer.self_attn, h, positions, rope, cache[index], blocks)
         x = x + layer.mlp(kernel_norm(layer.post_attention_layernorm, x))
     return kernel_norm(draft.final_norm, x).view(n, k, -1)
 
 
-def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, cache: Tensor, blocks: PagedBlocks) -> Tensor:
-    rows = attn.latent_rows(h, positions, kernel_norm)
+def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, rope: Rope, cache: Tensor,
+                     blocks: PagedBlocks) -> Tensor:
+    rows = attn.latent_rows(h, positions, kernel_norm, rope)
     cache.view(-1, cache.shape[-1])[blocks.slots] = rows.to(cache.dtype)
-    q_nope, q_pe = attn.queries(h, positions, kernel_norm)
+    q_nope, q_pe = attn.queries(h, positions, kernel_norm, rope)
     w_uk, w_uv = attn.kv_b_weights()
     q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
     out = torch.empty(h.shape[0], attn.num_heads, attn.kv_lora_rank, device=h.device, dtype=h.dtype)

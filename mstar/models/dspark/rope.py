@@ -73,7 +73,9 @@ class YarnRotaryEmbedding:
     """Rotates the last `dim` features of q_pe / k_pe by their positions (no parameters, nothing cached).
 
     Not an nn.Module on purpose: the frequencies must stay in at least fp32 even when the model is cast
-    to bf16, and they are cheap enough (dim / 2 values) to rebuild per call.
+    to bf16, and they are cheap enough (dim / 2 values) to rebuild per call. A caller rotating many tensors at
+    the same positions (the GPU draft step: q and k of every layer) builds the tables once (`cos_sin`) and
+    rotates with `rotate`.
     """
 
     def __init__(self, rope: YarnRopeConfig, dim: int):
@@ -91,16 +93,24 @@ class YarnRotaryEmbedding:
 
     def __call__(self, x: Tensor, positions: Tensor) -> Tensor:
         """x [T, ..., dim] (row t at positions[t]) -> x rotated, same shape and dtype."""
-        if x.shape[-1] != self.dim:
-            raise ValueError(f"RoPE input has {x.shape[-1]} features in its last dim; expected {self.dim}")
         if positions.dim() != 1 or positions.shape[0] != x.shape[0]:
             raise ValueError(
                 f"positions must be [T] with T = {x.shape[0]} (one per row of x), got shape {tuple(positions.shape)}"
             )
+        return self.rotate(x, *self.cos_sin(positions, at_least_fp32(x).dtype))
+
+    def rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [T, ..., dim] rotated by the tables cos, sin [T, dim / 2] of its rows' positions (`cos_sin`): what
+        a caller that rotates several tensors at the same positions computes once (kernels/rope.py is this
+        rotation in one launch)."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"RoPE input has {x.shape[-1]} features in its last dim; expected {self.dim}")
+        if cos.shape != (x.shape[0], self.dim // 2) or sin.shape != cos.shape:
+            raise ValueError(f"cos and sin must be [{x.shape[0]}, {self.dim // 2}] (a row per row of x), got "
+                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
         xf = at_least_fp32(x)
-        cos, sin = self.cos_sin(positions, xf.dtype)
         view = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.dim // 2,)
-        cos, sin = cos.view(view), sin.view(view)
+        cos, sin = cos.to(xf.dtype).view(view), sin.to(xf.dtype).view(view)
         pairs = xf.unflatten(-1, (self.dim // 2, 2))
         even, odd = pairs[..., 0], pairs[..., 1]
         rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
