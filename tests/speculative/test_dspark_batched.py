@@ -25,6 +25,11 @@ from mstar.speculative.proposer import DSparkProposer
 from mstar.speculative.schedule import DraftSchedule
 
 PAGE_SIZE = 4
+# The paged variants run the paged path's Triton kernels on these CPU tensors through the interpreter; on a CUDA
+# machine (no interpreter) tests/speculative/test_gpu_draft_graphs.py covers that path on the GPU instead.
+INTERPRETER_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU tensors through Triton's interpreter")
+PAGED_VARIANTS = pytest.mark.parametrize("paged", [False, pytest.param(True, marks=INTERPRETER_ONLY)],
+                                         ids=["gathered-context", "paged-kernel"])
 GREEDY = SamplingParams(temperature=0)
 NUCLEUS = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3)
 PLAIN = SamplingParams(temperature=1.2, seed=4)
@@ -130,7 +135,7 @@ def batched_and_alone(draft, target, batch, paged=False):
     return decl, drafts, want
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["gathered-context", "paged-kernel"])
+@PAGED_VARIANTS
 @pytest.mark.parametrize("mix", list(BATCHES))
 def test_batched_proposals_equal_proposals_alone(draft, tiny_model, mix, paged):
     decl, drafts, want = batched_and_alone(draft, tiny_model, BATCHES[mix], paged)
@@ -169,7 +174,7 @@ def test_batched_proposals_check_their_arguments(draft, tiny_model):
         draft.markov_sample(torch.randn(2, 3, draft.config.vocab_size), torch.tensor([1, 2]), temperature=1.0)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["gathered-context", "paged-kernel"])
+@PAGED_VARIANTS
 def test_engine_drafts_equal_drafts_alone(draft, tiny_model, tiny_dir, paged):
     """In a real speculative run (staggered prompts, the schedule changing k as the batch grows), each step's
     batched drafts equal every request's drafts alone, its generator replayed from the same state; with the
