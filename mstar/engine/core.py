@@ -56,10 +56,13 @@ entries reach the request's first output. Such a request does not resume from th
 rows have no logits). A step without such rows computes and copies what it did before. On tensor-parallel
 ranks the lm_head gathers the whole vocabulary of every logits row, these rows too.
 
+Structured outputs (structured_output.py) overlap too, in the order vLLM uses: a grammar request's mask
+in step N+1 needs the token N chooses (its matcher advances on the host), so N+1's launch queues its
+forward, then finishes N (the host waits for N's results, appends its tokens and advances the matchers
+while the GPU runs N+1's forward), then computes N+1's masks and queues its token choice. With DSpark
+the masks of a verify block need its drafts too, read to the host at that point.
+
 What does not overlap (runs synchronously, finishing each step before scheduling the next):
-- a step holding a request with a grammar (structured_output.py): the mask of its next step is
-  computed on the host from the matcher, which needs this step's token (with DSpark, its verify
-  block's masks need the block's drafts too, read to the host after the step's forward is queued);
 - a verify step whose verdict the next step cannot take on the device (above);
 - `async_scheduling=False`.
 Tensor-parallel rank 0 overlaps too, but sending a step to the followers copies its input ids (and a
@@ -295,8 +298,7 @@ class EngineCore:
             if previous is not None:
                 self._finish_step(previous)
             if launched is not None:
-                # a grammar's mask for the next step needs this step's tokens: no overlap (module doc)
-                if self._overlap and all(r.matcher is None for r in launched.requests):
+                if self._overlap:
                     self._in_flight = launched
                 else:
                     self._finish_step(launched)
@@ -341,15 +343,17 @@ class EngineCore:
             plan.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
         logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else (),
                                                        slot_copies=tuple(self.pool.take_copies())))
-        launched = self._choose_tokens(next(self._launches), decl, requests, drafts, plan, logits, prompt_rows)
+        number, rows = next(self._launches), self._logits_rows(decl)
+        # Committed before the tokens are chosen: a grammar's mask may finish the step in flight first
+        # (`_choose_tokens`), whose verdicts must then see this step as the later launch (`_settle`).
         self._commit_launched(decl, requests, taps)
-        for request in launched.token_row:
-            request.num_inflight += 1
-            request.last_launch = launched.number
-        for s, request in zip(decl.seqs, requests, strict=True):
-            if s.verify:
-                request.unresolved = s.num_drafts
-        return launched
+        for b, request in enumerate(requests):
+            if rows[b][1]:
+                request.num_inflight += 1
+                request.last_launch = number
+            if decl.seqs[b].verify:
+                request.unresolved = decl.seqs[b].num_drafts
+        return self._choose_tokens(number, decl, requests, drafts, plan, logits, rows, prompt_rows)
 
     def _commit_launched(self, decl: StepDecl, requests: tuple[Request, ...], taps: torch.Tensor | None) -> None:
         """Commit what the step's launch already knows: every row, but of a verify block only its anchor (the
@@ -504,21 +508,27 @@ class EngineCore:
             max_advance=tuple(s.lag for s in decl.seqs) if lagging else (),
         )
 
-    def _choose_tokens(self, number: int, decl: StepDecl, requests: tuple[Request, ...],
-                       drafts: dict[int, DraftProposal], plan: BatchPlan, logits: torch.Tensor,
-                       prompt_rows: tuple[tuple[int, int], ...]) -> LaunchedStep:
-        """Queue the choice of every logits row's token (sampled, or verified against the drafts), the
-        finite check and the logprobs, and the prompt rows' logprobs, packed for one copy to the host
-        (step_results.py). Nothing here reads a device value: rows with non-finite logits are sampled too,
-        and the host drops them."""
-        rows, sampled, verifying = [], [], []
-        row = 0
-        for b, s in enumerate(decl.seqs):
+    @staticmethod
+    def _logits_rows(decl: StepDecl) -> list[tuple[int, int]]:
+        """Per sequence: (first logits row, rows): a verify block's every row, a sampled row, or none."""
+        rows, row = [], 0
+        for s in decl.seqs:
             n = s.num_tokens if s.verify else int(s.sample)
             rows.append((row, n))
-            if n:
-                (verifying if s.verify else sampled).append(b)
             row += n
+        return rows
+
+    def _choose_tokens(self, number: int, decl: StepDecl, requests: tuple[Request, ...],
+                       drafts: dict[int, DraftProposal], plan: BatchPlan, logits: torch.Tensor,
+                       rows: list[tuple[int, int]], prompt_rows: tuple[tuple[int, int], ...]) -> LaunchedStep:
+        """Queue the choice of every logits row's token (sampled, or verified against the drafts), the
+        finite check and the logprobs, and the prompt rows' logprobs, packed for one copy to the host
+        (step_results.py). Nothing here reads a device value (rows with non-finite logits are sampled too,
+        and the host drops them), except where a grammar needs the host: the step in flight is finished
+        first, and a verify block's drafts are read."""
+        sampled = [b for b, s in enumerate(decl.seqs) if rows[b][1] and not s.verify]
+        verifying = [b for b, s in enumerate(decl.seqs) if rows[b][1] and s.verify]
+        row = sum(n for _, n in rows)
         device = logits.device
         prompt_block = self._score_prompt(requests, prompt_rows, logits[row:]) if prompt_rows else None
         logits = logits[:row]
@@ -529,7 +539,13 @@ class EngineCore:
                                             plan.input_ids, device)
         if processing is not None:
             logits = processing.apply(logits)
-        constrained = [b for b in sampled + verifying if requests[b].matcher is not None]
+        if any(requests[b].matcher is not None for b in sampled + verifying) and self._in_flight is not None:
+            # The masks need the tokens the step in flight chooses: the host finishes it now, while the GPU runs
+            # this step's forward (queued above), as vLLM overlaps its bitmask with the forward.
+            previous, self._in_flight = self._in_flight, None
+            self._finish_step(previous)
+        # A request that stopped in the step just finished has a row here whose token is dropped: no mask.
+        constrained = [b for b in sampled + verifying if requests[b].matcher is not None and not requests[b].finished]
         if constrained:
             # every row of a verify block gets the mask after the drafts before it (structured_output.py). Its
             # drafts are read to the host here, after the forward was queued: the GPU runs it meanwhile.

@@ -1,8 +1,10 @@
 """Async scheduling (EngineCore launches step N+1 before it finishes step N) against the synchronous loop:
-the same tokens, logprobs, finish reasons and stops; the overlap itself; and the one packed transfer of a
-step's results against the per-value reads it replaced."""
+the same tokens, logprobs, finish reasons and stops, grammar requests' too; the overlap itself; and the one
+packed transfer of a step's results against the per-value reads it replaced."""
 
+import json
 import random
+import re
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
 from mstar.engine.sampler import gather_logprobs
 from mstar.engine.step_results import pack, unpack
+from mstar.engine.structured_output import Grammar, choice_grammar
 from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.serving import StepKind
 
@@ -323,3 +326,66 @@ def test_the_serve_config_switches_it(tiny_model, tokenizer, tiny_dir):
     on = cfg.with_overrides("model_kwargs.async_scheduling=true")
     assert EngineCore(tiny_model, tokenizer, on)._overlap
     assert not EngineCore(tiny_model, tokenizer, on.with_overrides("model_kwargs.async_scheduling=false"))._overlap
+
+
+# --- structured outputs overlap too -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grammar_jobs(tiny_model):
+    """Grammar requests of every kind beside plain ones: greedy with logprobs, seeded sampling, penalties,
+    a choice that completes within a few tokens while the others go on, a regex cut by max_tokens."""
+    rng = random.Random(11)
+    vocab = tiny_model.config.vocab_size - 256
+    schema = json.dumps({"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+                         "required": ["n", "s"], "additionalProperties": False})
+    params = [
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2, grammar=Grammar("json_schema", schema, "g")),
+        SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, seed=3,
+                       grammar=Grammar("regex", "[a-z]{3,9}-[0-9]+", "g")),
+        SamplingParams(max_tokens=30, temperature=0, repetition_penalty=1.3, presence_penalty=0.5,
+                       grammar=Grammar("regex", "([a-c]{2} ){2,6}", "g")),
+        SamplingParams(max_tokens=20, temperature=0.8, seed=9, grammar=choice_grammar(["yes", "no"], "g")),
+        SamplingParams(max_tokens=6, temperature=0, grammar=Grammar("regex", "[a-z]{200}", "g")),
+        SamplingParams(max_tokens=14, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=14, temperature=0.9, seed=21, ignore_eos=True),
+    ]
+    return [(f"g{i}", [rng.randrange(vocab) for _ in range(rng.randint(2, 25))], p) for i, p in enumerate(params)]
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_grammar_requests_overlap_with_the_outputs_of_the_synchronous_loop(tiny_model, tokenizer, draft,
+                                                                          grammar_jobs, speculative):
+    """With async scheduling a step holding grammar requests stays in flight (its successor's masks are made
+    after its forward is queued): tokens, logprobs, texts and finish reasons equal the synchronous loop's."""
+    results = {}
+    for overlap in (False, True):
+        engine = make_engine(tiny_model, tokenizer, overlap=overlap, draft=draft if speculative else None)
+        in_flight = []  # after each step: whether a step holding a grammar request is in flight
+
+        def note(engine=engine, in_flight=in_flight):
+            step = engine._in_flight
+            in_flight.append(step is not None and any(r.matcher is not None for r in step.requests))
+
+        outs = run_to_completion(engine, grammar_jobs, per_step=2, after_step=note)
+        results[overlap] = summary(outs.outputs)
+        assert any(in_flight) == overlap
+        assert_pools_empty(engine)
+        if speculative:
+            assert engine.spec.num_drafted > 0
+    assert_same(results[True], results[False])
+    reasons = {rid: s[3] for rid, s in results[True].items()}
+    assert reasons["g3"] == "stop" and reasons["g4"] == "length", reasons
+
+
+def test_a_grammar_steps_successor_is_launched_before_its_tokens_reach_the_host(tiny_model, tokenizer):
+    """The order of the plain overlap (test above): step N+1's forward is queued before N's token is
+    appended (and the matcher advanced); N+1's mask, made after that append, keeps the output in the grammar."""
+    engine = make_engine(tiny_model, tokenizer, overlap=True)
+    events = record_events(engine)
+    engine.add_request("a", [5, 6, 7, 8], SamplingParams(max_tokens=4, temperature=0,
+                                                         grammar=Grammar("regex", "[a-z]{200}", "g")))
+    outs = drive(engine, [])
+    assert [kind for kind, _ in events] == ["forward", "forward", "append", "forward", "append", "forward",
+                                           "append", "append"]
+    assert re.fullmatch("[a-z]+", tokenizer.decode([t for o in outs["a"] for t in o.new_token_ids]))
