@@ -3,10 +3,12 @@
 # summary table. Run there from the repo root (the device tool carries .whl/ with the wheels the
 # machine lacks: ../shared/tools/gpu-wheels fla-core==0.6.0 compressed-tensors ...):
 #   bash scripts/gpu_suite.sh
-# gpu-wheels' serve set lacks what the served path also imports; add it to .whl/serve once:
+# gpu-wheels' serve set lacks what the served path also imports (fastapi >= 0.16x imports opentelemetry at the
+# top); add it to .whl/serve once:
 #   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl/serve \
-#     llguidance==1.9.1 tiktoken prometheus-client httpx httpcore h11 anyio sniffio idna certifi regex click
+#     llguidance==1.9.1 tiktoken prometheus-client httpx httpcore h11 anyio sniffio idna certifi regex click \
+#     opentelemetry-api
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mstar-gpu}
