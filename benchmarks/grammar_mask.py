@@ -11,7 +11,8 @@ serving. (The real K3 `tiktoken.model` is not public here; any large byte-level 
 
 Every engine replays the same token walks: B requests follow a JSON Schema, each step's token drawn at random
 (seeded) among those llguidance's mask allows, a request restarting when its grammar completes. Masks of the
-two engines are compared row by row (they differ where their JSON whitespace rules do).
+two engines are compared row by row (they differ where their JSON whitespace rules do). First, the device's
+share: the mask's upload and `apply_token_bitmask` over [B, 163,840] fp32 logits (`--device`, a GPU if present).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import llguidance.numpy
 import numpy as np
 import torch
 
-from mstar.engine.structured_output import Grammar, GrammarCompiler
+from mstar.engine.structured_output import Grammar, GrammarCompiler, apply_token_bitmask
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer, k3_special_names
 
 
@@ -173,6 +174,34 @@ def replay(engine, walks: list[list[int]], words: int) -> tuple[float, float, fl
     return fill / len(walks), advance / len(walks), created, masks
 
 
+def time_apply(batch: int, vocab: int, device: torch.device, reps: int = 50) -> float:
+    """Seconds per step of the device's share: the pinned mask's upload and `apply_token_bitmask` on fp32 logits
+    [batch, vocab] (every row constrained), timed with CUDA events on a GPU."""
+    words = (vocab + 31) // 32
+    host = torch.randint(-2**31, 2**31 - 1, (batch, words), dtype=torch.int32, pin_memory=device.type == "cuda")
+    logits = torch.randn(batch, vocab, device=device)
+    rows = torch.arange(batch, device=device)
+
+    def step() -> torch.Tensor:
+        return apply_token_bitmask(logits, rows, host.to(device, non_blocking=True))
+
+    for _ in range(3):
+        step()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            step()
+        return (time.perf_counter() - t0) / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3 / reps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokenizer", default="models/kimi_k3_mini")
@@ -182,6 +211,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--schemas", nargs="+", choices=sorted(SCHEMAS), default=["plain", "bounded"])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="where the mask is applied (the upload and apply_token_bitmask are timed there)")
+    ap.add_argument("--apply-vocab", type=int, default=163_840, help="logits width of the apply timing (K3's)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     tok = load_tokenizer(args)
@@ -189,6 +221,10 @@ def main() -> None:
     words = (tok.vocab_size + 31) // 32
     print(f"vocabulary {tok.vocab_size} ({tok.num_ranks} ranks of {args.ranks or args.tokenizer}), set up in "
           f"{time.perf_counter() - t0:.1f} s; {args.steps} steps; {os.cpu_count()} CPUs")
+    device = torch.device(args.device)
+    for batch in args.batch:
+        print(f"apply on {device.type}, vocabulary {args.apply_vocab}, batch {batch:3d}: upload + apply_token_bitmask "
+              f"{time_apply(batch, args.apply_vocab, device) * 1e6:8.1f} us/step", flush=True)
     for schema_name in args.schemas:
         grammar = Grammar("json_schema", json.dumps(SCHEMAS[schema_name]), "bench")
         engines = [Llguidance(compiler, grammar, False), Llguidance(compiler, grammar, True)]
