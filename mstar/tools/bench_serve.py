@@ -6,7 +6,9 @@ prompts in turn) and `--output-len` generated tokens (`ignore_eos`), and reports
 (mean, p50) and inter-token latency (mean, p99). When the server speculates, each level also reports
 the mean accepted length and the acceptance rate of each draft position, from the difference of the
 server's cumulative /metrics counters before and after the level. A progress bar (stderr) counts
-each level's finished requests.
+each level's finished requests. Each level first runs `--warmup` untimed rounds of C requests (other
+prompts), so that what a server does once per batch shape (a Triton kernel's first compile for an eager
+step's sizes, say) is not charged to the first level that meets it.
 Writes a markdown table (and a PNG plot when matplotlib is installed) under `--out`.
 """
 
@@ -130,20 +132,22 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 
 
 def level_prompts(concurrency: int, num_requests: int, input_len: int, vocab: int,
-                  texts: list[str] | None) -> list[list[int] | str]:
-    """The file's text prompts in turn, or random token-id prompts of `input_len`."""
+                  texts: list[str] | None, warmup: bool = False) -> list[list[int] | str]:
+    """The file's text prompts in turn, or random token-id prompts of `input_len`; the warm-up's are the file's
+    from its end, or other random ones."""
     if texts:
-        return [texts[i % len(texts)] for i in range(num_requests)]
-    rng = random.Random(concurrency)
+        order = texts[::-1] if warmup else texts
+        return [order[i % len(order)] for i in range(num_requests)]
+    rng = random.Random(f"warm-up {concurrency}" if warmup else concurrency)  # not -C: an int seeds as its abs
     return [[rng.randrange(vocab) for _ in range(input_len)] for _ in range(num_requests)]
 
 
 async def run_level(url: str, model: str, concurrency: int, prompts: list[list[int] | str], output_len: int,
-                    extra: dict) -> LevelResult:
+                    extra: dict, desc: str = "") -> LevelResult:
     results: list[RequestTiming] = []
     queue = list(prompts)
     limits = httpx.Limits(max_connections=concurrency + 4)
-    progress = tqdm(total=len(prompts), desc=f"C={concurrency}", unit="req", file=sys.stderr, leave=False)
+    progress = tqdm(total=len(prompts), desc=desc or f"C={concurrency}", unit="req", file=sys.stderr, leave=False)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         async def worker():
             while queue:
@@ -250,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--label", default="", help="what was served (config, machine), for the table header")
     p.add_argument("--prompts", type=Path, help="JSON file with text prompts ({\"prompts\": [...]} or a list); "
                    "replaces the random token-id prompts and --input-len")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds of C requests before each level")
     args = p.parse_args(argv)
     models = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"]
     model = models[0]["id"]
@@ -257,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     texts = load_prompts(args.prompts) if args.prompts else None
     results = []
     for c in [int(x) for x in args.concurrency.split(",")]:
+        if args.warmup > 0:
+            warm = level_prompts(c, args.warmup * c, args.input_len, vocab, texts, warmup=True)
+            asyncio.run(run_level(args.url, model, c, warm, args.output_len, {}, f"C={c} warm-up"))
         before = read_spec_counters(args.url)
         prompts = level_prompts(c, args.requests_per_level * c, args.input_len, vocab, texts)
         r = asyncio.run(run_level(args.url, model, c, prompts, args.output_len, {}))
@@ -269,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     shape = f"{len(texts)} text prompts" if texts else f"{args.input_len} in"
     header = (f"## {args.name}: {args.label or model} — {shape} / {args.output_len} out, "
-              f"{args.requests_per_level}·C requests per level (commit {git_commit()})\n\n"
+              f"{args.requests_per_level}·C requests per level after {args.warmup} warm-up round(s) of C "
+              f"(commit {git_commit()})\n\n"
               f"Command: `mstar-bench-serve {' '.join(argv if argv is not None else sys.argv[1:])}`")
     table = markdown(results, header)
     (args.out / f"{args.name}.md").write_text(table)

@@ -43,9 +43,11 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path, capsys)
         engine.shutdown()
     progress = capsys.readouterr().err
     assert "C=1" in progress and "C=2" in progress and "req" in progress  # a progress bar per level
+    assert "C=1 warm-up" in progress and "C=2 warm-up" in progress  # one untimed round of C before each level
     table = (tmp_path / "sweep.md").read_text()
     levels = json.loads((tmp_path / "sweep.json").read_text())["levels"]
     assert [lv["concurrency"] for lv in levels] == [1, 2] and all(lv["mean_accepted_length"] >= 1 for lv in levels)
+    assert [lv["requests"] for lv in levels] == [1, 2]  # the warm-up's requests are not counted
     assert f"{len(json.loads(PROMPTS.read_text())['prompts'])} text prompts / 6 out" in table
     rows = [line for line in table.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2
@@ -53,6 +55,16 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path, capsys)
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert len(cells) == 9 and float(cells[7]) >= 1.0  # accepted length: at least the bonus token
         assert all(0.0 <= float(x) <= 1.0 for x in cells[8].split())
+
+
+def test_warm_up_prompts_differ_from_the_levels():
+    texts = ["a", "b", "c"]
+    assert bench_serve.level_prompts(2, 4, 0, 0, texts) == ["a", "b", "c", "a"]
+    assert bench_serve.level_prompts(2, 2, 0, 0, texts, warmup=True) == ["c", "b"]
+    timed = bench_serve.level_prompts(4, 4, 16, 1000, None)
+    warm = bench_serve.level_prompts(4, 4, 16, 1000, None, warmup=True)
+    assert timed == bench_serve.level_prompts(4, 4, 16, 1000, None)
+    assert not set(map(tuple, warm)) & set(map(tuple, timed))
 
 
 def test_the_recorded_commit_is_mstar_commit_where_set(monkeypatch):
