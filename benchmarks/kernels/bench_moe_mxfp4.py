@@ -333,11 +333,8 @@ GATE_UP_TILES += (moe.GemmTile(64, 128, num_stages=4), moe.GemmTile(64, 128, spl
 # Deeper pipelines, since the gate/up wgmma stays in flight (0937c2d):
 GATE_UP_TILES += (moe.GemmTile(64, 128, split_k=2, num_stages=6), moe.GemmTile(64, 128, num_stages=6),
                   moe.GemmTile(64, 256, num_stages=4), moe.GemmTile(64, 128, split_k=4, num_stages=6))
-# Large-T tiles with the activations as the A operand (swap_ab=False): 128x128 and 128x256 outputs over 8 warps
-# (Hopper's usual wgmma tiles at 128 rows), and shorter K steps that leave registers for a deeper pipeline.
-GATE_UP_TILES += (moe.GemmTile(64, 64, num_stages=4), moe.GemmTile(64, 128, num_warps=8, num_stages=4),
-                  moe.GemmTile(128, 64, num_warps=8), moe.GemmTile(128, 64, num_warps=8, num_stages=4),
-                  moe.GemmTile(128, 128, num_warps=8, num_stages=2))
+# Large-T tiles with the activations as the A operand (swap_ab=False): dots 128 and 256 wide over 8 warps
+GATE_UP_TILES += (moe.GemmTile(64, 128, num_warps=8, num_stages=4), moe.GemmTile(128, 128, num_warps=8, num_stages=2))
 DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 128, num_warps=8),
               moe.GemmTile(128, 128, num_warps=8), moe.GemmTile(128, 128, num_stages=2), moe.GemmTile(32, 128),
               moe.GemmTile(64, 128, split_k=3), moe.GemmTile(128, 128, split_k=3),
@@ -345,8 +342,7 @@ DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 1
               moe.GemmTile(128, 128, tiles=4, num_stages=4), moe.GemmTile(64, 128, tiles=4),
               moe.GemmTile(64, 128, tiles=7), moe.GemmTile(128, 128, split_k=3, tiles=7),
               moe.GemmTile(128, 128, num_stages=4), moe.GemmTile(64, 128, num_stages=4),
-              moe.GemmTile(256, 128, num_warps=8, tiles=2), moe.GemmTile(128, 128, num_warps=8, tiles=4),
-              moe.GemmTile(256, 64, num_warps=8, num_stages=4))
+              moe.GemmTile(256, 128, num_warps=8, tiles=2), moe.GemmTile(128, 128, num_warps=8, tiles=4))
 TUNE_AXES = ("align", "block_m", "gate_up", "down", "swap_ab", "combine", "decode")
 
 
