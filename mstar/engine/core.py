@@ -32,7 +32,9 @@ outputs. Each request's drafts are those of the synchronous loop (with a fixed d
 schedule that changes k with the batch size sees the one extra row of a request stopping at N),
 so are its greedy and seeded outputs. N finishes before N+1 is declared (`_needs_verdicts`) where
 N+1 might not be verify rows alone (a request waits or prefills: prefill layouts read lengths on the
-host) or where the room left before max_tokens, which depends on N's verdict, could cut drafts.
+host) or where N's verdict decides how many drafts fit before max_seq_len. Near max_tokens blocks are
+not cut to the tokens left (scheduler.py: a cut block is a step no verify graph takes), so N+1 is
+launched there too; a request that N ends has its row of N+1 dropped, as one that N stops does.
 
 Resources freed while a step is in flight (a request finished at N or aborted, while N+1, which
 has a row for it, is queued) are safe to hand out at once: only a later launch can reuse a page or
@@ -198,7 +200,8 @@ class EngineCore:
         self.prefix = PrefixCache(page_pools, self.pool) if config.prefix_cache.enabled else None
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None,
-                                   mixed_prefill_decode=mk.mixed_prefill_decode, prefix=self.prefix)
+                                   mixed_prefill_decode=mk.mixed_prefill_decode, prefix=self.prefix,
+                                   max_seq_len=config.max_seq_len)
         self.sampler = Sampler()
         self.device = self.runner.device
         self.requests: dict[str, Request] = {}
@@ -308,8 +311,9 @@ class EngineCore:
         """Whether the step in flight must finish before the next one is declared: some verify block of it
         has a verdict (the drafts it keeps) that the next step would take on the device, and that step might
         not be one of verify rows alone (a waiting or prefilling request: prefill layouts read lengths on the
-        host), or a request's drafts in it might depend on the verdict (near max_tokens, the room left
-        decides them; away from it, they are those of the synchronous loop)."""
+        host), or a request's drafts in it might depend on the verdict (near max_seq_len the room left cuts
+        them). Near max_tokens the next step is launched as elsewhere: blocks are not cut to the tokens left
+        (scheduler.py), and a request that N ends has its row of N+1 dropped, as one that N stops does."""
         step = self._in_flight
         if step is None:
             return False
@@ -319,8 +323,8 @@ class EngineCore:
         scheduler = self.scheduler
         if scheduler.waiting or any(not r.is_decoding for r in scheduler.running):
             return True
-        most = self.spec.schedule.max_drafts
-        return any(r.num_generated + r.unresolved + 1 + most > r.params.max_tokens for r in unresolved)
+        most, limit = self.spec.schedule.max_drafts, self.scheduler.max_seq_len
+        return any(r.num_computed + r.unresolved + most >= limit for r in unresolved)
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
@@ -393,8 +397,10 @@ class EngineCore:
             finite = all(r.finite for r in rows)
             if s.verify:
                 accepted = rows[0].accepted if finite else 0
-                if finite:
-                    self.spec.record(s.num_drafts, accepted)
+                if finite and not request.finished:  # a row of a request that ended meanwhile is dropped
+                    # drafts past max_tokens (blocks are not cut to the tokens left) are not the draft's record
+                    useful = min(s.num_drafts, request.params.max_tokens - len(request.output_ids) - 1)
+                    self.spec.record(useful, min(accepted, useful))
                 self._settle(step, b, accepted)
                 rows = rows[: accepted + 1]
             if not finite:

@@ -60,10 +60,12 @@ class Resource(Protocol):
 class Scheduler:
     def __init__(self, config: SchedulerConfig, resources: list[Resource],
                  drafts_for: Callable[[int], int] | None = None, *, mixed_prefill_decode: bool = True,
-                 prefix: PrefixCache | None = None):
+                 prefix: PrefixCache | None = None, max_seq_len: int | None = None):
         """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts;
-        `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode; `prefix` the prefix cache (None: off)."""
+        `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode; `prefix` the prefix cache (None: off);
+        `max_seq_len` the positions a sequence may use (None: unbounded), which drafts never pass."""
         self.config = config
+        self.max_seq_len = max_seq_len
         self.prefix = prefix
         self.mixed_prefill_decode = mixed_prefill_decode
         self.resources = resources
@@ -199,11 +201,16 @@ class Scheduler:
     def _decode_seq(self, request: Request, drafts: int | None) -> SeqStep:
         if drafts is None:
             return self._seq(request, 1)
-        # Never draft past max_tokens: a verify emits up to num_drafts + 1 tokens. A request that processes
-        # its logits gets no drafts (logits_processing.py: its token counts hold for one position only); one
-        # with a grammar does (structured_output.py masks each row of its block).
-        # Tokens in flight count as emitted, a verify block in flight as keeping all its drafts (the most it can).
-        room = request.params.max_tokens - request.num_generated - request.unresolved - 1
+        # The schedule's full count even near max_tokens: the verify graphs are captured for blocks of k + 1
+        # rows, and one block cut to the tokens left made its whole step run eagerly (on a GPU, a step many
+        # times slower, and a kernel compile for each new block size). The engine emits up to max_tokens and
+        # drops what the block yields beyond (core.py `_append`). Only max_seq_len cuts a block: its rows sit
+        # up to `unresolved` positions past num_computed (a verify block in flight keeping all its drafts).
+        # A request that processes its logits gets no drafts (logits_processing.py: its token counts hold for
+        # one position only); one with a grammar does (structured_output.py masks each row of its block).
+        room = drafts
+        if self.max_seq_len is not None:
+            room = self.max_seq_len - 1 - request.num_computed - request.unresolved
         if request.params.processes_logits:
             room = 0
         anchor = request.token_at(request.num_computed)

@@ -42,6 +42,7 @@ class OracleSpeculation(Speculation):
                 continue
             start = s.num_computed + shift[b]
             truth = self.references[s.request_id][start + 1 : start + 1 + s.num_drafts]
+            truth += [0] * (s.num_drafts - len(truth))  # past max_tokens (blocks are not cut): dropped anyway
             rng = random.Random(f"{self.seed}/{s.request_id}/{start}/{s.num_drafts}")
             tokens = torch.tensor([t if rng.random() >= self.error_rate else (t + 1) % vocab for t in truth])
             probs = torch.nn.functional.one_hot(tokens, vocab).float()
