@@ -34,6 +34,8 @@ class EngineStats:
     # Prefix caching, cumulative: tokens of admitted requests, and of those the tokens found cached.
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Model steps run on rank 0, cumulative: (shape, "graph" or "eager", steps), runner/model_runner.py step_shape
+    model_steps: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def spec_mean_accepted_length(self) -> float:

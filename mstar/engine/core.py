@@ -282,6 +282,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.prefix.num_queries if self.prefix else 0,
             prefix_cache_hits=self.prefix.num_hits if self.prefix else 0,
+            model_steps=tuple((shape, mode, n) for (shape, mode), n in sorted(self.runner.steps_run.items())),
         )
 
     # --- one step ---------------------------------------------------------------------------
@@ -324,7 +325,7 @@ class EngineCore:
         if scheduler.waiting or any(not r.is_decoding for r in scheduler.running):
             return True
         most, limit = self.spec.schedule.max_drafts, self.scheduler.max_seq_len
-        return any(r.num_computed + r.unresolved + most >= limit for r in unresolved)
+        return limit is not None and any(r.num_computed + r.unresolved + most >= limit for r in unresolved)
 
     def drain_outputs(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []

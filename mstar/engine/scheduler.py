@@ -2,8 +2,9 @@
 
 Each step the scheduler declares decode rows for running requests (one token each, up to
 `max_num_seqs`) and prefill chunks (up to `max_prefill_seqs` prompts and the step's token budget;
-prompts are chunked when `chunked_prefill` is on). With `mixed_prefill_decode` both share a step;
-otherwise a step is either prefill or decode, prefill first.
+prompts are chunked when `chunked_prefill` is on). With `mixed_prefill_decode` both share a step,
+except verify rows (DSpark), which never share one with prompt chunks; otherwise a step is either
+prefill or decode, the two taking turns while both wait, prefill first.
 
 Admission is all-or-nothing per request and resource (KV pages, a KDA slot). When a decode row
 cannot get its page, the most recently arrived running request is preempted: its pages and slot
@@ -73,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in arrival order
         self.num_preemptions = 0
+        self._decode_held_back = False  # the last step prefilled while decode rows waited (unmixed: turns)
 
     # --- queue ------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -118,11 +120,23 @@ class Scheduler:
 
     def _schedule_once(self) -> list[SeqStep]:
         cfg = self.config
-        decoding = [r for r in self.running if r.is_decoding and not r.sampling_done]
-        prefill_first = not self.mixed_prefill_decode and self._prefill_possible()
-        seqs: list[SeqStep] = [] if prefill_first else self._schedule_decode(decoding[: cfg.max_num_seqs])
-        if self.mixed_prefill_decode or not seqs:
-            seqs += self._schedule_prefill(cfg.max_num_batched_tokens - sum(s.num_tokens for s in seqs))
+        batch = [r for r in self.running if r.is_decoding and not r.sampling_done][: cfg.max_num_seqs]
+        budget = cfg.max_num_batched_tokens
+        # Verify rows (with speculation every decode row is one, of 0 drafts too) do not share a step with
+        # prompt chunks: no captured graph takes that mix, and on a GPU such a step ran eagerly, many times
+        # slower than a prefill step and a verify step replayed apart.
+        if self.mixed_prefill_decode and not (batch and self.drafts_for is not None):
+            seqs = self._schedule_decode(batch)
+            return seqs + self._schedule_prefill(budget - sum(s.num_tokens for s in seqs))
+        # Unmixed, prompt chunks and decode rows take turns while both wait, prefill first: a stream of
+        # arrivals or a long chunked prompt holds running requests back one step at most.
+        prefill_turn = not (batch and self._decode_held_back)
+        seqs = self._schedule_prefill(budget) if prefill_turn else []
+        self._decode_held_back = bool(seqs and batch)
+        if not seqs:
+            seqs = self._schedule_decode(batch)
+        if not seqs and not prefill_turn:
+            seqs = self._schedule_prefill(budget)
         return seqs
 
     def _schedule_decode(self, batch: list[Request]) -> list[SeqStep]:
@@ -177,9 +191,6 @@ class Scheduler:
             seqs.append(seq)
             budget -= n
         return seqs
-
-    def _prefill_possible(self) -> bool:
-        return any(not r.is_decoding for r in self.running) or any(not r.sampling_done for r in self.waiting)
 
     # --- helpers ----------------------------------------------------------------------------
     def _to_snapshot_boundary(self, start: int, n: int, shared: int) -> int:

@@ -12,6 +12,8 @@ same plan: their collectives stay in step.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +25,8 @@ from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.runner.executor import ModelStep, StepOutput
 from mstar.speculative.schedule import DraftSchedule
+
+log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 64  # larger decode batches run eagerly (launch overhead is amortized over their rows)
 
@@ -53,6 +57,15 @@ class StepLimits:
     moe_bf16_above: int | None = None
 
 
+def step_shape(plan: BatchPlan) -> str:
+    """What a step holds, for counting: "decode" (one row a sequence), "verify" (verify blocks, maybe with
+    decode rows), "prefill" (prompt chunks, maybe with decode rows) or "prefill+verify"."""
+    starts, verify = plan.seq_starts, plan.verify or (False,) * (len(plan.seq_starts) - 1)
+    prefill = any(not v and end - start > 1 for v, start, end in zip(verify, starts, starts[1:]))
+    return {(False, False): "decode", (False, True): "verify", (True, False): "prefill",
+            (True, True): "prefill+verify"}[prefill, any(verify)]
+
+
 class ModelRunner:
     """Executes planned steps on one rank (a `StepExecutor`). `kernels`: "auto" takes the GPU kernels where
     the device supports them, "torch" the reference path everywhere; `cuda_graphs` captures the decode,
@@ -78,6 +91,8 @@ class ModelRunner:
         self.graphs: list = []  # StepGraphs, in the order `forward` tries them
         if cuda_graphs and device.type == "cuda":
             self.graphs = self._capture_graphs()
+        # (step shape, "graph" or "eager") -> steps run: with graphs on, an eager step is a slow one
+        self.steps_run: Counter[tuple[str, str]] = Counter()
 
     @property
     def model(self) -> KimiK3ForCausalLM:
@@ -108,8 +123,19 @@ class ModelRunner:
         set that does), eagerly otherwise."""
         for graphs in self.graphs:
             if tuple(tap_layers) == graphs.tap_layers and graphs.can_run(plan):
+                self.steps_run[step_shape(plan), "graph"] += 1
                 return StepOutput(*graphs.run(plan))
+        self._count_eager(plan)
         return StepOutput(*self.serving.forward(plan, tap_layers))
+
+    def _count_eager(self, plan: BatchPlan) -> None:
+        """Count an eager step; with graphs captured, log the first of each shape (what no graph takes)."""
+        key = step_shape(plan), "eager"
+        if self.graphs and not self.steps_run[key]:
+            log.info("a %s step of %d sequences and %d rows ran eagerly: no captured graph takes it (later "
+                     "ones are counted in mstar_model_steps{mode=\"eager\"})", key[0], len(plan.seq_starts) - 1,
+                     plan.input_ids.shape[0])
+        self.steps_run[key] += 1
 
     def execute(self, step: ModelStep) -> StepOutput:
         return self.forward(step.plan, step.tap_layers)

@@ -6,7 +6,7 @@ counter (graph its rate), a level a gauge, a per-request distribution a histogra
 
 Engine state (requests running/waiting, KV pages, KDA slots) is read from `engine.stats()` at
 scrape time, and so are the engine's cumulative counts (preemptions, prefix-cache queries and hits
-in tokens, speculative decoding): each
+in tokens, speculative decoding, model steps by shape and by graph or eager): each
 scrape adds what they grew by since the last. Token counters, finish counters and the latency
 histograms are observed here, in the server, from when each engine request's outputs arrive: TTFT
 from the HTTP request's arrival to the first output token, inter-token latency (ITL) per token
@@ -77,6 +77,10 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter(
             "mstar_spec_decode_num_accepted_tokens_per_pos", "Verify rows whose draft `position` was accepted.",
             [*MODEL, "position"], registry=r)
+        self.model_steps = Counter(
+            "mstar_model_steps", "Model steps run, by what they held (`shape`: decode, verify, prefill, "
+            "prefill+verify) and how (`mode`: graph, a captured CUDA graph replayed, or eager).",
+            [*MODEL, "shape", "mode"], registry=r)
         self.prompt_tokens = counter("mstar_prompt_tokens", "Prompt tokens of started requests.")
         self.generation_tokens = counter("mstar_generation_tokens", "Tokens generated.")
         self.request_success = Counter(
@@ -143,6 +147,8 @@ class ServerMetrics:
             position = str(i + 1)
             self._count_up(self.spec_drafted_per_pos.labels(self.model_name, position), drafted)
             self._count_up(self.spec_accepted_per_pos.labels(self.model_name, position), accepted)
+        for shape, mode, steps in stats.model_steps:
+            self._count_up(self.model_steps.labels(self.model_name, shape, mode), steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -63,6 +63,8 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
         one_row = all(p.seq_starts[b + 1] - p.seq_starts[b] == 1 for b in range(len(p.seq_starts) - 1))
         assert (p.kind is StepKind.DECODE) == one_row, (p.seq_starts, p.kind)
         assert p.slot_ids == tuple(p.kda_slots.tolist())  # the host's copy, so that no layer syncs for it
+    # every step is counted, by shape, as run eagerly (no graphs on a CPU)
+    assert core.stats().model_steps == (("decode", "eager", sum(decode)), ("prefill", "eager", len(plans) - sum(decode)))
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU KDA path through Triton's interpreter")

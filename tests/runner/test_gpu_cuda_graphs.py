@@ -171,6 +171,8 @@ def test_engine_serves_decode_steps_through_the_graphs(model, tokenizer):
     prompts = [torch.randint(0, 1000, (n,)).tolist() for n in (1, 17, 90, 300, 5, 64)]
     outputs = serve_greedy({"graphs": core, "eager": eager}, prompts, max_tokens=12)
     assert core.runner.graphs[0].replays >= 10
+    steps = {(shape, mode): n for shape, mode, n in core.stats().model_steps}
+    assert steps[("decode", "graph")] >= 10 and ("decode", "eager") not in steps, steps
     assert all(len(t) == 12 for t in outputs["graphs"].values())
     # bf16 steps with a different split count and atomic expert sums can flip near-tied greedy tokens,
     # so exact agreement is not required; the first tokens come from the same eager prefill.

@@ -141,10 +141,12 @@ def test_engine_stats_become_gauges_and_counters():
     stats = dict(running=3, waiting=2, kv_pages_used=10, kv_pages_total=40, kda_slots_used=1, kda_slots_total=4,
                  spec_verify_rows=5, spec_draft_tokens=12, spec_accepted_tokens=7, spec_drafted_by_position=(5, 4),
                  spec_accepted_by_position=(4, 3), num_preemptions=2, prefix_cache_queries=100,
-                 prefix_cache_hits=64)
+                 prefix_cache_hits=64, model_steps=(("decode", "graph", 9), ("prefill", "eager", 2)))
     metrics.update_engine_stats(EngineStats(**stats))
     metrics.update_engine_stats(EngineStats(**{**stats, "spec_verify_rows": 6, "num_preemptions": 3,
-                                               "prefix_cache_queries": 130}))
+                                               "prefix_cache_queries": 130,
+                                               "model_steps": (("decode", "graph", 12), ("prefill", "eager", 2),
+                                                               ("verify", "eager", 1))}))
     text = metrics.render().decode()
     for line in ('mstar_requests_running{model_name="m"} 3.0', 'mstar_requests_waiting{model_name="m"} 2.0',
                  'mstar_kv_pages_usage_ratio{model_name="m"} 0.25', 'mstar_kda_slots_usage_ratio{model_name="m"} 0.25',
@@ -154,7 +156,10 @@ def test_engine_stats_become_gauges_and_counters():
                  'mstar_num_preemptions_total{model_name="m"} 3.0',
                  'mstar_prefix_cache_queries_total{model_name="m"} 130.0',
                  'mstar_prefix_cache_hits_total{model_name="m"} 64.0',
-                 'mstar_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 3.0'):
+                 'mstar_spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 3.0',
+                 'mstar_model_steps_total{mode="graph",model_name="m",shape="decode"} 12.0',
+                 'mstar_model_steps_total{mode="eager",model_name="m",shape="prefill"} 2.0',
+                 'mstar_model_steps_total{mode="eager",model_name="m",shape="verify"} 1.0'):
         assert line in text, line
     kinds = {family.name: family.type for family in text_string_to_metric_families(text)}
     assert kinds["mstar_spec_decode_num_drafts"] == kinds["mstar_num_preemptions"] == "counter"
