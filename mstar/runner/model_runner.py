@@ -57,11 +57,17 @@ class StepLimits:
     moe_bf16_above: int | None = None
 
 
+def prefill_graph_seqs(max_num_seqs: int, max_prefill_seqs: int) -> int:
+    """Sequences a captured prefill step holds: a mixed step's decode rows besides its prompt chunks (up to
+    max_num_seqs in all, as many as a decode graph takes); an empty sequence costs the kernels next to nothing."""
+    return max(max_prefill_seqs, min(max_num_seqs, MAX_GRAPH_BATCH))
+
+
 def step_shape(plan: BatchPlan) -> str:
     """What a step holds, for counting: "decode" (one row a sequence), "verify" (verify blocks, maybe with
     decode rows), "prefill" (prompt chunks, maybe with decode rows) or "prefill+verify"."""
     starts, verify = plan.seq_starts, plan.verify or (False,) * (len(plan.seq_starts) - 1)
-    prefill = any(not v and end - start > 1 for v, start, end in zip(verify, starts, starts[1:]))
+    prefill = any(not v and end - start > 1 for v, start, end in zip(verify, starts, starts[1:], strict=False))
     return {(False, False): "decode", (False, True): "verify", (True, False): "prefill",
             (True, True): "prefill+verify"}[prefill, any(verify)]
 
@@ -113,8 +119,8 @@ class ModelRunner:
             graphs += verify_graphs(self.serving, limits.draft_schedule, **shape)
         # last: `forward` replays the first set that takes a step, and a decode step fits a prefill graph too
         graphs.append(PrefillGraphs(self.serving, max_tokens=limits.max_num_batched_tokens,
-                                    max_seqs=limits.max_prefill_seqs, max_seq_len=limits.max_seq_len,
-                                    tap_layers=limits.tap_layers))
+                                    max_seqs=prefill_graph_seqs(limits.max_num_seqs, limits.max_prefill_seqs),
+                                    max_seq_len=limits.max_seq_len, tap_layers=limits.tap_layers))
         capture_all(graphs)
         return graphs
 

@@ -4,7 +4,7 @@ Eagerly, one TP8 rank of K3 takes 705 ms to prefill 1,024 tokens against a FLOP 
 host cannot launch its kernels fast enough, and fla's `chunk_kda` alone spends about 1.8 ms of host
 time per call (69 KDA layers). Captured, `chunk_kda(use_graph=True)` replays in 132 µs at 1,024 tokens.
 
-A prefill step here is up to `max_seqs` sequences (the scheduler's `max_prefill_seqs`) of any lengths
+A prefill step here is up to `max_seqs` sequences (model_runner.py `prefill_graph_seqs`) of any lengths
 (prompt chunks, a chunked prompt's continuation over its cached pages, single rows of running requests
 in a mixed step), none a verify block and none with a pending KDA prefix, T tokens in all. It replays
 the graph of the smallest bucket >= T (`prefill_buckets`). What it reads is staged into the fixed

@@ -75,6 +75,7 @@ from mstar.quant.mxfp4_linear import MXFP4Linear, use_mxfp4_linears
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.runner.cuda_graphs import DecodeGraphs, StepGraphs, capture_all, decode_buckets
+from mstar.runner.model_runner import prefill_graph_seqs
 from mstar.runner.prefill_graphs import MAX_PREFILL_TOKENS, PrefillGraphs, prefill_buckets
 from mstar.tools.bench_serve import git_commit
 from mstar.tools.emulate_draft import (
@@ -459,8 +460,10 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
     for name, group in by_name.items():
         if group[0].kind == "prefill":
             tokens = [s.tokens for s in group]
-            # as many sequences as the engine's prefill graphs take (the scheduler's default)
-            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens), max_seqs=SchedulerConfig().max_prefill_seqs,
+            # as many sequences as the engine's prefill graphs take (the scheduler's defaults)
+            sched = SchedulerConfig()
+            graphs[name] = PrefillGraphs(serving, max_tokens=max(tokens),
+                                         max_seqs=prefill_graph_seqs(sched.max_num_seqs, sched.max_prefill_seqs),
                                          max_seq_len=graph_seq_len, buckets=used(prefill_buckets(max(tokens)), tokens))
         else:
             rows, batches = group[0].rows, [s.batch for s in group]

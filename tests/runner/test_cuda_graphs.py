@@ -64,7 +64,8 @@ def test_decode_flag_marks_exactly_the_one_row_steps(tiny_model, tiny_dir):
         assert (p.kind is StepKind.DECODE) == one_row, (p.seq_starts, p.kind)
         assert p.slot_ids == tuple(p.kda_slots.tolist())  # the host's copy, so that no layer syncs for it
     # every step is counted, by shape, as run eagerly (no graphs on a CPU)
-    assert core.stats().model_steps == (("decode", "eager", sum(decode)), ("prefill", "eager", len(plans) - sum(decode)))
+    counted = (("decode", "eager", sum(decode)), ("prefill", "eager", len(plans) - sum(decode)))
+    assert core.stats().model_steps == counted
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU KDA path through Triton's interpreter")
