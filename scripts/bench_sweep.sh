@@ -45,6 +45,7 @@ for k in $KS; do
     $PY -m mstar.tools.bench_serve --url "$URL" "${workload[@]}" --output-len "${OUTPUT_LEN:-512}" \
         --requests-per-level "${REQUESTS:-8}" --concurrency "$LEVELS" \
         --out "$OUT" --name "k$k" --label "$name, k=$k $*"
+    curl -sf "$URL/metrics" >"$OUT/metrics_k$k.txt" || true  # steps by shape, graph or eager; spec counters
     kill -TERM $server; wait $server || true
 done
 if [ "$(echo $KS | wc -w)" -gt 1 ]; then
