@@ -144,13 +144,22 @@ def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, b
     return o.view(B, H, K)
 
 
-def _index_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host ints as a long tensor on `device`, through pinned memory: the copy is queued, never waited for
-    (a pageable copy would block the host until the GPU's queue drains; resources/transfer.py does the same
-    for the engine, which kernels do not import)."""
+def _index_tensors(*lists: list[int], device: torch.device) -> list[torch.Tensor]:
+    """Host int lists as long tensors on `device`, views of one copied through pinned memory: queued, never
+    waited for (a pageable copy would block the host until the GPU's queue drains; a copy per list costs the
+    host a pinned allocation and a launch each; resources/transfer.py does the same for the engine, which
+    kernels do not import). Each view starts 16 bytes aligned, as Triton's pointer specialization assumes of
+    the tensors it is given (an unaligned one would compile the kernel again)."""
+    flat, offsets = [], []
+    for values in lists:
+        offsets.append(len(flat))
+        flat += values
+        flat += [0] * (len(flat) % 2)
     if torch.device(device).type != "cuda":
-        return torch.tensor(values, dtype=torch.long, device=device)
-    return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+        joined = torch.tensor(flat, dtype=torch.long, device=device)
+    else:
+        joined = torch.tensor(flat, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+    return [joined[start : start + len(values)] for start, values in zip(offsets, lists, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -209,23 +218,22 @@ class BlockLayout:
                 raise ValueError(f"sequence {b}: {p} prefix + {n} rows do not fit a capacity of {capacity}")
             row_seq += [b] * size
             first += size
-        as_t = [_index_tensor(v, device) for v in (slots, starts, ends, fold, row_seq, x_dest, prefix_dest,
-                                                   prefix_src, keep_dest, keep_src, _row_sources(first, x_dest,
-                                                                                                 prefix_dest,
-                                                                                                 prefix_src))]
-        if exact_pending is not None:
-            p = exact_pending.to(device=device, dtype=torch.long)
-            starts_t, n = as_t[1], _index_tensor(lengths, device)
-            folded = n * _index_tensor([0 if verify and verify[b] else 1 for b in range(len(slots))], device)
-            as_t[2] = starts_t + p + n  # ends
-            as_t[3] = p + folded  # fold
-            x_seq_t, pre_seq_t = _index_tensor(x_seq, device), _index_tensor(pre_seq, device)
-            as_t[5] = starts_t[x_seq_t] + p[x_seq_t] + _index_tensor(x_j, device)  # x_dest
-            j = _index_tensor(pre_j, device)
-            as_t[6] = starts_t[pre_seq_t] + torch.where(j < p[pre_seq_t], j, n[pre_seq_t] + j)  # prefix_dest
-            as_t[10] = torch.full((first,), kda_blocks.ZERO_ROW, dtype=torch.long, device=device)  # row_src
-            as_t[10][as_t[5]] = torch.arange(len(x_dest), device=device)
-            as_t[10][as_t[6]] = kda_blocks.PREFIX_ROW - as_t[7]
+        host = [slots, starts, ends, fold, row_seq, x_dest, prefix_dest, prefix_src, keep_dest, keep_src,
+                _row_sources(first, x_dest, prefix_dest, prefix_src)]
+        if exact_pending is None:
+            return cls(first, *_index_tensors(*host, device=device))
+        unfolded = [0 if verify and verify[b] else 1 for b in range(len(slots))]
+        *as_t, n, unfolded_t, x_seq_t, pre_seq_t, x_j_t, j = _index_tensors(*host, lengths, unfolded, x_seq, pre_seq,
+                                                                           x_j, pre_j, device=device)
+        p = exact_pending.to(device=device, dtype=torch.long)
+        starts_t = as_t[1]
+        as_t[2] = starts_t + p + n  # ends
+        as_t[3] = p + n * unfolded_t  # fold
+        as_t[5] = starts_t[x_seq_t] + p[x_seq_t] + x_j_t  # x_dest
+        as_t[6] = starts_t[pre_seq_t] + torch.where(j < p[pre_seq_t], j, n[pre_seq_t] + j)  # prefix_dest
+        as_t[10] = torch.full((first,), kda_blocks.ZERO_ROW, dtype=torch.long, device=device)  # row_src
+        as_t[10][as_t[5]] = torch.arange(len(x_dest), device=device)
+        as_t[10][as_t[6]] = kda_blocks.PREFIX_ROW - as_t[7]
         return cls(first, *as_t)
 
     def copy_(self, other: BlockLayout) -> None:

@@ -33,6 +33,7 @@ from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.step import StepDecl
 from mstar.resources.transfer import to_device
+from mstar.speculative.context_graphs import ContextGraphs
 from mstar.speculative.draft_graphs import DraftGraphs
 from mstar.speculative.schedule import DraftSchedule
 
@@ -98,6 +99,7 @@ class DSparkProposer:
         # elsewhere (CPU, fp32) through the reference's gathered context. Tests may set it.
         self.paged = paged.kernel_fits(draft, param.device)
         self.graphs: dict[int, DraftGraphs] = {}  # captured greedy steps by draft count (capture_graphs)
+        self.context_graphs: ContextGraphs | None = None  # captured context writes of verify steps (capture_graphs)
 
     # --- the resource protocol: the draft KV pool follows the target's steps ------------------
     def can_admit(self, decl: StepDecl) -> bool:
@@ -165,6 +167,12 @@ class DSparkProposer:
             self.graphs[k] = DraftGraphs(self.draft, self.heads.embed, self.heads.lm_head, self.kv.cache, drafts=k,
                                          buckets=tuple(sizes), max_seq_len=max_seq_len)
             self.graphs[k].capture(pool)
+        if by_drafts:  # a verify step of B blocks of k drafts writes B * (k + 1) context rows
+            rows = tuple(b * (k + 1) for k, sizes in by_drafts.items() for b in sizes)
+            self.context_graphs = ContextGraphs(self._write_rows, buckets=rows, dtype=self.draft.dtype,
+                                                tap_width=self.config.context_input_size,
+                                                page_size=self.kv.page_size, device=self.kv.cache.device)
+            self.context_graphs.capture(pool)
 
     @staticmethod
     def _block_row_slots(decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], k_max: int) -> torch.Tensor:
@@ -177,17 +185,23 @@ class DSparkProposer:
     @torch.no_grad()
     def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor) -> None:
         """Write the draft context rows of every row of the step (from the target's taps [N, ...]), at the
-        positions `plan` gives them (on the device: a verify step in flight may shift them), when it launches.
+        positions `plan` gives them (on the device: a verify step in flight may shift them), when it launches;
+        by replay where a captured write takes the step's rows (`capture_graphs`).
 
         A verify block's rows are all written, before verification: the rows it rejects sit at positions from
         the next anchor's on, which the next block writes (its own rows, models/dspark/paged.py) or hides (the
         gathered context) before anything reads them, and the step after writes them again."""
         counts = [s.num_tokens for s in decl.seqs]
-        device = taps.device
-        row_seq = to_device([b for b, n in enumerate(counts) for _ in range(n)], torch.long, device)
-        behind = to_device([n - j for n in counts for j in range(n)], torch.long, device)  # rows to the block's end
+        # each row's sequence, then its rows to the block's end: one upload
+        row_seq = [b for b, n in enumerate(counts) for _ in range(n)]
+        index = to_device(row_seq + [n - j for n in counts for j in range(n)], torch.long, taps.device)
+        row_seq, behind = index.view(2, -1)
         positions = plan.context_lens[row_seq] - behind
+        if self.context_graphs is None or not self.context_graphs.run(taps, positions, plan.slot_mapping):
+            self._write_rows(taps, positions, plan.slot_mapping)
+
+    def _write_rows(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         rows_of = paged.paged_context_kv if self.paged else K3DSparkModel.context_kv
         for layer, rows in enumerate(rows_of(self.draft, taps, positions)):
-            self.kv.write(layer, plan.slot_mapping, rows)
+            self.kv.write(layer, slots, rows)
 

@@ -10,6 +10,7 @@ import torch
 from mstar.models.dspark import paged
 from mstar.models.dspark.model import BlockBatch, DraftSampling, K3DSparkModel
 from mstar.resources.latent_kv import PagedLatentKV
+from mstar.speculative.context_graphs import ContextGraphs
 from mstar.speculative.draft_graphs import DraftGraphs
 from mstar.speculative.proposer import PagedContext
 
@@ -72,3 +73,37 @@ def test_graph_replay_equals_eager_and_reference(draft_and_heads):
     for got in replayed:
         assert torch.isfinite(got.probs).all() and got.tokens.shape == (k,)
     assert not graphs.can_run((k, k - 1), greedy[:2]) and not graphs.can_run((k,), [DraftSampling(1.0)])
+
+
+def test_context_write_replay_equals_the_eager_write(draft_and_heads):
+    """A captured context write (ContextGraphs) stores the rows the eager write stores, in the step's slots only:
+    the padding rows of its bucket go to the sink page, every other page keeps what it held."""
+    draft = draft_and_heads[0]
+    cfg = draft.config
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    kvs = [PagedLatentKV(cfg.num_hidden_layers, 16, PAGE, width, torch.bfloat16, "cuda") for _ in range(2)]
+    for kv in kvs:
+        kv.cache.fill_(float("nan"))  # poisoned: only written rows may change
+
+    def write(kv):
+        return lambda taps, positions, slots: [kv.write(layer, slots, rows) for layer, rows in
+                                               enumerate(paged.paged_context_kv(draft, taps, positions))]
+
+    graphs = ContextGraphs(write(kvs[0]), buckets=(8, 24), tap_width=cfg.context_input_size, dtype=torch.bfloat16,
+                           page_size=PAGE, device=torch.device("cuda"))
+    graphs.capture()
+    n = 13  # the 24-row bucket: 11 padding rows
+    taps = torch.randn(n, cfg.context_input_size, device="cuda", dtype=torch.bfloat16)
+    positions = torch.randint(0, 200, (n,), device="cuda")
+    slots = PAGE + torch.randperm(15 * PAGE, device="cuda")[:n]  # pages 1..15, never the sink
+    assert graphs.run(taps, positions, slots) and not graphs.run(torch.zeros(25, cfg.context_input_size), positions,
+                                                                   slots)
+    write(kvs[1])(taps, positions, slots)
+    torch.cuda.synchronize()
+    replayed, eager = (kv.cache.view(cfg.num_hidden_layers, -1, width) for kv in kvs)
+    assert torch.isfinite(replayed[:, slots]).all()
+    assert torch.allclose(replayed[:, slots].float(), eager[:, slots].float(), atol=2e-2, rtol=2e-2)
+    untouched = torch.ones(replayed.shape[1], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    untouched[: PAGE] = False  # the sink page takes the padding rows
+    assert replayed[:, untouched].isnan().all()

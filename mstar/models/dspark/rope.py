@@ -70,10 +70,11 @@ def yarn_inv_freq(rope: YarnRopeConfig, dim: int, dtype: torch.dtype = torch.flo
 
 
 class YarnRotaryEmbedding:
-    """Rotates the last `dim` features of q_pe / k_pe by their positions (no parameters, nothing cached).
+    """Rotates the last `dim` features of q_pe / k_pe by their positions (no parameters).
 
     Not an nn.Module on purpose: the frequencies must stay in at least fp32 even when the model is cast
-    to bf16, and they are cheap enough (dim / 2 values) to rebuild per call. A caller rotating many tensors at
+    to bf16. They are built once per dtype and device (a dozen eager launches each time otherwise, on the
+    serving path's every step). A caller rotating many tensors at
     the same positions (the GPU draft step: q and k of every layer) builds the tables once (`cos_sin`) and
     rotates with `rotate`.
     """
@@ -84,10 +85,16 @@ class YarnRotaryEmbedding:
         self.rope = rope
         self.dim = dim
         self.mscale = rope.cos_sin_mscale
+        self._inv_freq: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos, sin [T, dim / 2] for integer positions [T], in `dtype` (at least fp32)."""
-        inv_freq = yarn_inv_freq(self.rope, self.dim, dtype=dtype, device=positions.device)
+        key = dtype, positions.device
+        inv_freq = self._inv_freq.get(key)
+        if inv_freq is None:
+            inv_freq = yarn_inv_freq(self.rope, self.dim, dtype=dtype, device=positions.device)
+            if not (positions.is_cuda and torch.cuda.is_current_stream_capturing()):  # a capture fills it later
+                self._inv_freq[key] = inv_freq
         angles = positions.to(dtype)[:, None] * inv_freq[None, :]
         return angles.cos() * self.mscale, angles.sin() * self.mscale
 
