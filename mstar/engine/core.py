@@ -570,18 +570,21 @@ class EngineCore:
                 tokens.copy_(self.sampler.choose(logits, batch))
         if verifying:
             result = self.spec.verify([decl.seqs[b] for b in verifying], [requests[b] for b in verifying],
-                                      [logits[rows[b][0] : rows[b][0] + rows[b][1]] for b in verifying],
-                                      [drafts.get(b) for b in verifying])
+                                      logits, [rows[b][0] for b in verifying], [drafts.get(b) for b in verifying])
             width = result.tokens.shape[1]
-            at, block, source = [], [], []  # each verify row: its logits row, its block, its place in the blocks
-            for i, b in enumerate(verifying):
-                first, n = rows[b]
-                at += range(first, first + n)
-                block += [i] * n
-                source += range(i * width, i * width + n)
-            at_t = to_device(at, torch.long, device)
-            tokens[at_t] = result.tokens.reshape(-1)[to_device(source, torch.long, device)]
-            accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
+            if not sampled and all(rows[b][1] == width for b in verifying):  # equal blocks: all the rows, in order
+                tokens.copy_(result.tokens.reshape(-1))
+                accepted.copy_(result.num_accepted.repeat_interleave(width))
+            else:
+                at, block, source = [], [], []  # each verify row: its logits row, its block, its place in the blocks
+                for i, b in enumerate(verifying):
+                    first, n = rows[b]
+                    at += range(first, first + n)
+                    block += [i] * n
+                    source += range(i * width, i * width + n)
+                at_t = to_device(at, torch.long, device)
+                tokens[at_t] = result.tokens.reshape(-1)[to_device(source, torch.long, device)]
+                accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
         logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None

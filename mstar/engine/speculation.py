@@ -64,25 +64,38 @@ class Speculation:
                                           [r.generator for r in drafting])
         return dict(zip(rows, proposals, strict=True))
 
-    def verify(self, seqs: list[SeqStep], requests: list[Request], row_logits: list[torch.Tensor],
+    def verify(self, seqs: list[SeqStep], requests: list[Request], logits: torch.Tensor, firsts: list[int],
                drafts: list[DraftProposal | None]) -> VerifyResult:
-        """Verify each row's block: `row_logits[i]` is [1 + num_drafts, V] target logits. The result
-        stays on the device (the engine fetches it with the step's other results); `record` counts
-        what the host then accepts."""
+        """Verify each row's block: its 1 + num_drafts target logits rows start at `firsts[i]` of `logits`
+        [rows, V]. The result stays on the device (the engine fetches it with the step's other results);
+        `record` counts what the host then accepts. A step of equal blocks, each drafted, that are all the
+        logits rows (a verify graph's step) is read in place, and greedy blocks need no draft distributions."""
         width = max(s.num_drafts for s in seqs)
-        vocab = row_logits[0].shape[-1]
-        device = row_logits[0].device
-        logits = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
-        tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
-        probs = torch.zeros(len(seqs), width, vocab, dtype=torch.float32, device=device)
-        for i, (s, rows, d) in enumerate(zip(seqs, row_logits, drafts, strict=True)):
-            logits[i, : s.num_drafts + 1] = rows.float()
-            if d is not None:
-                tokens[i, : s.num_drafts] = d.tokens
-                probs[i, : s.num_drafts] = d.probs.float()
+        vocab, device = logits.shape[-1], logits.device
         batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
+        uniform = all(s.num_drafts == width for s in seqs) and all(d is not None for d in drafts)
+        if uniform and logits.shape[0] == len(seqs) * (width + 1) and firsts == list(range(0, logits.shape[0],
+                                                                                             width + 1)):
+            blocks = logits.view(len(seqs), width + 1, vocab).float()
+        else:
+            blocks = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
+            for i, (s, first) in enumerate(zip(seqs, firsts, strict=True)):
+                blocks[i, : s.num_drafts + 1] = logits[first : first + s.num_drafts + 1]
+        if uniform and width:
+            tokens = torch.stack([d.tokens for d in drafts])
+        else:
+            tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+            for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
+                if d is not None:
+                    tokens[i, : s.num_drafts] = d.tokens
+        probs = None
+        if not batch.all_greedy:
+            probs = torch.zeros(len(seqs), width, vocab, dtype=torch.float32, device=device)
+            for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
+                if d is not None:
+                    probs[i, : s.num_drafts] = d.probs.float()
         num_drafts = to_device([s.num_drafts for s in seqs], torch.long, device)
-        return verify(logits, tokens, probs, batch, self.method, num_drafts, self.generator)
+        return verify(blocks, tokens, probs, batch, self.method, num_drafts, self.generator)
 
     def record(self, drafted: int, accepted: int) -> None:
         """Count one verified row: `accepted` of its `drafted` drafts were kept."""
