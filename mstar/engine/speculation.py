@@ -68,20 +68,20 @@ class Speculation:
                drafts: list[DraftProposal | None]) -> VerifyResult:
         """Verify each row's block: its 1 + num_drafts target logits rows start at `firsts[i]` of `logits`
         [rows, V]. The result stays on the device (the engine fetches it with the step's other results);
-        `record` counts what the host then accepts. A step of equal blocks, each drafted, that are all the
-        logits rows (a verify graph's step) is read in place, and greedy blocks need no draft distributions."""
+        `record` counts what the host then accepts. Equal blocks that are all the logits rows (a verify
+        graph's step) are read in place, and greedy blocks need no draft distributions."""
         width = max(s.num_drafts for s in seqs)
         vocab, device = logits.shape[-1], logits.device
         batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
-        uniform = all(s.num_drafts == width for s in seqs) and all(d is not None for d in drafts)
-        if uniform and logits.shape[0] == len(seqs) * (width + 1) and firsts == list(range(0, logits.shape[0],
-                                                                                             width + 1)):
+        equal = all(s.num_drafts == width for s in seqs)
+        if equal and logits.shape[0] == len(seqs) * (width + 1) and firsts == list(range(0, logits.shape[0],
+                                                                                           width + 1)):
             blocks = logits.view(len(seqs), width + 1, vocab).float()
         else:
             blocks = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
             for i, (s, first) in enumerate(zip(seqs, firsts, strict=True)):
                 blocks[i, : s.num_drafts + 1] = logits[first : first + s.num_drafts + 1]
-        if uniform and width:
+        if equal and width and all(d is not None for d in drafts):
             tokens = torch.stack([d.tokens for d in drafts])
         else:
             tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)

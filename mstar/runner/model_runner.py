@@ -67,7 +67,7 @@ def step_shape(plan: BatchPlan) -> str:
     """What a step holds, for counting: "decode" (one row a sequence), "verify" (verify blocks, maybe with
     decode rows), "prefill" (prompt chunks, maybe with decode rows) or "prefill+verify"."""
     starts, verify = plan.seq_starts, plan.verify or (False,) * (len(plan.seq_starts) - 1)
-    prefill = any(not v and end - start > 1 for v, start, end in zip(verify, starts, starts[1:], strict=False))
+    prefill = any(not v and end - start > 1 for v, start, end in zip(verify, starts[:-1], starts[1:], strict=True))
     return {(False, False): "decode", (False, True): "verify", (True, False): "prefill",
             (True, True): "prefill+verify"}[prefill, any(verify)]
 

@@ -193,8 +193,8 @@ class DSparkProposer:
         gathered context) before anything reads them, and the step after writes them again."""
         counts = [s.num_tokens for s in decl.seqs]
         # each row's sequence, then its rows to the block's end: one upload
-        row_seq = [b for b, n in enumerate(counts) for _ in range(n)]
-        index = to_device(row_seq + [n - j for n in counts for j in range(n)], torch.long, taps.device)
+        seq_of_row = [b for b, n in enumerate(counts) for _ in range(n)]
+        index = to_device(seq_of_row + [n - j for n in counts for j in range(n)], torch.long, taps.device)
         row_seq, behind = index.view(2, -1)
         positions = plan.context_lens[row_seq] - behind
         if self.context_graphs is None or not self.context_graphs.run(taps, positions, plan.slot_mapping):

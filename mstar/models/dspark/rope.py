@@ -74,9 +74,8 @@ class YarnRotaryEmbedding:
 
     Not an nn.Module on purpose: the frequencies must stay in at least fp32 even when the model is cast
     to bf16. They are built once per dtype and device (a dozen eager launches each time otherwise, on the
-    serving path's every step). A caller rotating many tensors at
-    the same positions (the GPU draft step: q and k of every layer) builds the tables once (`cos_sin`) and
-    rotates with `rotate`.
+    serving path's every step). A caller rotating many tensors at the same positions (the GPU draft step: q
+    and k of every layer) builds the tables once (`cos_sin`) and rotates with `rotate`.
     """
 
     def __init__(self, rope: YarnRopeConfig, dim: int):
