@@ -46,7 +46,7 @@ run() {  # run NAME CMD...: record pass/fail and wall time
 
 want kernels && run gpu-kernel-tests python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gpu_kda.py tests/models/kimi_k3/test_gpu_real_dims.py tests/models/kimi_k3/test_packed_experts.py \
     tests/runner/test_gpu_cuda_graphs.py tests/engine/test_gpu_async_scheduling.py tests/engine/test_gpu_structured_output.py \
-    tests/speculative/test_gpu_draft_graphs.py \
+    tests/speculative/test_gpu_draft_graphs.py tests/resources/test_gpu_transfer.py \
     tests/engine/test_gpu_prompt_logprobs.py \
     tests/training/test_gpu_mini_pair.py \
     $(ls tests/kernels/test_kernel_*.py 2>/dev/null)

@@ -4,23 +4,82 @@ A plain `torch.tensor(values, device="cuda")` (or `.to("cuda")` of a CPU tensor)
 memory and then synchronizes the stream: the host stops until every kernel queued before it has
 run. Between two engine steps that is harmless; while the host plans step N+1 with step N still on
 the GPU (async scheduling, core.py) it would serialize the two. So host values go up through pinned
-memory with `non_blocking=True`, which only queues the copy (torch's pinned-memory allocator keeps
-the buffer alive until the copy has run), and a step's results come down the same way into pinned
-memory, with an event that the host waits on once, when it needs them.
+memory with `non_blocking=True`, which only queues the copy, and a step's results come down the same
+way into pinned memory, with an event that the host waits on once, when it needs them.
+
+A step uploads a few dozen small lists. Each through a pinned tensor of its own would cost a pinned
+allocation, a CPU tensor built from the list and an event for the allocator to know when the block
+is free again; they pass instead through one pinned ring (`_UploadRing`), written in place, which
+the host waits on only when it comes round to bytes whose copy may not have run yet.
 
 On a CPU device both are plain tensors: there is no queue to wait for.
 """
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import torch
+
+_NUMPY = {torch.long: np.int64, torch.int32: np.int32, torch.float32: np.float32, torch.float64: np.float64,
+          torch.bool: np.bool_}
+_ALIGN = 16  # bytes: each upload starts aligned, as Triton's pointer specialization assumes of its tensors
+
+
+class _UploadRing:
+    """A pinned host buffer that uploads are written into one after another, in two halves: before writing
+    into a half again the host waits for the copies queued from it a lap before (an event recorded when it
+    was left), so no byte is overwritten before its copy has run. A lap is thousands of steps: the wait is
+    a formality, not a synchronization with the step in flight."""
+
+    def __init__(self, nbytes: int = 1 << 21):
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.bytes = self.buffer.numpy()
+        self.half = nbytes // 2
+        self.offset = 0
+        self.left: list[torch.cuda.Event | None] = [None, None]  # when each half was last left
+
+    def upload(self, values: np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        start = self._claim(values.nbytes)
+        self.bytes[start : start + values.nbytes] = values.reshape(-1).view(np.uint8)
+        host = self.buffer[start : start + values.nbytes].view(dtype).view(values.shape)
+        return torch.empty(values.shape, dtype=dtype, device=device).copy_(host, non_blocking=True)
+
+    def _claim(self, nbytes: int) -> int:
+        start = self.offset
+        half = start // self.half  # 2: the end of the buffer
+        if half == 2 or (start + nbytes - 1) // self.half != half:
+            start = self._enter(1 - min(half, 1))
+        self.offset = start + -(-nbytes // _ALIGN) * _ALIGN
+        return start
+
+    def _enter(self, half: int) -> int:
+        """Move on to `half`: mark the one left, wait for the copies out of `half` a lap ago (a process
+        drives one device: its current stream is the one every copy was queued on)."""
+        self.left[1 - half] = torch.cuda.Event()
+        self.left[1 - half].record()
+        if self.left[half] is not None:
+            self.left[half].synchronize()
+        return half * self.half
+
+
+_rings = threading.local()  # a ring per thread: writers never share one
 
 
 def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype, device=device)`, queued without a stream synchronization."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return torch.tensor(values, dtype=dtype, device=device)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    array = np.asarray(values, dtype=_NUMPY[dtype])
+    ring = getattr(_rings, "ring", None)
+    if ring is None:
+        ring = _rings.ring = _UploadRing()
+    # A copy captured into a graph would read its bytes at every replay: those get a pinned block of their own.
+    if array.nbytes == 0 or array.nbytes > ring.half or torch.cuda.is_current_stream_capturing():
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return ring.upload(array, dtype, device)
 
 
 class HostCopy:
