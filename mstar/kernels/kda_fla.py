@@ -236,6 +236,28 @@ class BlockLayout:
         as_t[10][as_t[6]] = kda_blocks.PREFIX_ROW - as_t[7]
         return cls(first, *as_t)
 
+    @classmethod
+    def equal_blocks(cls, slots: torch.Tensor, pending: torch.Tensor, rows: int, max_block: int) -> BlockLayout:
+        """`build`'s fixed-capacity layout of B verify blocks of `rows` rows each (capacity rows + max_block),
+        from device tensors alone: the slots [B] and pending prefixes [B]. A captured verify step derives it
+        inside its graph, so that a replay stages just those two (no host lists, no per-step launches)."""
+        device, capacity = slots.device, rows + max_block
+        slots, pending = slots.long(), pending.long()
+        seq = torch.arange(slots.shape[0], device=device)
+        starts = seq * capacity
+        j_rows, j_prefix = torch.arange(rows, device=device), torch.arange(max_block, device=device)
+        x_dest = ((starts + pending)[:, None] + j_rows).flatten()
+        prefix_dest = (starts[:, None] + torch.where(j_prefix < pending[:, None], j_prefix, rows + j_prefix)).flatten()
+        prefix_src = (slots[:, None] * max_block + j_prefix).flatten()
+        row_src = torch.full((slots.shape[0] * capacity,), kda_blocks.ZERO_ROW, dtype=torch.long, device=device)
+        row_src[x_dest] = torch.arange(x_dest.shape[0], device=device)
+        row_src[prefix_dest] = kda_blocks.PREFIX_ROW - prefix_src
+        return cls(num_rows=slots.shape[0] * capacity, slots=slots, starts=starts, ends=starts + pending + rows,
+                   fold=pending, row_seq=torch.arange(row_src.shape[0], device=device) // capacity, x_dest=x_dest,
+                   prefix_dest=prefix_dest, prefix_src=prefix_src,
+                   keep_dest=(slots[:, None] * max_block + j_rows).flatten(),
+                   keep_src=torch.arange(x_dest.shape[0], device=device), row_src=row_src)
+
     def copy_(self, other: BlockLayout) -> None:
         """Take `other`'s values (same sizes): a captured step's layout is staged into fixed tensors."""
         if other.num_rows != self.num_rows:

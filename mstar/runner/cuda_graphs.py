@@ -5,13 +5,14 @@ prefill_graphs.py; the runner (model_runner.py) replays them; both through the m
 Eagerly, a K3 step is thousands of small launches (93 layers of norms, AttnRes, projections,
 kernels), so the host's launch pace, not the GPU, sets its time. A captured step replays them all with
 one launch. Everything a step reads sits in fixed buffers (token ids, page table, slot mapping,
-context lengths, KDA slots, the rows to sample, row offsets and KDA layouts) that `run` fills before
+context lengths, KDA slots, the rows to sample, row offsets, KDA layouts or prefixes) that `run` fills before
 each replay; the kernels take their shapes from the bucket and their lengths from those buffers, so
 one capture serves any step that fits its bucket:
 
 - KDA: decode reads and writes state and conv windows in place by slot (kda_fla.decode); verify
-  blocks run [accepted prefix ; block] per sequence from a layout staged with each step's pending-prefix
-  lengths (kda_fla.BlockLayout with a fixed capacity per sequence, kda_fla.block_recurrence); prefill
+  blocks run [accepted prefix ; block] per sequence from a layout that the graph derives from the staged
+  slots and pending-prefix lengths (kda_fla.BlockLayout.equal_blocks: a fixed capacity per sequence,
+  kda_fla.block_recurrence); prefill
   steps from a layout of padded row offsets (kda_fla.PrefillLayout, kda_fla.prefill);
 - MLA: the paged decode kernel with a split count fixed for `max_seq_len` (a shorter context uses
   fewer of the splits); verify blocks and prefill steps the multi-row kernel with fixed row offsets;
@@ -40,6 +41,7 @@ from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, GpuMixerOps
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.serving import BatchPlan, ServingModel, StagedLayout, StepKind
 from mstar.resources.latent_kv import LatentKVPlan
+from mstar.resources.transfer import to_device
 from mstar.speculative.schedule import DraftSchedule
 
 log = logging.getLogger(__name__)
@@ -230,9 +232,10 @@ class DecodeGraphs(StepGraphs):
         super().__init__(serving, buckets if buckets is not None else decode_buckets(max_batch),
                          max_seq_len=max_seq_len, tap_layers=tap_layers)
         device = self.input_ids.device
-        # verify steps: row offsets and the KDA block layout of each bucket, staged per step
+        # verify steps: row offsets of each bucket, and each block's pending KDA prefix, staged per step (the
+        # graph derives the blocks' KDA layout from these and the slots)
         self.cu_seqlens = {b: torch.arange(0, b * r + 1, r, device=device) for b in self.buckets} if r > 1 else {}
-        self.layouts = {b: self._layout((SINK,) * b, [0] * b) for b in self.buckets} if r > 1 else {}
+        self.pending = torch.zeros(self.buckets[-1], dtype=torch.long, device=device) if r > 1 else None
 
     @property
     def max_batch(self) -> int:
@@ -248,19 +251,14 @@ class DecodeGraphs(StepGraphs):
     def size_of(self, plan: BatchPlan) -> int:
         return len(plan.seq_starts) - 1
 
-    def _layout(self, slots: tuple[int, ...], pending: list[int], exact: torch.Tensor | None = None):
-        """The KDA layout of a verify step of len(slots) blocks, at a fixed capacity per sequence (`exact`: the
-        pending prefixes on the device, `pending` their bounds; `BlockLayout.build`)."""
-        return GpuMixerOps.capture_blocks_layout(len(slots), self.rows_per_seq, slots, pending,
-                                                 self.serving.pool.prefix_x.shape[2], self.kda_slots.device, exact)
-
     def bucket_plan(self, bucket: int) -> BatchPlan:
         r, n = self.rows_per_seq, bucket * self.rows_per_seq
         # num_computed only sizes the MLA decode split count: the longest context any replay may see.
         return BatchPlan(**self._views(bucket), seq_starts=tuple(range(0, n + 1, r)),
                          num_computed=(self.max_seq_len - r,) * bucket, verify=(True,) * bucket if r > 1 else (),
                          kind=StepKind.DECODE if r == 1 else StepKind.STAGED_BLOCKS,
-                         staged=StagedLayout(self.cu_seqlens[bucket], self.layouts[bucket]) if r > 1 else None)
+                         staged=StagedLayout(self.cu_seqlens[bucket], None, pending=self.pending[:bucket])
+                         if r > 1 else None)
 
     def can_run(self, plan: BatchPlan) -> bool:
         """A plan of this step's shape within the captured sizes, sampling every row (what the graphs
@@ -276,20 +274,17 @@ class DecodeGraphs(StepGraphs):
                 and all(plan.seq_starts[b + 1] - plan.seq_starts[b] == r for b in range(batch)))
 
     def _stage_layout(self, bucket: int, plan: BatchPlan | None) -> None:
+        """The pending prefixes of this step's blocks (host bookkeeping, or on the device while the verify step
+        before runs); padding blocks on the sink's."""
         if self.rows_per_seq == 1:
             return
-        # the pending prefixes of this step (host bookkeeping, or on the device while the verify step before
-        # runs), padding on the sink
-        pool = self.serving.pool
-        slots, pending, exact = (), [], None
+        batch = 0
         if plan is not None:
-            slots = plan.host_slots()
-            pending, exact = plan.pending_bounds(pool)
-        padding = bucket - len(slots)
-        if exact is not None:
-            exact = torch.cat([exact, exact.new_zeros(padding)])
-        slots += (SINK,) * padding
-        self.layouts[bucket].copy_(self._layout(slots, pending + [pool.prefix_len[SINK]] * padding, exact))
+            known, exact = plan.pending_bounds(self.serving.pool)
+            batch = len(known)
+            device = self.pending.device
+            self.pending[:batch].copy_(exact if exact is not None else to_device(known, torch.long, device))
+        self.pending[batch:bucket] = self.serving.pool.prefix_len[SINK]
 
 
 def verify_graphs(serving: ServingModel, schedule: DraftSchedule, *, max_batch: int, max_seq_len: int,

@@ -152,6 +152,27 @@ def test_pending_prefixes_known_only_on_the_device_match_torch(stacked, capacity
 
 
 @pytest.mark.parametrize("stacked", [False, True])
+def test_equal_verify_blocks_with_a_derived_layout_match_torch(stacked):
+    """A captured verify step stages only each block's pending prefix (on the device, while the step before
+    decides it); the layout is derived from those and the slots (`BlockLayout.equal_blocks`): the step ends
+    as the torch mixer leaves it."""
+    attn, pool = layer_and_pool()
+    slots = (5, 2, 4)
+    for slot in slots:
+        pool.prefix_len[slot] = 1
+    advance, bounds = torch.tensor([2, 0, 3]), (3, 3, 3)
+    plan, x, ref, expect = step_against_torch(attn, pool, [4, 4, 4], (True,) * 3, slots, advance=advance,
+                                              max_advance=bounds)
+    _, exact = plan.pending_bounds(pool)
+    plan = replace(plan, kind=StepKind.STAGED_BLOCKS,
+                   staged=StagedLayout(torch.tensor(plan.seq_starts), None, pending=exact))
+    y = GpuMixerOps(fused=stacked).kda(attn, 0, x, plan, pool)
+    assert rel(y, expect) < 1e-5, rel(y, expect)
+    for name in ("state", "conv", "prefix_x"):
+        assert rel(getattr(pool, name), getattr(ref, name)) < 1e-5, name
+
+
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize(("lengths", "num_rows"), [([5, 1, 13], 24), ([2, 7, 1, 3, 9, 1, 4, 6], 33), ([6, 2], 8)])
 def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
     """A staged PrefillLayout of at most 8 sequences over num_rows rows: ragged sequences

@@ -168,17 +168,6 @@ class GpuMixerOps(TorchMixerOps):
         return self._stacks[module]
 
     @staticmethod
-    def capture_blocks_layout(num_seqs: int, rows: int, slots: tuple[int, ...], pending: list[int], max_block: int,
-                              device: torch.device, exact_pending: torch.Tensor | None = None) -> kda_fla.BlockLayout:
-        """The capture builder of STAGED_BLOCKS steps: the KDA layout of `num_seqs` verify blocks of `rows` rows
-        on `slots` after `pending` prefix rows (`exact_pending`: the prefixes on the device, planned while a
-        verify step runs, `pending` their bounds), at a fixed capacity per sequence (so that one capture
-        serves any pending lengths: a replay copies a new layout into it)."""
-        return kda_fla.BlockLayout.build(tuple(range(0, num_seqs * rows + 1, rows)), slots, pending,
-                                         (True,) * num_seqs, max_block, device, capacity=rows + max_block,
-                                         exact_pending=exact_pending)
-
-    @staticmethod
     def capture_prefill_layout(max_rows: int, kda_slots: torch.Tensor) -> kda_fla.PrefillLayout:
         """The capture builder of STAGED_PREFILL steps: a prefill layout of up to `max_rows` rows over the
         staged `kda_slots`, whose row offsets each replay stages (`first_rows(n).stage(seq_starts)`)."""

@@ -49,13 +49,16 @@ class StepKind(enum.Enum):
 @dataclass(frozen=True)
 class StagedLayout:
     """A staged kind's step metadata on the device, built by the backend's capture builders
-    (gpu_ops.GpuMixerOps.capture_*_layout) and restaged by runner/ before each replay: the row offsets the MLA
+    (gpu_ops.GpuMixerOps.capture_prefill_layout) and restaged by runner/ before each replay: the row offsets the MLA
     multi-row kernel takes, the KDA layout (a kda_fla.BlockLayout or PrefillLayout), and (STAGED_PREFILL) the
-    most rows any sequence may have, which sizes the kernels."""
+    most rows any sequence may have, which sizes the kernels. A captured verify step stages no layout but each
+    block's pending KDA prefix (`pending` [B]): its blocks are all alike, and the step derives their layout on
+    the device from these and the plan's kda_slots (kda_fla.BlockLayout.equal_blocks), inside the graph."""
 
     cu_seqlens: torch.Tensor
-    kda_layout: object
+    kda_layout: object | None
     max_query_len: int | None = None
+    pending: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

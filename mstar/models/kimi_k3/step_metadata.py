@@ -3,10 +3,11 @@ every layer (as vLLM v1's attention-metadata builders do): which KDA kernel path
 which MLA kernel runs, over which row offsets, with how many context splits.
 
 `build_metadata` is the one builder. A planned step (StepKind.GENERAL, DECODE) gets its metadata from the plan's host
-values; a staged kind (a graph's bucket) carries its device buffers in `BatchPlan.staged`, made by the capture
-builders (gpu_ops.GpuMixerOps.capture_*_layout) and restaged per replay by runner/, which `build_metadata` wraps. So the
-mixers dispatch on the metadata alone, and the host work of a step (a KDA block layout, an MLA split count,
-the row offsets copied to the device) is done once, not once per layer.
+values; a staged kind (a graph's bucket) carries its device buffers in `BatchPlan.staged`, restaged per replay
+by runner/, which `build_metadata` wraps (a prefill layout from gpu_ops.GpuMixerOps.capture_prefill_layout), or
+derives from them on the device (the equal blocks of a verify graph, inside the graph). So the mixers dispatch
+on the metadata alone, and the host work of a step (a KDA block layout, an MLA split count, the row offsets
+copied to the device) is done once, not once per layer.
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def kda_step(plan: BatchPlan, pool: RecurrentStatePool) -> KDAStep:
     if plan.kind is StepKind.STAGED_PREFILL:
         return KDAStep(KDAPath.PREFILL, plan.staged.kda_layout)
     if plan.kind is StepKind.STAGED_BLOCKS:
-        return KDAStep(KDAPath.BLOCKS, plan.staged.kda_layout)
+        layout = plan.staged.kda_layout
+        if layout is None:  # equal blocks: the layout follows from the staged slots and pending prefixes
+            layout = kda_fla.BlockLayout.equal_blocks(plan.kda_slots, plan.staged.pending,
+                                                      plan.seq_starts[1] - plan.seq_starts[0], pool.prefix_x.shape[2])
+        return KDAStep(KDAPath.BLOCKS, layout)
     slots = plan.host_slots()
     pending, exact = plan.pending_bounds(pool)  # bounds, where a verify step in flight decides them
     longest = max(pending[b] + plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(len(slots)))
