@@ -37,6 +37,7 @@ class _UploadRing:
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         self.bytes = self.buffer.numpy()
         self.half = nbytes // 2
+        self.current = 0  # the half being written
         self.offset = 0
         self.left: list[torch.cuda.Event | None] = [None, None]  # when each half was last left
 
@@ -48,19 +49,19 @@ class _UploadRing:
 
     def _claim(self, nbytes: int) -> int:
         start = self.offset
-        half = start // self.half  # 2: the end of the buffer
-        if half == 2 or (start + nbytes - 1) // self.half != half:
-            start = self._enter(1 - min(half, 1))
+        if start + nbytes > (self.current + 1) * self.half:
+            start = self._enter(1 - self.current)
         self.offset = start + -(-nbytes // _ALIGN) * _ALIGN
         return start
 
     def _enter(self, half: int) -> int:
         """Move on to `half`: mark the one left, wait for the copies out of `half` a lap ago (a process
         drives one device: its current stream is the one every copy was queued on)."""
-        self.left[1 - half] = torch.cuda.Event()
-        self.left[1 - half].record()
+        self.left[self.current] = torch.cuda.Event()
+        self.left[self.current].record()
         if self.left[half] is not None:
             self.left[half].synchronize()
+        self.current = half
         return half * self.half
 
 
