@@ -69,14 +69,16 @@ class Speculation:
         """Verify each row's block: its 1 + num_drafts target logits rows start at `firsts[i]` of `logits`
         [rows, V]. The result stays on the device (the engine fetches it with the step's other results);
         `record` counts what the host then accepts. Equal blocks that are all the logits rows (a verify
-        graph's step) are read in place, and greedy blocks need no draft distributions."""
+        graph's step) are read in place, and greedy blocks need no draft distributions (nor fp32 logits: the
+        greedy kernels read them as they are)."""
         width = max(s.num_drafts for s in seqs)
         vocab, device = logits.shape[-1], logits.device
         batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
         equal = all(s.num_drafts == width for s in seqs)
         if equal and logits.shape[0] == len(seqs) * (width + 1) and firsts == list(range(0, logits.shape[0],
                                                                                            width + 1)):
-            blocks = logits.view(len(seqs), width + 1, vocab).float()
+            blocks = logits.view(len(seqs), width + 1, vocab)
+            blocks = blocks if batch.all_greedy else blocks.float()
         else:
             blocks = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
             for i, (s, first) in enumerate(zip(seqs, firsts, strict=True)):

@@ -205,8 +205,23 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     """Accept d_{j+1} while it equals the argmax of raw target row j, then emit the next row's argmax.
 
     At the first mismatch (column j) the emitted token is argmax of row j; with all n drafts accepted it
-    is the bonus argmax of row n. Ties go to the lowest id, as in the sampler.
+    is the bonus argmax of row n. Ties go to the lowest id, as in the sampler. On a GPU through two Triton
+    launches (kernels/greedy_verify.py), elsewhere `reference_verify_greedy`.
     """
+    if not target_logits.is_cuda or target_logits.stride(-1) != 1:
+        return reference_verify_greedy(target_logits, draft_tokens, num_drafts)
+    from mstar.kernels.greedy_verify import greedy_verify
+
+    _check_shapes(target_logits, draft_tokens, None, None)
+    rows, width, _ = target_logits.shape
+    num_drafts = _num_drafts_tensor(num_drafts, rows, width - 1, target_logits.device)
+    tokens, num_accepted = greedy_verify(target_logits, draft_tokens, num_drafts)
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
+
+
+def reference_verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
+                            num_drafts: torch.Tensor | Sequence[int] | None = None) -> VerifyResult:
+    """`verify_greedy` in torch: the rule as written, and what the kernels are tested against."""
     _check_shapes(target_logits, draft_tokens, None, None)
     rows, width, _ = target_logits.shape
     drafts = width - 1
