@@ -103,7 +103,7 @@ from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.models.kimi_k3.serving import BatchPlan, StepKind
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.resources.step import StepDecl
-from mstar.resources.transfer import HostCopy, to_device
+from mstar.resources.transfer import HostCopy, to_device, to_device_lists
 from mstar.runner.executor import ModelStep, StepExecutor
 from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads
@@ -491,15 +491,14 @@ class EngineCore:
         for b, (position, n) in enumerate(prompt_rows):
             row = starts[b] + position - decl.seqs[b].num_computed
             sample_rows += range(row, row + n)
-        input_ids = to_device(tokens, torch.long, self.device)
+        input_ids, in_flight_src_t, in_flight_rows_t, lagging_src_t, lagging_t, sample_rows_t = to_device_lists(
+            [tokens, in_flight_src, in_flight_rows, lagging_src, lagging, sample_rows], torch.long, self.device)
         if in_flight_rows:
-            sampled = self._in_flight.newest[to_device(in_flight_src, torch.long, self.device)]
-            input_ids.index_copy_(0, to_device(in_flight_rows, torch.long, self.device), sampled)
+            input_ids.index_copy_(0, in_flight_rows_t, self._in_flight.newest[in_flight_src_t])
         advance = None
         if lagging:
             advance = torch.zeros(len(decl.seqs), dtype=torch.long, device=self.device)
-            kept = self._in_flight.accepted[to_device(lagging_src, torch.long, self.device)]
-            advance.index_copy_(0, to_device(lagging, torch.long, self.device), kept)
+            advance.index_copy_(0, lagging_t, self._in_flight.accepted[lagging_src_t])
         return BatchPlan(
             input_ids=input_ids,
             seq_starts=tuple(starts),
@@ -507,7 +506,7 @@ class EngineCore:
             kv=self.kv.plan(decl, advance),
             kda_slots=self.pool.plan(decl),
             slot_ids=tuple(self.pool.slots[s.request_id] for s in decl.seqs),
-            sample_rows=to_device(sample_rows, torch.long, self.device),
+            sample_rows=sample_rows_t,
             verify=tuple(s.verify for s in decl.seqs),
             kind=StepKind.DECODE if all(s.num_tokens == 1 and not s.verify for s in decl.seqs)
             and not self.pool.has_pending(decl) else StepKind.GENERAL,

@@ -22,7 +22,7 @@ from mstar.engine.sampler import SamplingBatch
 from mstar.models.dspark.model import DraftProposal
 from mstar.resources.latent_kv import LatentKVPlan
 from mstar.resources.step import SeqStep, StepDecl
-from mstar.resources.transfer import to_device
+from mstar.resources.transfer import to_device, to_device_lists
 from mstar.speculative.proposer import DSparkProposer
 from mstar.speculative.schedule import DraftSchedule
 from mstar.speculative.verify import VerifyResult, verify
@@ -55,10 +55,11 @@ class Speculation:
             return {}
         device = input_ids.device
         first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))  # each sequence's row
-        anchors = input_ids[to_device([first[b] for b in rows], torch.long, device)]
-        starts = to_device([decl.seqs[b].num_computed for b in rows], torch.long, device)
+        anchor_rows, starts, rows_t = to_device_lists(
+            [[first[b] for b in rows], [decl.seqs[b].num_computed for b in rows], rows], torch.long, device)
+        anchors = input_ids[anchor_rows]
         if advance is not None:
-            starts = starts + advance[to_device(rows, torch.long, device)]
+            starts = starts + advance[rows_t]
         drafting = [requests[decl.seqs[b].request_id] for b in rows]
         proposals = self.proposer.propose(decl, self.draft_plan, rows, anchors, starts, [r.params for r in drafting],
                                           [r.generator for r in drafting])

@@ -16,7 +16,7 @@ import torch
 
 from mstar.resources.page_allocator import PageAllocator
 from mstar.resources.step import SeqStep, StepDecl
-from mstar.resources.transfer import to_device
+from mstar.resources.transfer import to_device_lists
 
 
 @dataclass(frozen=True)
@@ -92,20 +92,27 @@ class PagedLatentKV:
         `advance` [B] (on the device; None: all zero) shifts sequence b's rows advance[b] positions on
         (`SeqStep.lag`: what the verify step in flight keeps, known only there): the slots and context
         lengths are then computed on the device from the page table, which covers the furthest shift."""
-        device = self.cache.device
+        device, size = self.cache.device, self.page_size
         max_pages = max(len(self.pages[s.request_id]) for s in decl.seqs)
-        table = [self.pages[s.request_id] + [0] * (max_pages - len(self.pages[s.request_id])) for s in decl.seqs]
+        table = [p for s in decl.seqs for p in self._padded_pages(s.request_id, max_pages)]
+        lens = [s.num_computed + s.num_tokens for s in decl.seqs]
         positions = [range(s.num_computed, s.num_computed + s.num_tokens) for s in decl.seqs]
-        table_t = to_device(table, torch.long, device)
-        lens_t = to_device([s.num_computed + s.num_tokens for s in decl.seqs], torch.long, device)
         if advance is None:
-            size = self.page_size
-            slots = [table[b][pos // size] * size + pos % size for b, rows in enumerate(positions) for pos in rows]
-            return LatentKVPlan(table_t, to_device(slots, torch.long, device), lens_t)
-        row_seq = to_device([b for b, rows in enumerate(positions) for _ in rows], torch.long, device)
-        pos = to_device([p for rows in positions for p in rows], torch.long, device) + advance[row_seq]
-        slot_mapping = table_t[row_seq, pos // self.page_size] * self.page_size + pos % self.page_size
+            slots = [table[b * max_pages + pos // size] * size + pos % size for b, rows in enumerate(positions)
+                     for pos in rows]
+            table_t, lens_t, slots_t = to_device_lists([table, lens, slots], torch.long, device)
+            return LatentKVPlan(table_t.view(len(lens), max_pages), slots_t, lens_t)
+        row_seq = [b for b, rows in enumerate(positions) for _ in rows]
+        flat_positions = [p for rows in positions for p in rows]
+        table_t, lens_t, row_seq_t, pos = to_device_lists([table, lens, row_seq, flat_positions], torch.long, device)
+        table_t = table_t.view(len(lens), max_pages)
+        pos = pos + advance[row_seq_t]
+        slot_mapping = table_t[row_seq_t, pos // size] * size + pos % size
         return LatentKVPlan(table_t, slot_mapping, lens_t + advance)
+
+    def _padded_pages(self, request_id: str, width: int) -> list[int]:
+        pages = self.pages[request_id]
+        return pages + [0] * (width - len(pages))
 
     def commit(self, decl: StepDecl) -> None:
         """Record the rows that survived: rejected draft rows stay in their pages, unread, and are

@@ -17,7 +17,9 @@ On a CPU device both are plain tensors: there is no queue to wait for.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -81,6 +83,21 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device | str) -> t
     if array.nbytes == 0 or array.nbytes > ring.half or torch.cuda.is_current_stream_capturing():
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
     return ring.upload(array, dtype, device)
+
+
+def to_device_lists(lists: Sequence[Sequence], dtype: torch.dtype, device: torch.device | str
+                    ) -> tuple[torch.Tensor, ...]:
+    """`tuple(to_device(v, dtype, device) for v in lists)` for flat lists, in one upload: each copy costs the
+    host a launch, and a step's planning uploads a dozen small lists. Each list is a view into the one device
+    tensor, starting 16-byte aligned (Triton specializes its kernels on that), so in-place writes to one
+    never touch another."""
+    per = _ALIGN // torch.empty((), dtype=dtype).element_size()
+    starts = list(itertools.accumulate((-(-len(v) // per) * per for v in lists), initial=0))
+    flat = [0] * starts[-1]
+    for start, values in zip(starts, lists, strict=False):
+        flat[start : start + len(values)] = values
+    uploaded = to_device(flat, dtype, device)
+    return tuple(uploaded[start : start + len(values)] for start, values in zip(starts, lists, strict=False))
 
 
 class HostCopy:

@@ -14,6 +14,7 @@ full-vocabulary copies for the draft (mstar/distributed/worker.py).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +33,7 @@ from mstar.models.dspark.model import (
 from mstar.models.kimi_k3.model import KimiK3ForCausalLM
 from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
 from mstar.resources.step import StepDecl
-from mstar.resources.transfer import to_device
+from mstar.resources.transfer import to_device, to_device_lists
 from mstar.speculative.context_graphs import ContextGraphs
 from mstar.speculative.draft_graphs import DraftGraphs
 from mstar.speculative.schedule import DraftSchedule
@@ -130,14 +131,18 @@ class DSparkProposer:
                                        self.kv.lengths.get(s.request_id, 0))
         device = self.kv.cache.device
         num_drafts = tuple(s.num_drafts for s in seqs)
-        table = plan.page_table[to_device(list(rows), torch.long, device)]
+        k_max = max(num_drafts)
+        rows_t, slot_rows = to_device_lists([list(rows), self._block_rows(decl, rows, k_max) if self.paged else []],
+                                            torch.long, device)
+        table = plan.page_table[rows_t]
         sampling = [
             DraftSampling(0.0 if p.greedy else p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None,
                           p.min_p or None, g)
             for p, g in zip(params, generators, strict=True)
         ]
         if self.paged:
-            row_slots = self._block_row_slots(decl, plan, rows, max(num_drafts))
+            # [B, k_max] the draft KV slots of each block's rows; entries past a block's k are padding (sunk later)
+            row_slots = plan.slot_mapping[slot_rows].view(len(rows), k_max)
             graphs = self.graphs.get(num_drafts[0])
             if graphs is not None and graphs.can_run(num_drafts, sampling):
                 return graphs.run(anchors, starts, table, row_slots)
@@ -175,12 +180,11 @@ class DSparkProposer:
             self.context_graphs.capture(pool)
 
     @staticmethod
-    def _block_row_slots(decl: StepDecl, plan: LatentKVPlan, rows: Sequence[int], k_max: int) -> torch.Tensor:
-        """[B, k_max] the draft KV slots of each block's rows (positions p .. p + k - 1: the step's anchor and
-        draft rows, which the step admitted); entries past a block's k are padding (the caller sinks them)."""
-        first = [sum(s.num_tokens for s in decl.seqs[:b]) for b in range(len(decl.seqs))]
-        index = [first[b] + min(j, decl.seqs[b].num_drafts - 1) for b in rows for j in range(k_max)]
-        return plan.slot_mapping[to_device(index, torch.long, plan.slot_mapping.device)].view(len(rows), k_max)
+    def _block_rows(decl: StepDecl, rows: Sequence[int], k_max: int) -> list[int]:
+        """The step rows of each block's rows (positions p .. p + k - 1: the step's anchor and draft rows, which the
+        step admitted), k_max per block: a block of fewer drafts repeats its last."""
+        first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))
+        return [first[b] + min(j, decl.seqs[b].num_drafts - 1) for b in rows for j in range(k_max)]
 
     @torch.no_grad()
     def write_context(self, decl: StepDecl, plan: LatentKVPlan, taps: torch.Tensor) -> None:

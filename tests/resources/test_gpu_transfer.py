@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from test_transfer import check_lists_arrive_as_separate_aligned_views
 
 from mstar.resources import transfer
 
@@ -35,3 +36,7 @@ def test_an_upload_larger_than_half_the_ring_still_arrives(monkeypatch):
     monkeypatch.setattr(transfer._rings, "ring", transfer._UploadRing(nbytes=4096), raising=False)
     values = list(range(1000))  # 8 KB of int64
     assert transfer.to_device(values, torch.long, "cuda").cpu().tolist() == values
+
+
+def test_several_lists_in_one_upload_arrive_as_separate_aligned_views():
+    check_lists_arrive_as_separate_aligned_views("cuda")
