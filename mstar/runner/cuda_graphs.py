@@ -193,7 +193,8 @@ class StepGraphs(ABC):
         self.input_ids[:n].copy_(plan.input_ids)
         self.slot_mapping[:n].copy_(plan.kv.slot_mapping)
         self.page_table[:batch, :width].copy_(plan.kv.page_table)
-        self.page_table[:batch, width:].zero_()
+        if width < self.page_table.shape[1]:
+            self.page_table[:batch, width:].zero_()
         self.context_lens[:batch].copy_(plan.kv.context_lens)
         self.kda_slots[:batch].copy_(plan.kda_slots)
         self.sample_rows[:k].copy_(plan.sample_rows)
@@ -210,12 +211,16 @@ class StepGraphs(ABC):
         """The bucket's sequences, rows and sampled rows from these on become padding: token 0 written to
         the sink page's first row, the sink slot, `pad_context` cached rows, row 0 sampled."""
         all_seqs, all_rows, all_samples = self.bucket_shape(bucket)
-        self.input_ids[rows:all_rows] = 0
-        self.slot_mapping[rows:all_rows] = SINK
-        self.page_table[seqs:all_seqs] = SINK
-        self.context_lens[seqs:all_seqs] = self.pad_context
-        self.kda_slots[seqs:all_seqs] = SINK
-        self.sample_rows[samples:all_samples] = 0
+        # a full bucket has nothing to pad: each fill would still cost the host a dispatch
+        if rows < all_rows:
+            self.input_ids[rows:all_rows] = 0
+            self.slot_mapping[rows:all_rows] = SINK
+        if seqs < all_seqs:
+            self.page_table[seqs:all_seqs] = SINK
+            self.context_lens[seqs:all_seqs] = self.pad_context
+            self.kda_slots[seqs:all_seqs] = SINK
+        if samples < all_samples:
+            self.sample_rows[samples:all_samples] = 0
 
 
 class DecodeGraphs(StepGraphs):
@@ -284,7 +289,8 @@ class DecodeGraphs(StepGraphs):
             batch = len(known)
             device = self.pending.device
             self.pending[:batch].copy_(exact if exact is not None else to_device(known, torch.long, device))
-        self.pending[batch:bucket] = self.serving.pool.prefix_len[SINK]
+        if batch < bucket:
+            self.pending[batch:bucket] = self.serving.pool.prefix_len[SINK]
 
 
 def verify_graphs(serving: ServingModel, schedule: DraftSchedule, *, max_batch: int, max_seq_len: int,

@@ -81,5 +81,7 @@ class ContextGraphs:
 
     def _stage_padding(self, n: int, bucket: int) -> None:
         """Rows n .. bucket - 1 become padding: position 0, written to the sink page."""
+        if n == bucket:
+            return  # a full bucket: each fill would still cost the host a dispatch
         self.positions[n:bucket] = 0
         self.slots[n:bucket] = self.sink_slots[n:bucket]

@@ -99,7 +99,8 @@ class DraftGraphs:
         self.anchors[:n].copy_(anchors)
         self.starts[:n].copy_(starts)
         self.page_table[:n, :width].copy_(page_table)
-        self.page_table[:n, width:].zero_()
+        if width < self.page_table.shape[1]:
+            self.page_table[:n, width:].zero_()
         self.slots[: n * self.drafts].copy_(row_slots.flatten())
         torch.add(starts, self.drafts, out=self.lens[:n])
         self._stage_padding(n, bucket)
@@ -109,6 +110,8 @@ class DraftGraphs:
 
     def _stage_padding(self, n: int, bucket: int) -> None:
         """Blocks n .. bucket - 1 become padding: anchor 0 at position 0 on the sink page, seeing their own rows."""
+        if n == bucket:
+            return  # a full bucket: each fill would still cost the host a dispatch
         k = self.drafts
         self.anchors[n:bucket] = 0
         self.starts[n:bucket] = 0
