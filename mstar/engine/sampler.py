@@ -44,7 +44,7 @@ from mstar.engine.outputs import TokenLogprob
 from mstar.engine.params import SamplingParams
 from mstar.kernels.sampling_masks import min_p_mask, top_k_mask, top_p_mask
 from mstar.kernels.temperature import scale_by_temperature_finite
-from mstar.resources.transfer import to_device
+from mstar.resources.transfer import to_device, to_device_lists
 
 _SEED_MASK = (1 << 64) - 1
 _TINY = torch.finfo(torch.float32).tiny  # noise floor: keeps -log(q) finite, so masked tokens stay -inf
@@ -105,16 +105,16 @@ class SamplingBatch:
         sampled = [p for p in params if not p.greedy]
         top_ks = [p.top_k for p in sampled if p.top_k > 0]
         requested = [p.logprobs for p in params if p.logprobs is not None]
-        # One host-to-device copy for the four parameters (exact: float64 holds every top_k, and the
-        # fp32 parameters round from it as they would from the Python floats).
-        # Greedy rows carry temperature 0 (also those below GREEDY_TEMPERATURE), the mark every stage reads.
-        values = to_device([[0.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [p.min_p for p in params]], torch.float64, device)
+        # Greedy rows carry temperature 0 (also those below GREEDY_TEMPERATURE), the mark every stage reads. The
+        # fp32 parameters round from the Python floats on the host, as a cast on the device would round them.
+        temperature, top_p, min_p = to_device_lists([[0.0 if p.greedy else p.temperature for p in params],
+                                                     [p.top_p for p in params], [p.min_p for p in params]],
+                                                    torch.float32, device)
         return cls(
-            temperature=values[0].float(),
-            top_k=values[1].long(),
-            top_p=values[2].float(),
-            min_p=values[3].float(),
+            temperature=temperature,
+            top_k=to_device([p.top_k for p in params], torch.long, device),
+            top_p=top_p,
+            min_p=min_p,
             generators=tuple(generators),
             greedy=tuple(p.greedy for p in params),
             max_logprobs=max(requested) if requested else None,
