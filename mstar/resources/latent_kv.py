@@ -19,6 +19,18 @@ from mstar.resources.step import SeqStep, StepDecl
 from mstar.resources.transfer import to_device_lists
 
 
+def shift_slots(page_table: torch.Tensor, row_seq: torch.Tensor, positions: torch.Tensor, lens: torch.Tensor,
+                advance: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(slot_mapping [N], context_lens [B]) of rows whose sequences sit advance [B] positions past the host's
+    positions [N] and lens [B]: one kernel on a GPU (kernels/kv_slots.py), the same arithmetic in torch elsewhere."""
+    if page_table.is_cuda:
+        from mstar.kernels.kv_slots import shifted_slots  # imports triton: the serving path must load without it
+
+        return shifted_slots(page_table, row_seq, positions, lens, advance, page_size)
+    shifted = positions + advance[row_seq]
+    return page_table[row_seq, shifted // page_size] * page_size + shifted % page_size, lens + advance
+
+
 @dataclass(frozen=True)
 class LatentKVPlan:
     page_table: torch.Tensor  # [B, max_pages] page ids, 0-padded
@@ -106,9 +118,7 @@ class PagedLatentKV:
         flat_positions = [p for rows in positions for p in rows]
         table_t, lens_t, row_seq_t, pos = to_device_lists([table, lens, row_seq, flat_positions], torch.long, device)
         table_t = table_t.view(len(lens), max_pages)
-        pos = pos + advance[row_seq_t]
-        slot_mapping = table_t[row_seq_t, pos // size] * size + pos % size
-        return LatentKVPlan(table_t, slot_mapping, lens_t + advance)
+        return LatentKVPlan(table_t, *shift_slots(table_t, row_seq_t, pos, lens_t, advance, size))
 
     def _padded_pages(self, request_id: str, width: int) -> list[int]:
         pages = self.pages[request_id]
