@@ -538,8 +538,7 @@ class EngineCore:
         device = logits.device
         prompt_block = self._score_prompt(requests, prompt_rows, logits[row:]) if prompt_rows else None
         logits = logits[:row]
-        tokens = torch.zeros(row, dtype=torch.long, device=device)
-        accepted = torch.zeros(row, dtype=torch.long, device=device)
+        tokens = accepted = finite = None  # each row's token, its block's accepted count, its logits finite
         raw_logits = logits  # logprobs are the raw ones; tokens are chosen from the processed logits
         processing = LogitsProcessing.build(self._histories(decl, requests, plan, rows, sampled + verifying),
                                             plan.input_ids, device)
@@ -564,17 +563,22 @@ class EngineCore:
                                         device)
             if verifying:
                 at = to_device([rows[b][0] for b in sampled], torch.long, device)
+                tokens = torch.zeros(row, dtype=torch.long, device=device)
                 tokens[at] = self.sampler.choose(logits[at], batch)
             else:  # every logits row is a sampled one
-                tokens.copy_(self.sampler.choose(logits, batch))
+                tokens = self.sampler.choose(logits, batch)
         if verifying:
             result = self.spec.verify([decl.seqs[b] for b in verifying], [requests[b] for b in verifying],
                                       logits, [rows[b][0] for b in verifying], [drafts.get(b) for b in verifying])
             width = result.tokens.shape[1]
             if not sampled and all(rows[b][1] == width for b in verifying):  # equal blocks: all the rows, in order
-                tokens.copy_(result.tokens.reshape(-1))
-                accepted.copy_(result.num_accepted.repeat_interleave(width))
+                tokens = result.tokens.reshape(-1)
+                accepted = result.num_accepted.repeat_interleave(width)
+                if result.finite is not None and logits is raw_logits:  # checked on the raw logits, as below
+                    finite = result.finite.reshape(-1)
             else:
+                tokens = torch.zeros(row, dtype=torch.long, device=device) if tokens is None else tokens
+                accepted = torch.zeros(row, dtype=torch.long, device=device)
                 at, block, source = [], [], []  # each verify row: its logits row, its block, its place in the blocks
                 for i, b in enumerate(verifying):
                     first, n = rows[b]
@@ -584,10 +588,13 @@ class EngineCore:
                 at_t = to_device(at, torch.long, device)
                 tokens[at_t] = result.tokens.reshape(-1)[to_device(source, torch.long, device)]
                 accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
+        tokens = torch.zeros(row, dtype=torch.long, device=device) if tokens is None else tokens  # no rows chosen
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
         logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
-        packed = pack(torch.isfinite(raw_logits).all(-1), tokens, accepted, logprobs)
+        accepted = torch.zeros(row, dtype=torch.long, device=device) if accepted is None else accepted
+        finite = torch.isfinite(raw_logits).all(-1) if finite is None else finite
+        packed = pack(finite, tokens, accepted, logprobs)
         if prompt_block is not None:
             packed = torch.cat([packed.flatten(), prompt_block.flatten()])
         results = HostCopy(packed)

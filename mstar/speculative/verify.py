@@ -58,6 +58,7 @@ class VerifyResult:
     tokens: torch.Tensor  # [B, L+1] long: accepted drafts, then the corrected/bonus token, then -1
     num_accepted: torch.Tensor  # [B] long: drafts accepted, 0..num_drafts
     num_emitted: torch.Tensor  # [B] long: num_accepted + 1
+    finite: torch.Tensor | None = None  # [B, L+1] bool: each row's logits finite, where the rule checked it anyway
 
     def token_lists(self) -> list[list[int]]:
         """Host-side emitted tokens per row (one sync)."""
@@ -215,8 +216,8 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     _check_shapes(target_logits, draft_tokens, None, None)
     rows, width, _ = target_logits.shape
     num_drafts = _num_drafts_tensor(num_drafts, rows, width - 1, target_logits.device)
-    tokens, num_accepted = greedy_verify(target_logits, draft_tokens, num_drafts)
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
+    tokens, num_accepted, finite = greedy_verify(target_logits, draft_tokens, num_drafts)
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1, finite=finite)
 
 
 def reference_verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,

@@ -53,9 +53,25 @@ def test_greedy_verify_equals_the_torch_rule(dtype, trial):
     logits, drafts, num_drafts = random_case(rng, dtype)
     expect = reference_verify_greedy(logits, drafts, num_drafts)
     poison_allocator()
-    got_tokens, got_accepted = kernels.greedy_verify(logits.to(DEVICE), drafts.to(DEVICE), num_drafts.to(DEVICE))
+    got_tokens, got_accepted, finite = kernels.greedy_verify(logits.to(DEVICE), drafts.to(DEVICE),
+                                                             num_drafts.to(DEVICE))
     assert got_tokens.tolist() == expect.tokens.tolist()
     assert got_accepted.tolist() == expect.num_accepted.tolist()
+    assert finite.all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_holding_nan_or_inf_are_marked_not_finite(dtype):
+    rng = random.Random()
+    for _ in range(6):
+        logits, drafts, num_drafts = random_case(rng, dtype)
+        B, W, V = logits.shape
+        for _ in range(rng.randint(1, B * W)):  # some rows get a NaN or an infinity anywhere, the last column too
+            logits[rng.randrange(B), rng.randrange(W), rng.choice([0, V - 1, rng.randrange(V)])] = rng.choice(
+                [float("nan"), float("inf"), float("-inf")])
+        poison_allocator()
+        _, _, finite = kernels.greedy_verify(logits.to(DEVICE), drafts.to(DEVICE), num_drafts.to(DEVICE))
+        assert finite.cpu().tolist() == torch.isfinite(logits).all(-1).tolist()
 
 
 def test_a_strided_view_of_the_step_logits_is_read_in_place():
@@ -66,7 +82,7 @@ def test_a_strided_view_of_the_step_logits_is_read_in_place():
     wide = torch.full((B, W, V + 64), -1e9)
     wide[:, :, :V] = logits
     view = wide.to(DEVICE)[:, :, :V]
-    tokens, accepted = kernels.greedy_verify(view, drafts.to(DEVICE), num_drafts.to(DEVICE))
+    tokens, accepted, _ = kernels.greedy_verify(view, drafts.to(DEVICE), num_drafts.to(DEVICE))
     expect = reference_verify_greedy(logits, drafts, num_drafts)
     assert tokens.tolist() == expect.tokens.tolist() and accepted.tolist() == expect.num_accepted.tolist()
 
