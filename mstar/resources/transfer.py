@@ -10,7 +10,7 @@ memory, with an event that the host waits on once, when it needs them.
 
 A step uploads a dozen small lists; `to_device_lists` sends several in one copy. (A pinned ring written in
 place was tried instead of a pinned tensor per upload: it cost the host more per upload, measured in
-benchmarks/mini_pair/README.md.)
+benchmarks/mini_pair/h100_graphs_e5fde61/README.md.)
 
 On a CPU device both are plain tensors: there is no queue to wait for.
 """
