@@ -470,7 +470,7 @@ class EngineCore:
         GPU: the tokens the step in flight samples, and (`BatchPlan.advance`) how far a request's rows sit
         past what the host knows when the step in flight holds its verify block. The logits rows are the
         sampled ones, then the `prompt_rows` of each sequence."""
-        starts, tokens, sample_rows = [0], [], []
+        starts, tokens, sample_rows = decl.seq_starts, [], []
         in_flight_rows, in_flight_src = [], []  # rows fed a token the step in flight samples, and where it is
         lagging, lagging_src = [], []  # sequences after a verify block in flight, and where its verdict is
         for b, (s, request) in enumerate(zip(decl.seqs, requests, strict=True)):
@@ -483,7 +483,6 @@ class EngineCore:
                 lagging.append(b)
                 lagging_src.append(self._in_flight.token_row[request])
             tokens += [0] * s.num_drafts
-            starts.append(starts[-1] + s.num_tokens)
             if s.verify:
                 sample_rows += range(starts[b], starts[b + 1])
             elif s.sample:
@@ -501,7 +500,7 @@ class EngineCore:
             advance.index_copy_(0, lagging_t, self._in_flight.accepted[lagging_src_t])
         return BatchPlan(
             input_ids=input_ids,
-            seq_starts=tuple(starts),
+            seq_starts=starts,
             num_computed=tuple(s.num_computed for s in decl.seqs),
             kv=self.kv.plan(decl, advance),
             kda_slots=self.pool.plan(decl),

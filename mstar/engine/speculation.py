@@ -13,8 +13,6 @@ length. With async scheduling the next step is planned before the host knows how
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from mstar.engine.request import Request
@@ -54,7 +52,7 @@ class Speculation:
         if not rows:
             return {}
         device = input_ids.device
-        first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))  # each sequence's row
+        first = decl.seq_starts
         anchor_rows, starts, rows_t = to_device_lists(
             [[first[b] for b in rows], [decl.seqs[b].num_computed for b in rows], rows], torch.long, device)
         anchors = input_ids[anchor_rows]

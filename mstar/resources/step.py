@@ -7,7 +7,9 @@ admits it atomically or refuses (nothing is half-claimed); resources plan the st
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
+from functools import cached_property
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,11 @@ class SeqStep:
 @dataclass(frozen=True)
 class StepDecl:
     seqs: tuple[SeqStep, ...]
+
+    @cached_property
+    def seq_starts(self) -> tuple[int, ...]:
+        """The row where each sequence's tokens start in the step's input, then the step's row count."""
+        return tuple(itertools.accumulate((s.num_tokens for s in self.seqs), initial=0))
 
     @property
     def num_tokens(self) -> int:

@@ -14,7 +14,6 @@ full-vocabulary copies for the draft (mstar/distributed/worker.py).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -183,7 +182,7 @@ class DSparkProposer:
     def _block_rows(decl: StepDecl, rows: Sequence[int], k_max: int) -> list[int]:
         """The step rows of each block's rows (positions p .. p + k - 1: the step's anchor and draft rows, which the
         step admitted), k_max per block: a block of fewer drafts repeats its last."""
-        first = list(itertools.accumulate((s.num_tokens for s in decl.seqs), initial=0))
+        first = decl.seq_starts
         return [first[b] + min(j, decl.seqs[b].num_drafts - 1) for b in rows for j in range(k_max)]
 
     @torch.no_grad()
