@@ -538,6 +538,10 @@ class EngineCore:
         prompt_block = self._score_prompt(requests, prompt_rows, logits[row:]) if prompt_rows else None
         logits = logits[:row]
         tokens = accepted = finite = None  # each row's token, its block's accepted count, its logits finite
+
+        def zeros() -> torch.Tensor:  # a row's token and accepted count where nothing chose them
+            return torch.zeros(row, dtype=torch.long, device=device)
+
         raw_logits = logits  # logprobs are the raw ones; tokens are chosen from the processed logits
         processing = LogitsProcessing.build(self._histories(decl, requests, plan, rows, sampled + verifying),
                                             plan.input_ids, device)
@@ -562,7 +566,7 @@ class EngineCore:
                                         device)
             if verifying:
                 at = to_device([rows[b][0] for b in sampled], torch.long, device)
-                tokens = torch.zeros(row, dtype=torch.long, device=device)
+                tokens = zeros()
                 tokens[at] = self.sampler.choose(logits[at], batch)
             else:  # every logits row is a sampled one
                 tokens = self.sampler.choose(logits, batch)
@@ -576,22 +580,22 @@ class EngineCore:
                 if result.finite is not None and logits is raw_logits:  # checked on the raw logits, as below
                     finite = result.finite.reshape(-1)
             else:
-                tokens = torch.zeros(row, dtype=torch.long, device=device) if tokens is None else tokens
-                accepted = torch.zeros(row, dtype=torch.long, device=device)
+                tokens = zeros() if tokens is None else tokens
+                accepted = zeros()
                 at, block, source = [], [], []  # each verify row: its logits row, its block, its place in the blocks
                 for i, b in enumerate(verifying):
                     first, n = rows[b]
                     at += range(first, first + n)
                     block += [i] * n
                     source += range(i * width, i * width + n)
-                at_t = to_device(at, torch.long, device)
-                tokens[at_t] = result.tokens.reshape(-1)[to_device(source, torch.long, device)]
-                accepted[at_t] = result.num_accepted[to_device(block, torch.long, device)]
-        tokens = torch.zeros(row, dtype=torch.long, device=device) if tokens is None else tokens  # no rows chosen
+                at_t, source_t, block_t = to_device_lists([at, source, block], torch.long, device)
+                tokens[at_t] = result.tokens.reshape(-1)[source_t]
+                accepted[at_t] = result.num_accepted[block_t]
+        tokens = zeros() if tokens is None else tokens  # no rows chosen
         asked = [requests[b].params.logprobs for b in sampled + verifying if requests[b].params.logprobs is not None]
         # Verify rows past the emitted tokens hold -1: their logprobs are computed at token 0 and dropped.
         logprobs = gather_logprobs(raw_logits.float(), tokens.clamp_min(0), max(asked)) if asked else None
-        accepted = torch.zeros(row, dtype=torch.long, device=device) if accepted is None else accepted
+        accepted = zeros() if accepted is None else accepted
         finite = torch.isfinite(raw_logits).all(-1) if finite is None else finite
         packed = pack(finite, tokens, accepted, logprobs)
         if prompt_block is not None:
