@@ -3,7 +3,7 @@
 For each concurrency C it keeps C streaming requests in flight until 8*C (by default) have finished,
 each with a random prompt of `--input-len` token ids (or, with `--prompts FILE`, the file's text
 prompts in turn) and `--output-len` generated tokens (`ignore_eos`), and reports output tok/s, TTFT
-(mean, p50) and inter-token latency (mean, p99). When the server speculates, each level also reports
+(mean, p50, p99) and inter-token latency (mean, p99). When the server speculates, each level also reports
 the mean accepted length and the acceptance rate of each draft position, from the difference of the
 server's cumulative /metrics counters before and after the level. A progress bar (stderr) counts
 each level's finished requests. Each level first runs `--warmup` untimed rounds of C requests (other
@@ -89,6 +89,7 @@ class LevelResult:
     output_tokens: int
     ttft_mean: float
     ttft_p50: float
+    ttft_p99: float
     itl_mean: float
     itl_p99: float
     spec: SpecCounters | None = None  # this level's speculation, when the server drafted
@@ -162,19 +163,19 @@ async def run_level(url: str, model: str, concurrency: int, prompts: list[list[i
     ttfts = [r.ttft for r in results]
     itls = [x for r in results for x in r.itls]
     return LevelResult(concurrency, len(results), duration, sum(r.output_tokens for r in results),
-                       statistics.fmean(ttfts), percentile(ttfts, 50),
+                       statistics.fmean(ttfts), percentile(ttfts, 50), percentile(ttfts, 99),
                        statistics.fmean(itls) if itls else float("nan"), percentile(itls, 99))
 
 
 def markdown(results: list[LevelResult], header: str) -> str:
     spec = any(r.spec for r in results)
-    columns = "| C | requests | output tok/s | TTFT mean ms | TTFT p50 ms | ITL mean ms | ITL p99 ms |"
+    columns = "| C | requests | output tok/s | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | ITL mean ms | ITL p99 ms |"
     if spec:
         columns += " accepted length | acceptance by draft position |"
     lines = [header, "", columns, "|---" * (columns.count("|") - 1) + "|"]
     for r in results:
         row = (f"| {r.concurrency} | {r.requests} | {r.output_tok_s:.1f} | {r.ttft_mean * 1e3:.1f} | "
-               f"{r.ttft_p50 * 1e3:.1f} | {r.itl_mean * 1e3:.2f} | {r.itl_p99 * 1e3:.2f} |")
+               f"{r.ttft_p50 * 1e3:.1f} | {r.ttft_p99 * 1e3:.1f} | {r.itl_mean * 1e3:.2f} | {r.itl_p99 * 1e3:.2f} |")
         if spec:
             rates = " ".join(f"{x:.2f}" for x in r.spec.position_rates()) if r.spec else "—"
             length = f"{r.spec.mean_accepted_length:.2f}" if r.spec else "—"
@@ -197,6 +198,7 @@ def plot(results: list[LevelResult], path: Path, title: str) -> bool:
     axes[0].set_ylabel("output tok/s")
     axes[1].plot(c, [r.ttft_mean * 1e3 for r in results], "o-", label="mean")
     axes[1].plot(c, [r.ttft_p50 * 1e3 for r in results], "s--", label="p50")
+    axes[1].plot(c, [r.ttft_p99 * 1e3 for r in results], "^:", label="p99")
     axes[1].set_ylabel("TTFT ms")
     axes[1].legend()
     axes[2].plot(c, [r.itl_mean * 1e3 for r in results], "o-", label="mean")
@@ -216,7 +218,8 @@ def plot(results: list[LevelResult], path: Path, title: str) -> bool:
 def level_record(r: LevelResult) -> dict:
     """One level as plain numbers, for tools that compare sweeps (mstar-spec-schedule)."""
     out = {"concurrency": r.concurrency, "requests": r.requests, "output_tok_s": r.output_tok_s,
-           "ttft_mean_s": r.ttft_mean, "itl_mean_s": r.itl_mean, "itl_p99_s": r.itl_p99}
+           "ttft_mean_s": r.ttft_mean, "ttft_p50_s": r.ttft_p50, "ttft_p99_s": r.ttft_p99,
+           "itl_mean_s": r.itl_mean, "itl_p99_s": r.itl_p99}
     if r.spec:
         out.update(mean_accepted_length=r.spec.mean_accepted_length, acceptance_by_position=r.spec.position_rates())
     return out

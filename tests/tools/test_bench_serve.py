@@ -53,8 +53,10 @@ def test_sweep_with_text_prompts_reports_acceptance(tiny_dirs, tmp_path, capsys)
     assert len(rows) == 2
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        assert len(cells) == 9 and float(cells[7]) >= 1.0  # accepted length: at least the bonus token
-        assert all(0.0 <= float(x) <= 1.0 for x in cells[8].split())
+        assert len(cells) == 10 and float(cells[8]) >= 1.0  # accepted length: at least the bonus token
+        assert all(0.0 <= float(x) <= 1.0 for x in cells[9].split())
+        assert float(cells[3]) <= float(cells[5])  # TTFT mean <= p99 (one request: equal)
+    assert all(lv["ttft_p50_s"] <= lv["ttft_p99_s"] for lv in levels)
 
 
 def test_warm_up_prompts_differ_from_the_levels():
