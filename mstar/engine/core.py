@@ -108,6 +108,7 @@ from mstar.runner.executor import ModelStep, StepExecutor
 from mstar.runner.model_runner import ModelRunner, PoolSizes, StepLimits
 from mstar.speculative.proposer import DSparkProposer, VocabHeads
 from mstar.speculative.schedule import DraftSchedule
+from mstar.speculative.verify import VerifyResult
 
 log = logging.getLogger("mstar.engine")
 
@@ -343,9 +344,7 @@ class EngineCore:
         plan = self._plan(decl, requests, prompt_rows)
         drafts = self.spec.propose(decl, self.requests, plan.input_ids, plan.advance) if self.spec else {}
         if drafts:  # each block's drafts follow its anchor
-            rows = [plan.seq_starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
-            values = torch.cat([drafts[b].tokens.to(self.device) for b in sorted(drafts)])
-            plan.input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
+            self._insert_drafts(decl, plan.input_ids, drafts)
         logits, taps = self.executor.execute(ModelStep(decl, plan, self.spec.tap_layers if self.spec else (),
                                                        slot_copies=tuple(self.pool.take_copies())))
         number, rows = next(self._launches), self._logits_rows(decl)
@@ -359,6 +358,16 @@ class EngineCore:
             if decl.seqs[b].verify:
                 request.unresolved = decl.seqs[b].num_drafts
         return self._choose_tokens(number, decl, requests, drafts, plan, logits, rows, prompt_rows)
+
+    def _insert_drafts(self, decl: StepDecl, input_ids: torch.Tensor, drafts: dict[int, DraftProposal]) -> None:
+        """Put each block's drafts after its anchor in the step's input ids."""
+        if len(drafts) == len(decl.seqs) and decl.rows_each:  # equal blocks, all drafting: [B, 1 + k] rows
+            tokens = drafts[0].tokens if len(drafts) == 1 else torch.stack([drafts[b].tokens for b in sorted(drafts)])
+            input_ids.view(len(drafts), decl.rows_each)[:, 1:].copy_(tokens)
+            return
+        rows = [decl.seq_starts[b] + 1 + i for b in sorted(drafts) for i in range(decl.seqs[b].num_drafts)]
+        values = torch.cat([drafts[b].tokens.to(self.device) for b in sorted(drafts)])
+        input_ids.index_copy_(0, to_device(rows, torch.long, self.device), values)
 
     def _commit_launched(self, decl: StepDecl, requests: tuple[Request, ...], taps: torch.Tensor | None) -> None:
         """Commit what the step's launch already knows: every row, but of a verify block only its anchor (the
@@ -492,10 +501,19 @@ class EngineCore:
             sample_rows += range(row, row + n)
         input_ids, in_flight_src_t, in_flight_rows_t, lagging_src_t, lagging_t, sample_rows_t = to_device_lists(
             [tokens, in_flight_src, in_flight_rows, lagging_src, lagging, sample_rows], torch.long, self.device)
-        if in_flight_rows:
+        # Where sequence b takes entry b of the step in flight, for every b, at one column of equal rows, the
+        # gathers are views (steady decode or verify steps).
+        in_order = list(range(len(decl.seqs)))
+        fed = {len(s.token_ids) for s in decl.seqs}
+        if (in_flight_src == in_order and decl.rows_each and len(fed) == 1
+                and len(self._in_flight.newest) == len(in_order)):
+            input_ids.view(len(in_order), decl.rows_each)[:, fed.pop() - 1].copy_(self._in_flight.newest)
+        elif in_flight_rows:
             input_ids.index_copy_(0, in_flight_rows_t, self._in_flight.newest[in_flight_src_t])
         advance = None
-        if lagging:
+        if lagging_src == in_order and len(self._in_flight.accepted) == len(in_order):
+            advance = self._in_flight.accepted  # read only: the plan's consumers never write it
+        elif lagging:
             advance = torch.zeros(len(decl.seqs), dtype=torch.long, device=self.device)
             advance.index_copy_(0, lagging_t, self._in_flight.accepted[lagging_src_t])
         return BatchPlan(
@@ -538,6 +556,7 @@ class EngineCore:
         prompt_block = self._score_prompt(requests, prompt_rows, logits[row:]) if prompt_rows else None
         logits = logits[:row]
         tokens = accepted = finite = None  # each row's token, its block's accepted count, its logits finite
+        equal_blocks = None  # the verification, where its equal blocks are all the rows
 
         def zeros() -> torch.Tensor:  # a row's token and accepted count where nothing chose them
             return torch.zeros(row, dtype=torch.long, device=device)
@@ -575,6 +594,7 @@ class EngineCore:
                                       logits, [rows[b][0] for b in verifying], [drafts.get(b) for b in verifying])
             width = result.tokens.shape[1]
             if not sampled and all(rows[b][1] == width for b in verifying):  # equal blocks: all the rows, in order
+                equal_blocks = result
                 tokens = result.tokens.reshape(-1)
                 accepted = result.num_accepted.repeat_interleave(width)
                 if result.finite is not None and logits is raw_logits:  # checked on the raw logits, as below
@@ -602,13 +622,24 @@ class EngineCore:
             packed = torch.cat([packed.flatten(), prompt_block.flatten()])
         results = HostCopy(packed)
         chosen = [b for b in range(len(decl.seqs)) if rows[b][1]]
-        first = to_device([rows[b][0] for b in chosen], torch.long, device)
-        kept = accepted[first]
+        newest, kept = self._newest(rows, chosen, tokens, accepted, equal_blocks)
         return LaunchedStep(number, decl, requests, tuple(r.num_preemptions for r in requests), tuple(rows), results,
-                            newest=tokens[first + kept], accepted=kept,
+                            newest=newest, accepted=kept,
                             token_row={requests[b]: i for i, b in enumerate(chosen)},
                             prompt_rows=prompt_rows,
                             prompt_width=prompt_block.shape[-1] if prompt_block is not None else 0)
+
+    @staticmethod
+    def _newest(rows: list[tuple[int, int]], chosen: list[int], tokens: torch.Tensor, accepted: torch.Tensor,
+                equal_blocks: VerifyResult | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per chosen sequence, on the device: its newest token (a sampled one, or its block's correction or bonus)
+        and the drafts its block kept; read off the verification where its equal blocks are all the rows."""
+        if equal_blocks is not None:
+            kept = equal_blocks.num_accepted
+            return equal_blocks.tokens.gather(1, kept[:, None]).view(-1), kept
+        first = to_device([rows[b][0] for b in chosen], torch.long, tokens.device)
+        kept = accepted[first]
+        return tokens[first + kept], kept
 
     def _score_prompt(self, requests: tuple[Request, ...], prompt_rows: tuple[tuple[int, int], ...],
                       logits: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from mstar.resources.step import SeqStep, StepDecl
 from mstar.resources.transfer import to_device, to_device_lists
 from mstar.speculative.proposer import DSparkProposer
 from mstar.speculative.schedule import DraftSchedule
-from mstar.speculative.verify import VerifyResult, verify
+from mstar.speculative.verify import VerifyResult, verify, verify_greedy
 
 
 class Speculation:
@@ -52,12 +52,17 @@ class Speculation:
         if not rows:
             return {}
         device = input_ids.device
-        first = decl.seq_starts
-        anchor_rows, starts, rows_t = to_device_lists(
-            [[first[b] for b in rows], [decl.seqs[b].num_computed for b in rows], rows], torch.long, device)
-        anchors = input_ids[anchor_rows]
+        if len(rows) == len(decl.seqs) and decl.rows_each:  # equal blocks, all drafting: views, no gathers
+            starts = to_device([s.num_computed for s in decl.seqs], torch.long, device)
+            anchors = input_ids.view(len(rows), decl.rows_each)[:, 0]
+        else:
+            first = decl.seq_starts
+            anchor_rows, starts, rows_t = to_device_lists(
+                [[first[b] for b in rows], [decl.seqs[b].num_computed for b in rows], rows], torch.long, device)
+            anchors = input_ids[anchor_rows]
+            advance = None if advance is None else advance[rows_t]
         if advance is not None:
-            starts = starts + advance[rows_t]
+            starts = starts + advance
         drafting = [requests[decl.seqs[b].request_id] for b in rows]
         proposals = self.proposer.propose(decl, self.draft_plan, rows, anchors, starts, [r.params for r in drafting],
                                           [r.generator for r in drafting])
@@ -72,30 +77,33 @@ class Speculation:
         greedy kernels read them as they are)."""
         width = max(s.num_drafts for s in seqs)
         vocab, device = logits.shape[-1], logits.device
-        batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
+        greedy = all(r.params.greedy for r in requests)
         equal = all(s.num_drafts == width for s in seqs)
         if equal and logits.shape[0] == len(seqs) * (width + 1) and firsts == list(range(0, logits.shape[0],
                                                                                            width + 1)):
             blocks = logits.view(len(seqs), width + 1, vocab)
-            blocks = blocks if batch.all_greedy else blocks.float()
+            blocks = blocks if greedy else blocks.float()
         else:
             blocks = torch.zeros(len(seqs), width + 1, vocab, dtype=torch.float32, device=device)
             for i, (s, first) in enumerate(zip(seqs, firsts, strict=True)):
                 blocks[i, : s.num_drafts + 1] = logits[first : first + s.num_drafts + 1]
         if equal and width and all(d is not None for d in drafts):
-            tokens = torch.stack([d.tokens for d in drafts])
+            tokens = drafts[0].tokens[None] if len(drafts) == 1 else torch.stack([d.tokens for d in drafts])
         else:
             tokens = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
             for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
                 if d is not None:
                     tokens[i, : s.num_drafts] = d.tokens
+        num_drafts = None if equal else to_device([s.num_drafts for s in seqs], torch.long, device)
+        if greedy:  # the greedy rule reads no sampling parameters and no draft distributions
+            return verify_greedy(blocks, tokens, num_drafts)
+        batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests], device)
         probs = None
         if not batch.all_greedy:
             probs = torch.zeros(len(seqs), width, vocab, dtype=torch.float32, device=device)
             for i, (s, d) in enumerate(zip(seqs, drafts, strict=True)):
                 if d is not None:
                     probs[i, : s.num_drafts] = d.probs.float()
-        num_drafts = to_device([s.num_drafts for s in seqs], torch.long, device)
         return verify(blocks, tokens, probs, batch, self.method, num_drafts, self.generator)
 
     def record(self, drafted: int, accepted: int) -> None:

@@ -66,6 +66,13 @@ class StepDecl:
         """The row where each sequence's tokens start in the step's input, then the step's row count."""
         return tuple(itertools.accumulate((s.num_tokens for s in self.seqs), initial=0))
 
+    @cached_property
+    def rows_each(self) -> int | None:
+        """The rows every sequence feeds when all feed the same number (equal verify blocks, or decode rows), else
+        None: the step's rows are then [sequences, rows_each], and per-sequence gathers of them are views."""
+        counts = {s.num_tokens for s in self.seqs}
+        return counts.pop() if len(counts) == 1 else None
+
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)

@@ -101,7 +101,7 @@ class DraftGraphs:
         self.page_table[:n, :width].copy_(page_table)
         if width < self.page_table.shape[1]:
             self.page_table[:n, width:].zero_()
-        self.slots[: n * self.drafts].copy_(row_slots.flatten())
+        self.slots[: n * self.drafts].view(n, self.drafts).copy_(row_slots)  # a strided view copies as it is
         torch.add(starts, self.drafts, out=self.lens[:n])
         self._stage_padding(n, bucket)
         graph, _, proposals = self.graphs[bucket]

@@ -100,6 +100,7 @@ class DSparkProposer:
         self.paged = paged.kernel_fits(draft, param.device)
         self.graphs: dict[int, DraftGraphs] = {}  # captured greedy steps by draft count (capture_graphs)
         self.context_graphs: ContextGraphs | None = None  # captured context writes of verify steps (capture_graphs)
+        self._countdown: torch.Tensor | None = None  # N, N - 1, .., 1 (`_behind`)
 
     # --- the resource protocol: the draft KV pool follows the target's steps ------------------
     def can_admit(self, decl: StepDecl) -> bool:
@@ -131,9 +132,13 @@ class DSparkProposer:
         device = self.kv.cache.device
         num_drafts = tuple(s.num_drafts for s in seqs)
         k_max = max(num_drafts)
-        rows_t, slot_rows = to_device_lists([list(rows), self._block_rows(decl, rows, k_max) if self.paged else []],
-                                            torch.long, device)
-        table = plan.page_table[rows_t]
+        whole = len(rows) == len(decl.seqs) and decl.rows_each == k_max + 1  # equal blocks, all drafting
+        if whole:  # every sequence's page table row, and its block's rows but the last: views, no gathers
+            table = plan.page_table
+        else:
+            rows_t, slot_rows = to_device_lists([list(rows), self._block_rows(decl, rows, k_max) if self.paged
+                                                 else []], torch.long, device)
+            table = plan.page_table[rows_t]
         sampling = [
             DraftSampling(0.0 if p.greedy else p.temperature, p.top_k or None, p.top_p if p.top_p < 1 else None,
                           p.min_p or None, g)
@@ -141,10 +146,12 @@ class DSparkProposer:
         ]
         if self.paged:
             # [B, k_max] the draft KV slots of each block's rows; entries past a block's k are padding (sunk later)
-            row_slots = plan.slot_mapping[slot_rows].view(len(rows), k_max)
+            row_slots = (plan.slot_mapping.view(len(rows), k_max + 1)[:, :k_max] if whole
+                         else plan.slot_mapping[slot_rows].view(len(rows), k_max))
             graphs = self.graphs.get(num_drafts[0])
             if graphs is not None and graphs.can_run(num_drafts, sampling):
                 return graphs.run(anchors, starts, table, row_slots)
+            anchors = anchors.contiguous()  # the kernels index it as a flat [B]
             blocks = paged.PagedBlocks.build(anchors, starts, num_drafts, table, row_slots, self.kv.page_size)
             hidden = paged.paged_blocks_hidden(self.draft, self.kv.cache, blocks, self.heads.embed)
             return self.draft.propose_from_hidden(hidden, anchors, num_drafts, self.heads.lm_head, sampling,
@@ -194,14 +201,24 @@ class DSparkProposer:
         A verify block's rows are all written, before verification: the rows it rejects sit at positions from
         the next anchor's on, which the next block writes (its own rows, models/dspark/paged.py) or hides (the
         gathered context) before anything reads them, and the step after writes them again."""
-        counts = [s.num_tokens for s in decl.seqs]
-        # each row's sequence, then its rows to the block's end: one upload
-        seq_of_row = [b for b, n in enumerate(counts) for _ in range(n)]
-        index = to_device(seq_of_row + [n - j for n in counts for j in range(n)], torch.long, taps.device)
-        row_seq, behind = index.view(2, -1)
-        positions = plan.context_lens[row_seq] - behind
+        if decl.rows_each:  # [B, r] rows: each row r - j before its sequence's end, for j < r
+            positions = (plan.context_lens[:, None] - self._behind(decl.rows_each, taps.device)).flatten()
+        else:
+            counts = [s.num_tokens for s in decl.seqs]
+            # each row's sequence, then its rows to the block's end: one upload
+            seq_of_row = [b for b, n in enumerate(counts) for _ in range(n)]
+            index = to_device(seq_of_row + [n - j for n in counts for j in range(n)], torch.long, taps.device)
+            row_seq, behind = index.view(2, -1)
+            positions = plan.context_lens[row_seq] - behind
         if self.context_graphs is None or not self.context_graphs.run(taps, positions, plan.slot_mapping):
             self._write_rows(taps, positions, plan.slot_mapping)
+
+    def _behind(self, rows: int, device: torch.device) -> torch.Tensor:
+        """[rows] = rows, rows - 1, .., 1 on `device`: the tail of one countdown, made again only when a step has
+        more rows than any before (a launch fewer in every step)."""
+        if self._countdown is None or self._countdown.numel() < rows:
+            self._countdown = torch.arange(max(rows, 64), 0, -1, device=device)
+        return self._countdown[-rows:]
 
     def _write_rows(self, taps: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         rows_of = paged.paged_context_kv if self.paged else K3DSparkModel.context_kv

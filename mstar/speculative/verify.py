@@ -57,8 +57,12 @@ _TINY = torch.finfo(torch.float32).tiny  # floor for divisors and noise: keeps r
 class VerifyResult:
     tokens: torch.Tensor  # [B, L+1] long: accepted drafts, then the corrected/bonus token, then -1
     num_accepted: torch.Tensor  # [B] long: drafts accepted, 0..num_drafts
-    num_emitted: torch.Tensor  # [B] long: num_accepted + 1
     finite: torch.Tensor | None = None  # [B, L+1] bool: each row's logits finite, where the rule checked it anyway
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        """[B] long: num_accepted + 1 (computed when read: the engine never reads it, and each launch costs it)."""
+        return self.num_accepted + 1
 
     def token_lists(self) -> list[list[int]]:
         """Host-side emitted tokens per row (one sync)."""
@@ -156,7 +160,7 @@ def _assemble(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final: tor
     accepted = num_accepted.unsqueeze(-1)
     tokens = torch.where(positions < accepted, padded, torch.full_like(padded, -1))
     tokens = torch.where(positions == accepted, final.unsqueeze(-1), tokens)
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1)
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted)
 
 
 def _race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
@@ -217,7 +221,7 @@ def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
     rows, width, _ = target_logits.shape
     num_drafts = _num_drafts_tensor(num_drafts, rows, width - 1, target_logits.device)
     tokens, num_accepted, finite = greedy_verify(target_logits, draft_tokens, num_drafts)
-    return VerifyResult(tokens=tokens, num_accepted=num_accepted, num_emitted=num_accepted + 1, finite=finite)
+    return VerifyResult(tokens=tokens, num_accepted=num_accepted, finite=finite)
 
 
 def reference_verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor,
@@ -243,7 +247,6 @@ def _with_greedy_rows(result: VerifyResult, target_logits: torch.Tensor, draft_t
     return VerifyResult(
         tokens=torch.where(is_greedy.unsqueeze(-1), greedy.tokens, result.tokens),
         num_accepted=torch.where(is_greedy, greedy.num_accepted, result.num_accepted),
-        num_emitted=torch.where(is_greedy, greedy.num_emitted, result.num_emitted),
     )
 
 
