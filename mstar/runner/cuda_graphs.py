@@ -192,9 +192,9 @@ class StepGraphs(ABC):
         width = plan.kv.page_table.shape[1]
         self.input_ids[:n].copy_(plan.input_ids)
         self.slot_mapping[:n].copy_(plan.kv.slot_mapping)
+        # Columns past `width` keep an earlier step's page ids: the kernels read a sequence's table only below its
+        # context length, which its first `width` pages hold (a fill would cost the host a launch every step).
         self.page_table[:batch, :width].copy_(plan.kv.page_table)
-        if width < self.page_table.shape[1]:
-            self.page_table[:batch, width:].zero_()
         self.context_lens[:batch].copy_(plan.kv.context_lens)
         self.kda_slots[:batch].copy_(plan.kda_slots)
         self.sample_rows[:k].copy_(plan.sample_rows)

@@ -98,9 +98,7 @@ class DraftGraphs:
         width = page_table.shape[1]
         self.anchors[:n].copy_(anchors)
         self.starts[:n].copy_(starts)
-        self.page_table[:n, :width].copy_(page_table)
-        if width < self.page_table.shape[1]:
-            self.page_table[:n, width:].zero_()
+        self.page_table[:n, :width].copy_(page_table)  # past `width`: stale ids, never read (cuda_graphs.stage)
         self.slots[: n * self.drafts].view(n, self.drafts).copy_(row_slots)  # a strided view copies as it is
         torch.add(starts, self.drafts, out=self.lens[:n])
         self._stage_padding(n, bucket)
