@@ -4,9 +4,9 @@ The host needs, for every row whose logits the step computed: whether the logits
 request with NaN or inf logits ends with an error), the token chosen there (sampled; or, in a
 verify block, the accepted draft, correction or bonus token at that position, -1 past it), the
 block's accepted draft count, and the logprobs when a request asked for them. Fetched separately
-each would be a device-to-host synchronization; `pack` puts them in the columns of one float64
-tensor (token ids < 2^53 and fp32 logprobs are exact in float64) so that a step costs one copy
-and one wait (`transfer.HostCopy`).
+each would be a device-to-host synchronization; `pack` puts them in the columns of one tensor (long
+without logprobs; float64 with them: token ids < 2^53 and fp32 logprobs are exact in float64) so that a
+step costs one copy and one wait (`transfer.HostCopy`).
 
 Columns: finite, token, accepted, then with logprobs: the chosen token's logprob, the
 `max_logprobs` best ids and their logprobs.
@@ -32,10 +32,11 @@ from mstar.resources.transfer import HostCopy
 
 def pack(finite: torch.Tensor, tokens: torch.Tensor, accepted: torch.Tensor,
          logprobs: SampleResult | None = None) -> torch.Tensor:
-    """[R, 3 (+ 1 + 2K with logprobs)] float64: the per-row results of a step (module doc)."""
+    """[R, 3] long, or [R, 3 + 1 + 2K] float64 with logprobs: the per-row results of a step (module doc)."""
     columns = [finite.unsqueeze(-1), tokens.unsqueeze(-1), accepted.unsqueeze(-1)]
-    if logprobs is not None:
-        columns += [logprobs.logprobs.unsqueeze(-1), logprobs.top_ids, logprobs.top_logprobs]
+    if logprobs is None:  # flags and ids alone: torch.cat promotes them to long in its one launch (no casts)
+        return torch.cat(columns, dim=-1)
+    columns += [logprobs.logprobs.unsqueeze(-1), logprobs.top_ids, logprobs.top_logprobs]
     return torch.cat([c.to(torch.float64) for c in columns], dim=-1)
 
 
