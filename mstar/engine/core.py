@@ -361,7 +361,7 @@ class EngineCore:
 
     def _insert_drafts(self, decl: StepDecl, input_ids: torch.Tensor, drafts: dict[int, DraftProposal]) -> None:
         """Put each block's drafts after its anchor in the step's input ids."""
-        if len(drafts) == len(decl.seqs) and decl.rows_each:  # equal blocks, all drafting: [B, 1 + k] rows
+        if decl.block_drafts:  # equal blocks, all drafting: [B, 1 + k] rows
             tokens = drafts[0].tokens if len(drafts) == 1 else torch.stack([drafts[b].tokens for b in sorted(drafts)])
             input_ids.view(len(drafts), decl.rows_each)[:, 1:].copy_(tokens)
             return

@@ -52,7 +52,7 @@ class Speculation:
         if not rows:
             return {}
         device = input_ids.device
-        if len(rows) == len(decl.seqs) and decl.rows_each:  # equal blocks, all drafting: views, no gathers
+        if decl.block_drafts:  # equal blocks, all drafting: views, no gathers
             starts = to_device([s.num_computed for s in decl.seqs], torch.long, device)
             anchors = input_ids.view(len(rows), decl.rows_each)[:, 0]
         else:

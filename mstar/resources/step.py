@@ -73,6 +73,14 @@ class StepDecl:
         counts = {s.num_tokens for s in self.seqs}
         return counts.pop() if len(counts) == 1 else None
 
+    @cached_property
+    def block_drafts(self) -> int | None:
+        """k when every sequence is a verify block of the same k >= 1 drafts (rows_each = 1 + k), else None: the
+        steady speculative step, whose per-block gathers are views of its [B, 1 + k] rows."""
+        ks = {s.num_drafts if s.verify else 0 for s in self.seqs}
+        k = ks.pop() if len(ks) == 1 else 0
+        return k if k and self.rows_each == 1 + k else None
+
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.seqs)

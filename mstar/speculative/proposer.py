@@ -132,7 +132,7 @@ class DSparkProposer:
         device = self.kv.cache.device
         num_drafts = tuple(s.num_drafts for s in seqs)
         k_max = max(num_drafts)
-        whole = len(rows) == len(decl.seqs) and decl.rows_each == k_max + 1  # equal blocks, all drafting
+        whole = decl.block_drafts is not None  # equal blocks, all drafting
         if whole:  # every sequence's page table row, and its block's rows but the last: views, no gathers
             table = plan.page_table
         else:
