@@ -237,17 +237,21 @@ def deterministic_experts(monkeypatch):
     monkeypatch.setattr(moe_mxfp4, "default_config", reduce_combine)
 
 
+EAGER_SPREAD = 0.3  # two correct bf16 prefill steps of the random model (replays_like_the_eager_step, (b))
+
+
 def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
     """Each step (new rows, cached rows per sequence) replayed against (a) the same staged step run eagerly
     (the same kernels, with the experts' deterministic combine: 2e-2) and (b) the eager step of the plan
     itself (kda_step, fla's chunk_kda without graphs, unpadded GEMMs): sampled logits, KDA states and windows,
     the KV rows.
 
-    (b) gets the spread of two correct bf16 computations, 0.15: a router near-tie that bf16 rounding flips
-    moves one expert, and the random 4-layer model carries it to the last rows. Measured on the H200: the
+    (b) gets the spread of two correct bf16 computations, `EAGER_SPREAD`: a router near-tie that bf16 rounding
+    flips moves one expert, and the random 4-layer model carries it to the last rows. Measured on the H200: the
     eager step of eight sequences (5,228 tokens) against each sequence run alone 0.078, one sequence 0.18,
     while the replay matched the sequences alone at 0.021; replay against the plain eager step up to 0.077
-    (1,024 bucket) and KDA states 0.050. A wrong slot, offset or window gives errors of order 1."""
+    (1,024 bucket) and KDA states 0.050; on an H100 at 90104e4 once 0.183 (step [37, 200, 150], while the
+    replay matched its staged step within 2e-2). A wrong slot, offset or window gives errors of order 1."""
     serving = graphs.serving
     model, kv, pool = serving.model, serving.kv, serving.pool
     for lengths, cached in steps:
@@ -264,9 +268,9 @@ def replays_like_the_eager_step(graphs: PrefillGraphs, steps) -> None:
         got, _ = graphs.run(plan)
         assert got.shape == eager.shape and torch.isfinite(got).all()
         assert rel(got, staged[: len(lengths)]) < 2e-2, (lengths, rel(got, staged[: len(lengths)]))
-        assert rel(got, eager) < 0.15, (lengths, rel(got, eager))
+        assert rel(got, eager) < EAGER_SPREAD, (lengths, rel(got, eager))
         s, rows = plan.kda_slots, plan.kv.slot_mapping
-        for ref_kv, ref_pool, bound in ((staged_kv, staged_pool, 2e-2), (eager_kv, eager_pool, 0.15)):
+        for ref_kv, ref_pool, bound in ((staged_kv, staged_pool, 2e-2), (eager_kv, eager_pool, EAGER_SPREAD)):
             for name in ("state", "conv"):
                 assert rel(getattr(pool, name)[:, s], getattr(ref_pool, name)[:, s]) < bound, (lengths, name)
             assert rel(kv.cache.view(kv.cache.shape[0], -1, kv.width)[:, rows],

@@ -1,16 +1,14 @@
 """The served path on CUDA (eager): greedy tokens equal the CPU fp32 reference. Skips without a GPU."""
 
-import random
-
 import pytest
 import torch
 from engine_run import run_to_completion
+from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore, SpeculativeModels
 from mstar.engine.params import SamplingParams
 from mstar.models.dspark.model import K3DSparkModel
-from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 from mstar.models.kimi_k3.weights import load_model
 
@@ -36,17 +34,14 @@ def test_cuda_served_greedy_equals_cpu_reference(tiny_dirs, tiny_model, kernels,
                                         "speculative_schedule": {4: 7, 16: 3},
                                         "cuda_graphs": False})  # fp32, tiny dims: not capturable
     engine = EngineCore(gpu_model, tokenizer, config, spec, kernels=kernels)
-    rng = random.Random()
-    jobs = []
     lengths = [1, 7, 16, 17, 40, 100, 200, 300][: max(2, batch // 2)]
-    for i, n in enumerate(lengths):
-        prompt = [rng.randrange(1000) for _ in range(n)]
-        max_tokens = rng.randint(4, 24)
-        jobs.append((prompt, greedy_generate(tiny_model, prompt, max_tokens)))
+    jobs = random_jobs(tiny_model, lengths, (4, 24))
+    for i, (prompt, max_tokens, _) in enumerate(jobs):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     got = run_to_completion(engine).tokens_per_request()
-    for i, (prompt, expect) in enumerate(jobs):
-        assert got[f"r{i}"] == expect, f"prompt of {len(prompt)} tokens"
+    # GPU and CPU fp32 sum in different orders: a token (or a router's choice) within that noise of a tie may
+    # flip, as one of 8 requests did once on an H100 (greedy_ties.py: only a measured near tie excuses it).
+    assert_greedy_matches(tiny_model, jobs, [got[f"r{i}"] for i in range(len(jobs))])
     assert engine.kv.allocator.num_used == 0 and engine.pool.num_used == 0
     if speculative:
         assert engine.spec.num_drafted > 0
