@@ -51,6 +51,7 @@ import torch
 
 from mstar.kernels import moe_mxfp4 as moe
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
+from mstar.quant.mxfp4_words import from_word_layout, to_word_layout
 
 E, K, H, I = 224, 16, 3584, 384
 SETS = 4  # weight copies replays rotate over
@@ -70,15 +71,16 @@ HUMMING_SITU = (f"({moe.SITU_BETA}f * tanhf(a / {moe.SITU_BETA}f) / (1.0f + __ex
 
 
 def make_weights(gen: torch.Generator) -> moe.StackedExperts:
-    """Random canonical MXFP4 experts, drawn 32 experts at a time to bound the temporaries."""
+    """Random canonical MXFP4 experts, drawn 32 experts at a time to bound the temporaries, their codes in the
+    kernels' word layout (as `stack_experts` leaves them)."""
     parts = {"w13": [], "w2": []}
     for start in range(0, E, 32):
         n = min(32, E - start)
         parts["w13"].append(random_mxfp4(n * 2 * I, H, gen))
         parts["w2"].append(random_mxfp4(n * H, I, gen))
-    w13_packed = torch.cat([p for p, _ in parts["w13"]]).view(E, 2 * I, H // 2)
+    w13_packed = to_word_layout(torch.cat([p for p, _ in parts["w13"]])).view(E, 2 * I, H // 2)
     w13_scale = torch.cat([s for _, s in parts["w13"]]).view(E, 2 * I, H // 32)
-    w2_packed = torch.cat([p for p, _ in parts["w2"]]).view(E, H, I // 2)
+    w2_packed = to_word_layout(torch.cat([p for p, _ in parts["w2"]])).view(E, H, I // 2)
     w2_scale = torch.cat([s for _, s in parts["w2"]]).view(E, H, I // 32)
     return moe.StackedExperts(w13_packed, w13_scale, w2_packed, w2_scale)
 
@@ -94,8 +96,8 @@ def dequantized(stacked: moe.StackedExperts) -> tuple[torch.Tensor, torch.Tensor
     w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16, device=stacked.w13_packed.device)
     w2 = torch.empty(E, H, I, dtype=torch.bfloat16, device=stacked.w13_packed.device)
     for e in range(E):
-        w13[e] = dequantize_mxfp4(stacked.w13_packed[e], stacked.w13_scale[e], torch.bfloat16)
-        w2[e] = dequantize_mxfp4(stacked.w2_packed[e], stacked.w2_scale[e], torch.bfloat16)
+        w13[e] = dequantize_mxfp4(from_word_layout(stacked.w13_packed[e]), stacked.w13_scale[e], torch.bfloat16)
+        w2[e] = dequantize_mxfp4(from_word_layout(stacked.w2_packed[e]), stacked.w2_scale[e], torch.bfloat16)
     return w13, w2
 
 
@@ -242,7 +244,8 @@ def humming_available() -> bool:
 
 
 def humming_layers(stacked: moe.StackedExperts):
-    """(gate/up, down) humming layers holding one weight copy, converted to humming's layout once."""
+    """(gate/up, down) humming layers holding one weight copy, converted to humming's layout once (from the
+    checkpoint's packing, which humming reads)."""
     from humming.layer import HummingLayer
 
     layers = []
@@ -250,7 +253,7 @@ def humming_layers(stacked: moe.StackedExperts):
                                     ((stacked.w2_packed, stacked.w2_scale), (H, I))):
         layer = HummingLayer(shape_n=n, shape_k=k, weight_config={"quant_method": "mxfp4"}, num_experts=E,
                              torch_dtype=torch.bfloat16).to(DEVICE)
-        layer.load_from_tensors({"weight": packed, "weight_scale": scale})
+        layer.load_from_tensors({"weight": from_word_layout(packed), "weight_scale": scale})
         layer.transform()
         layers.append(layer)
     return layers

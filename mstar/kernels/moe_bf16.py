@@ -9,7 +9,8 @@ which computes what `moe_mxfp4` does (combine="reduce"):
 
 1. `dequantize_experts`: the layer's `StackedExperts` into `DequantizedExperts`, a bf16 scratch that all
    layers share (they run one after another on one stream): each packed byte and scale read once, each
-   bf16 weight written once, decoded by moe_mxfp4's `_dequant_mxfp4` (exact: MXFP4 values are bf16 numbers).
+   bf16 weight written once, decoded by moe_mxfp4's `_dequant_words` in the natural column order (exact: MXFP4
+   values are bf16 numbers).
 2. `moe_mxfp4.sort_by_expert`: the (token, slot) pairs sorted by expert, unpadded, with each expert's end
    row (the grouped GEMMs' offsets) and each pair's row; DROPPED pairs (other ranks' experts) placed nowhere.
 3. `_gather_kernel`: z's rows in that order (grouped GEMMs take their rows contiguous).
@@ -40,7 +41,7 @@ import triton.language as tl
 
 from mstar.kernels import moe_mxfp4
 from mstar.kernels.gated_mlp import situ_and_mul
-from mstar.kernels.moe_mxfp4 import SITU_BETA, SITU_LINEAR_BETA, _dequant_mxfp4, _to_bf16, _weight_ptrs
+from mstar.kernels.moe_mxfp4 import SITU_BETA, SITU_LINEAR_BETA, _dequant_words, _to_bf16, _weight_ptrs
 
 BF16_FLOPS = 750e12  # dense bf16 tensor-core rate of the H200 (DESIGN.md: 684-790 TFLOP/s measured); for floors
 
@@ -117,11 +118,11 @@ _DEQUANT_ELEMENTS = 16384  # weights per dequantization program
 
 
 def _launch_dequant(packed: torch.Tensor, scale: torch.Tensor, out: torch.Tensor, decode: str) -> None:
-    """packed u8 [E, N, K/2] + scales [E, N, K/32] -> bf16 out [E, N, K], as one [E N, K] matrix."""
+    """packed u8 [E, N, K/2] (word layout) + scales [E, N, K/32] -> bf16 out [E, N, K], as one [E N, K] matrix."""
     rows, k = out.shape[0] * out.shape[1], out.shape[2]
     block_k = moe_mxfp4._fit(512, k, moe_mxfp4.SCALE_WORD, "dequantize block_k")
     block_n = moe_mxfp4._fit(_DEQUANT_ELEMENTS // block_k, rows, 16, "dequantize block_n")
-    words = scale.view(torch.int32)  # 4 scale bytes per word, as _dequant_mxfp4 takes them
+    words = scale.view(torch.int32)  # 4 scale bytes per word, as _dequant_words takes them
     _dequant_kernel[(rows // block_n, k // block_k)](
         packed, words, out, K=k, BLOCK_N=block_n, BLOCK_K=block_k, SUBNORMAL_DECODE=decode == "subnormal",
         COMPUTE=moe_mxfp4._compute_dtype(), num_warps=4,
@@ -134,7 +135,7 @@ def _dequant_kernel(packed_ptr, words_ptr, out_ptr, K: tl.constexpr, BLOCK_N: tl
     rows = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     k_start = tl.program_id(1) * BLOCK_K
     w_ptrs, s_ptrs = _weight_ptrs(packed_ptr, words_ptr, 0, rows, k_start, 0, K // 2, 0, K // 128, BLOCK_K)
-    w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
+    w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), BLOCK_N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE, False)
     cols = k_start + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + rows[:, None] * K + cols[None, :], _to_bf16(w, COMPUTE))
 

@@ -10,7 +10,8 @@ An id of -1 (`DROPPED`) marks a pair to skip: under expert parallelism, a token'
 rank holds (the stacked weights hold only this rank's experts, ids mapped to local ones); it adds nothing.
 `moe_mxfp4_reference` is the same function in torch on `dequantize_mxfp4`: the kernel must equal it.
 
-Weights (`stack_experts`) are the checkpoint's compressed-tensors MXFP4 tensors stacked over experts:
+Weights (`stack_experts`) are the checkpoint's compressed-tensors MXFP4 tensors stacked over experts, the
+codes of each 32-bit word re-placed once for cheap decoding (quant/mxfp4_words.py, "word layout"):
 
     w13_packed u8 [E, 2I, H/2] + w13_scale u8 [E, 2I, H/32]   rows 0..I-1 = w1 (gate), I..2I-1 = w3 (up)
     w2_packed  u8 [E, H, I/2]  + w2_scale  u8 [E, H, I/32]
@@ -82,17 +83,19 @@ value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals,
 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
 2^(scale - 1) is a finite bf16 only for scale bytes <= 128 (|w| <= 12), which `stack_experts` checks.
 decode="select" builds only normal bf16 numbers and takes every scale byte, for a few more integer
-operations per weight. Two codes are built as the two halves of one int32 and scaled by one packed
-bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar). Where the weights are the A operand
-of a wgmma from registers (swap_ab, 64 rows or more: every decode-size tile), `_dequant_words` decodes
-a 32-bit word (8 codes) at a time into pairs of columns (i, i + 4) and the K columns of both operands
-are reordered (`_k_order`) so that each thread's share of the A fragment is a contiguous run of packed
-bytes: 16-byte shared-memory reads and no layout conversion of the decoded tile. Read off the sm_90
-SASS (Triton 3.6), this took the main loops from 5.2-5.6 to 3.4-3.8 instructions per weight (gate/up
-at BLOCK_N 32, BLOCK_K 256; down at 128 x 128). Elsewhere (the large-T tiles, whose weights are the B
-operand in shared memory, and narrower tiles) `_dequant_mxfp4` decodes a byte at a time in the natural
-order, which compiles better there. Under Triton's CPU interpreter (numpy has no bf16 arithmetic) the
-same bits are scaled and dotted in fp32.
+operations per weight. `_dequant_words` decodes a 32-bit word (8 codes, in the word layout) into 4 pairs of
+columns (2i, 2i + 1), each built as the two halves of one int32 (one mask, and for three of them one shift
+more) and scaled by one packed bf16x2 FMA (inline PTX; Triton's own bf16 multiplies are scalar) whose factor
+pair one byte permute makes of the scale byte. Where the weights are the A operand of a wgmma from registers
+(swap_ab, 64 rows or more: every decode-size tile), the K columns of both operands are reordered (`_k_order`)
+so that each thread's share of the A fragment is a contiguous run of packed words and each of its bf16 pairs
+one decoded pair: 16-byte shared-memory reads and no layout conversion of the decoded tile. Elsewhere (the
+large-T tiles, whose weights are the B operand in shared memory, and narrower tiles) the words are decoded in
+the natural column order. Against the checkpoint's nibbles decoded in place, the word layout and the byte
+permute cut the main loops' instructions per weight by 11-28% in the sm_90 SASS of the default tiles
+(benchmarks/kernels/sass_moe_mxfp4.py; results/cpu_sass_moe_word_layout.md), where ncu found gate/up bound by
+instruction issue. Under Triton's CPU interpreter (numpy has no bf16 arithmetic) the same bits are scaled and
+dotted in fp32.
 """
 
 from __future__ import annotations
@@ -108,6 +111,7 @@ from triton.runtime.errors import OutOfResources
 
 from mstar.kernels import pdl
 from mstar.quant.mxfp4 import GROUP_SIZE, dequantize_mxfp4
+from mstar.quant.mxfp4_words import from_word_layout, to_word_layout
 
 SITU_BETA = 4.0  # K3's activation_situ_beta (the gate's soft clip)
 SITU_LINEAR_BETA = 25.0  # K3's activation_situ_linear_beta (the up branch's soft clip)
@@ -125,7 +129,8 @@ DIRECT_ONE_TILE_MAX_PAIRS = 16  # ... and gives each down program one output til
 
 
 class StackedExperts(NamedTuple):
-    """One layer's routed experts, stacked; pass as `*stacked` to `moe_mxfp4` and the reference."""
+    """One layer's routed experts, stacked; pass as `*stacked` to `moe_mxfp4` and the reference. The packed
+    codes are in the word layout (quant/mxfp4_words.py), the scales as the checkpoint has them."""
 
     w13_packed: torch.Tensor  # u8 [E, 2I, H/2]: w1 (gate) rows, then w3 (up) rows
     w13_scale: torch.Tensor  # u8 [E, 2I, H/32]
@@ -140,7 +145,8 @@ def stack_experts(
     *,
     check_scales: bool = True,
 ) -> StackedExperts:
-    """Stack per-expert (weight_packed, weight_scale) pairs of w1, w3 and w2 into `StackedExperts`.
+    """Stack per-expert (weight_packed, weight_scale) pairs of w1, w3 and w2 (as the checkpoint packs them) into
+    `StackedExperts`, the codes re-placed into the word layout.
 
     With check_scales, raises if a scale byte exceeds MAX_SUBNORMAL_DECODE_SCALE, which the default
     decode cannot represent (run with MoEConfig(decode="select") instead). The check syncs with the
@@ -154,9 +160,9 @@ def stack_experts(
         if len(kinds) != 1:
             raise ValueError(f"stack_experts: the {name} tensors differ across experts: {sorted(map(str, kinds))}")
     stacked = StackedExperts(
-        w13_packed=torch.stack([torch.cat((a[0], b[0])) for a, b in zip(w1, w3, strict=True)]),
+        w13_packed=to_word_layout(torch.stack([torch.cat((a[0], b[0])) for a, b in zip(w1, w3, strict=True)])),
         w13_scale=torch.stack([torch.cat((a[1], b[1])) for a, b in zip(w1, w3, strict=True)]),
-        w2_packed=torch.stack([p for p, _ in w2]),
+        w2_packed=to_word_layout(torch.stack([p for p, _ in w2])),
         w2_scale=torch.stack([s for _, s in w2]),
     )
     check_weights(*stacked)
@@ -236,7 +242,8 @@ def moe_mxfp4_reference(
     situ_linear_beta: float = SITU_LINEAR_BETA,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_j w[t, j] * W2_e SiTU(W1_e z[t], W3_e z[t]), [T, H] in `dtype`, as `LatentMoE.routed` computes it."""
+    """sum_j w[t, j] * W2_e SiTU(W1_e z[t], W3_e z[t]), [T, H] in `dtype`, as `LatentMoE.routed` computes it (the
+    weights as `stack_experts` leaves them: codes in the word layout)."""
     _, _, inter = check_weights(w13_packed, w13_scale, w2_packed, w2_scale)
     x_all = z.to(dtype)
     out = torch.zeros(z.shape, dtype=dtype, device=z.device)
@@ -244,8 +251,8 @@ def moe_mxfp4_reference(
         if e == DROPPED:
             continue
         rows, slot = (expert_ids == e).nonzero(as_tuple=True)
-        w13 = dequantize_mxfp4(w13_packed[e], w13_scale[e], dtype)
-        w2 = dequantize_mxfp4(w2_packed[e], w2_scale[e], dtype)
+        w13 = dequantize_mxfp4(from_word_layout(w13_packed[e]), w13_scale[e], dtype)
+        w2 = dequantize_mxfp4(from_word_layout(w2_packed[e]), w2_scale[e], dtype)
         x = x_all[rows]
         h = situ_reference(x @ w13[:inter].T, x @ w13[inter:].T, situ_beta, situ_linear_beta)
         out.index_add_(0, rows, (h @ w2.T) * expert_weights[rows, slot].to(dtype).unsqueeze(-1))
@@ -425,7 +432,7 @@ class MoEWorkspace:
             block_expert=torch.empty(blocks, **i32),
             block_rows=torch.empty(blocks, **i32),
             hidden_act=torch.empty(pairs, inter, **bf16),
-            z_ordered=torch.empty(num_tokens, hidden, **bf16) if _decodes_words(config, "gate_up") else None,
+            z_ordered=torch.empty(num_tokens, hidden, **bf16) if _k_ordered(config, "gate_up") else None,
             expert_out=torch.empty(pairs, hidden, **bf16) if config.combine == "reduce" else None,
             split_sum=split_sum,
             split_count=split_count,
@@ -541,7 +548,7 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
         problems.append(f"{ws.num_blocks} row blocks, need {blocks}")
     if tuple(ws.hidden_act.shape) != (pairs, inter):
         problems.append(f"hidden_act {tuple(ws.hidden_act.shape)} != {(pairs, inter)}")
-    if _decodes_words(config, "gate_up") and (ws.z_ordered is None or ws.z_ordered.shape[1] != hidden):
+    if _k_ordered(config, "gate_up") and (ws.z_ordered is None or ws.z_ordered.shape[1] != hidden):
         problems.append(f"a gate/up GEMM that decodes words needs z_ordered of {hidden} columns")
     if config.combine == "reduce" and (ws.expert_out is None or tuple(ws.expert_out.shape) != (pairs, hidden)):
         problems.append(f"combine='reduce' needs expert_out of shape {(pairs, hidden)}")
@@ -612,10 +619,10 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     )
 
 
-def _decodes_words(config: MoEConfig, gemm: str) -> bool:
-    """Whether the GEMM ("gate_up" or "down") decodes its weights a word at a time (`_dequant_words`): the
-    weights are the wgmma's A operand (swap_ab) and its tile has at least one wgmma's 64 rows. Its activations
-    are then stored in `_k_order` (module doc, "K order")."""
+def _k_ordered(config: MoEConfig, gemm: str) -> bool:
+    """Whether the GEMM ("gate_up" or "down") decodes its weights in `_k_order`'s column order: the weights are
+    the wgmma's A operand (swap_ab) and its tile has at least one wgmma's 64 rows. Its activations are then
+    stored in that order too (module doc, "Dequantization")."""
     rows = 2 * config.gate_up.block_n if gemm == "gate_up" else config.down.block_n
     return config.swap_ab and rows >= _WGMMA_M.value
 
@@ -626,13 +633,13 @@ def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_
     constexprs = {"HIDDEN": hidden, "INTER": inter, "TOP_K": top_k, "K_PAD": triton.next_power_of_2(top_k),
                   "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
                   "SPLIT_K": tile.split_k, "ALIGNED": config.align, "SWAP_AB": config.swap_ab,
-                  "WORDS": _decodes_words(config, gemm), "SUBNORMAL_DECODE": config.decode == "subnormal",
+                  "K_ORDER": _k_ordered(config, gemm), "SUBNORMAL_DECODE": config.decode == "subnormal",
                   "COMPUTE": _compute_dtype()}
     atomic = config.combine == "atomic"
     if gemm == "gate_up":
         # Where z is put in order first, that launch zeroes the output.
-        constexprs.update(ZERO_OUT=atomic and not constexprs["WORDS"], ZERO_BLOCK=_ZERO_BLOCK,
-                          H_ORDER=config.down.block_k if _decodes_words(config, "down") else 0)
+        constexprs.update(ZERO_OUT=atomic and not constexprs["K_ORDER"], ZERO_BLOCK=_ZERO_BLOCK,
+                          H_ORDER=config.down.block_k if _k_ordered(config, "down") else 0)
     else:
         constexprs.update(ATOMIC=atomic, TILES=tile.tiles)
     return constexprs
@@ -660,7 +667,7 @@ def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: M
     if ws.z_ordered is not None:
         z = ws.z_ordered
     hidden, inter = z.shape[1], ws.hidden_act.shape[1]
-    scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _dequant_mxfp4)
+    scale = w13_scale.view(torch.int32)  # 4 scale bytes per word (see _scale_factors)
     programs, route = _route_args(ids, config, ws)
     # Unsplit, the kernel reads neither split buffer: any tensors stand in.
     split = (ws.split_sum, ws.split_count) if tile.split_k > 1 else (ws.hidden_act, ws.block_rows)
@@ -799,78 +806,92 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, ex
 
 
 @triton.jit
-def _dequant_mxfp4(packed, scale_words, N: tl.constexpr, KB: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                   COMPUTE: tl.constexpr):
-    """packed u8 [N, KB] + scale words int32 [N, KB / 64] -> weights [N, 2 KB] in COMPUTE dtype, exactly.
-
-    The scales arrive as int32 words (4 E8M0 bytes, little-endian) because Triton's pipeliner only
-    prefetches loads of at least 32 bits per thread: a tile of scale bytes this small would be a
-    synchronous global load in every iteration.
-    """
-    b = packed.to(tl.int32)
-    s = (scale_words[:, :, None, None] >> (tl.arange(0, 4) * 8)[None, None, :, None]) & 0xFF  # [N, KB/64, 4, 1]
-    # Both codes of a byte as the two bf16 halves of one int32 (low nibble = even column = low half).
-    if SUBNORMAL_DECODE:
-        # b * (2^6 + 2^18) puts the magnitude bits of the low nibble at 8..6 and those of the high
-        # nibble at 24..22, b * (2^12 + 2^24) the sign bits at 15 and 31 (the two copies of b do not
-        # overlap, so the products are plain shifts). Each half is then value * 2^-126 (0 and 0.5
-        # as bf16 subnormals), and 2^(s - 1) (exponent field s + 126) scales it.
-        pair = ((b * 0x40040) & 0x01C001C0) | ((b * 0x1001000) & -0x7FFF8000)  # -0x7FFF8000 == 0x80008000
-        factor = (s + 126) << 7
-    else:
-        # Normal bf16 numbers only: magnitudes 1..6 by the exponent trick, 0 and 0.5 picked apart.
-        even = _e2m1_bits_normal(b & 0x7) | ((b << 12) & 0x8000)
-        odd = _e2m1_bits_normal((b >> 4) & 0x7) | ((b << 8) & 0x8000)
-        pair = even | (odd << 16)
-        factor = s << 7  # 2^(s - 127); byte 0 (2^-127) reads as 0
-    # Bytes [N, KB] as [N, KB / 64, 4, 16]: one scale byte per 16 bytes (32 columns), four per word.
-    even, odd = _scaled_halves(pair.reshape(N, KB // 64, 4, 16), factor, COMPUTE)
-    return tl.reshape(tl.interleave(even, odd), (N, 2 * KB))
-
-
-@triton.jit
 def _dequant_words(words, scale_words, N: tl.constexpr, KW: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                   COMPUTE: tl.constexpr):
-    """words int32 [N, KW] (8 codes each) + scale words int32 [N, KW / 16] -> weights [N, 8 KW], exactly.
+                   COMPUTE: tl.constexpr, K_ORDER: tl.constexpr):
+    """words int32 [N, KW] (8 codes each, in the word layout) + scale words int32 [N, KW / 16] -> weights
+    [N, 8 KW] in COMPUTE dtype, exactly: in the natural column order, or (K_ORDER) in `_k_order`'s.
 
-    Word w holds columns 8w..8w+7, column 8w + n in bits 4n..4n+3. Shifted left by 12 - 4i, codes i
-    and i + 4 sit at the top of the two halves (bits 12..15, 28..31), where one mask keeps both signs
-    and one shift and mask move both magnitudes to bits 8..6: ~2 operations per bf16 pair, against
-    ~2.5 for a byte at a time (which must first be extracted). The pairs are columns (8w + i, 8w + i + 4),
-    and the result is in `_k_order`'s column order (the activations must be reordered the same way).
+    Pair i of word w, columns 8w + 2i and 8w + 2i + 1, is built as the two halves of one int32 (`_pair012`,
+    `_pair3`; quant/mxfp4_words.py). The two orders want the pairs gathered differently to compile without
+    layout conversions (sm_90 SASS): for `_k_order`, one [N, KW, 4] tensor whose last dimension each thread
+    holds whole, the pair picked by a select the compiler resolves per register; in the natural order, the
+    four [N, KW] pair tensors joined. The scales arrive as int32 words (4 E8M0 bytes, little-endian) because
+    Triton's pipeliner only prefetches loads of at least 32 bits per thread: a tile of scale bytes this small
+    would be a synchronous global load in every iteration.
     """
-    t = words[:, :, None] << (12 - 4 * tl.arange(0, 4))[None, None, :]  # [N, KW, 4]: codes i, i + 4 at the top
-    s = (scale_words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF  # [N, KW / 16, 4]
-    if SUBNORMAL_DECODE:
-        # value * 2^-126 in each half (0 and 0.5 as bf16 subnormals), then 2^(s - 1) scales it.
-        pair = (t & -0x7FFF8000) | ((t >> 6) & 0x01C001C0)  # -0x7FFF8000 == 0x80008000
-        factor = (s + 126) << 7
+    if K_ORDER:
+        i = tl.arange(0, 4)[None, None, :]
+        w = words[:, :, None] + tl.zeros([1, 1, 4], dtype=tl.int32)
+        pair = tl.where(i == 3, _pair3(w), _pair012(w, i))
     else:
-        low = _e2m1_bits_normal((t >> 12) & 0x7) | (t & 0x8000)
-        high = _e2m1_bits_normal((t >> 28) & 0x7) | ((t >> 16) & 0x8000)
-        pair = low | (high << 16)
-        factor = s << 7
+        p02 = tl.join(_pair012(words, 0), _pair012(words, 2))
+        p13 = tl.join(_pair012(words, 1), _pair3(words))
+        pair = tl.reshape(tl.join(p02, p13), (N, KW, 4))  # [.., a, b] is pair 2a + b
+    if not SUBNORMAL_DECODE:
+        pair = _normal_pair(pair)
     # One scale byte per 4 words (32 columns), four per scale word.
+    factor = _scale_factors(scale_words, SUBNORMAL_DECODE, COMPUTE)
     low, high = _scaled_halves(pair.reshape(N, KW // 16, 4, 16), factor[:, :, :, None], COMPUTE)
     pairs = tl.join(tl.reshape(low, (N, KW, 4)), tl.reshape(high, (N, KW, 4)))  # [N, KW, 4 (i), 2 (h)]
-    # Word w = j KW/4 + v to position (v, i, j, h) (`_k_order`).
-    pairs = tl.permute(tl.reshape(pairs, (N, 4, KW // 4, 4, 2)), (0, 2, 3, 1, 4))
+    if K_ORDER:  # word w = j KW/4 + v to position (v, i, j, h)
+        pairs = tl.permute(tl.reshape(pairs, (N, 4, KW // 4, 4, 2)), (0, 2, 3, 1, 4))
     return tl.reshape(pairs, (N, 8 * KW))
 
 
 @triton.jit
+def _pair012(w, i):
+    """Pair i < 3 of word-layout words w: sign bits at 15 and 31, magnitudes at 8..6 and 24..22 (each half the
+    code's value times 2^-126; 0x81C081C0 as an int32)."""
+    return (w << (3 * i)) & -0x7E3F7E40
+
+
+@triton.jit
+def _pair3(w):
+    """Pair 3 of word-layout words w, gathered from bits 10, 11, 13, 14 (and 16 above) by three shifts."""
+    return ((w >> 4) & 0x00C000C0) | ((w >> 5) & 0x01000100) | ((w << 1) & -0x7FFF8000)  # 0x80008000
+
+
+@triton.jit
+def _normal_pair(pair):
+    """A decoded pair (value * 2^-126 per half) as normal bf16 numbers of the codes' values (decode="select":
+    magnitudes 1..6 by the exponent trick, 0 and 0.5 picked apart), to be scaled by 2^(s - 127)."""
+    low = _e2m1_bits_normal((pair >> 6) & 0x7) | (pair & 0x8000)
+    high = _e2m1_bits_normal((pair >> 22) & 0x7) | ((pair >> 16) & 0x8000)
+    return low | (high << 16)
+
+
+@triton.jit
+def _scale_factors(scale_words, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+    """int32 scale words [N, G] -> [N, G, 4]: for each of a word's 4 E8M0 bytes s, the bf16 bits of the factor
+    its decoded pairs are multiplied by, in both halves: 2^(s - 1) (subnormal decode), else 2^(s - 127).
+
+    On the GPU one byte permute puts s at bits 8 and 24, and a shift and an add make them the exponent fields
+    of 2^(s - 1) (s + 126 <= 254: scale bytes <= 128, what the subnormal decode needs anyway)."""
+    if SUBNORMAL_DECODE and not COMPUTE.is_fp32():
+        factor = tl.inline_asm_elementwise(
+            asm="{ .reg .b32 t; prmt.b32 t, $1, 0, $2; shr.b32 t, t, 1; add.u32 $0, t, 0x3F003F00; }",
+            constraints="=r,r,r", args=[scale_words[:, :, None] + tl.zeros([1, 1, 4], dtype=tl.int32),
+                                        (0x0404 + 0x1010 * tl.arange(0, 4))[None, None, :]],
+            dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        s = (scale_words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF
+        factor = (((s + 126) << 7) if SUBNORMAL_DECODE else (s << 7)) * 0x10001
+    return factor
+
+
+@triton.jit
 def _scaled_halves(pair, factor, COMPUTE: tl.constexpr):
-    """The low and high bf16 halves of int32 `pair`, each times the bf16 whose bits are `factor`."""
+    """The low and high bf16 halves of int32 `pair`, each times the bf16 whose bits are each half of `factor`."""
     if COMPUTE.is_fp32():
-        f = _bits_to(factor, COMPUTE)
+        f = _bits_to(factor & 0xFFFF, COMPUTE)
         low = _bits_to(pair & 0xFFFF, COMPUTE) * f
         high = _bits_to((pair >> 16) & 0xFFFF, COMPUTE) * f
     else:
-        # One packed multiply per byte (x * f + -0.0 is exactly x * f, and fma.bf16x2 runs on sm_80+).
+        # One packed multiply per pair (x * f + -0.0 is exactly x * f, and fma.bf16x2 runs on sm_80+).
         # Triton's own bf16 multiplies are scalar, and ptxas pairs them with extra byte permutes.
         low, high = tl.inline_asm_elementwise(
             asm="{ .reg .b32 t, z; mov.b32 z, 0x80008000; fma.rn.bf16x2 t, $2, $3, z; mov.b32 {$0, $1}, t; }",
-            constraints="=h,=h,r,r", args=[pair, factor * 0x10001], dtype=(tl.bfloat16, tl.bfloat16),
+            constraints="=h,=h,r,r", args=[pair, factor], dtype=(tl.bfloat16, tl.bfloat16),
             is_pure=True, pack=1)
     return low, high
 
@@ -960,22 +981,22 @@ def _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED: tl.constexpr, TO
 
 @triton.jit
 def _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, K: tl.constexpr, BLOCK_M: tl.constexpr, N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr, K_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
                   COMPUTE: tl.constexpr):
     """x [BLOCK_M, K] (bf16 rows at x_ptrs) @ W^T with W [N, K] in MXFP4 at w_ptrs / s_ptrs: fp32 [BLOCK_M, N]."""
     acc = tl.zeros([N, BLOCK_M] if SWAP_AB else [BLOCK_M, N], dtype=tl.float32)
     for _ in range(0, K, BLOCK_K):
-        acc = _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M, N, BLOCK_K, SWAP_AB, WORDS, SUBNORMAL_DECODE,
-                          COMPUTE)
+        acc = _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M, N, BLOCK_K, SWAP_AB, K_ORDER,
+                          SUBNORMAL_DECODE, COMPUTE)
         x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K // 8 if WORDS else BLOCK_K // 2
+        w_ptrs += BLOCK_K // 8  # one int32 word per 8 columns
         s_ptrs += BLOCK_K // _SCALE_WORD  # one int32 word of scales per 128 columns
     return tl.trans(acc) if SWAP_AB else acc
 
 
 @triton.jit
 def _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M: tl.constexpr, N: tl.constexpr, BLOCK_K: tl.constexpr,
-                SWAP_AB: tl.constexpr, WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
+                SWAP_AB: tl.constexpr, K_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr):
     """acc + one K step of x W^T: x [BLOCK_M, BLOCK_K] at x_ptrs, W [N, BLOCK_K] at w_ptrs / s_ptrs; acc is
     [N, BLOCK_M] with SWAP_AB, else [BLOCK_M, N].
 
@@ -985,12 +1006,9 @@ def _mxfp4_step(acc, x_ptrs, row_ok, w_ptrs, s_ptrs, BLOCK_M: tl.constexpr, N: t
     round trip through shared memory), and the few token rows are the N side of the instruction.
     """
     x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(COMPUTE)
-    if WORDS:
-        # Weights a word at a time in `_k_order`'s column order; the activations are stored in that order
-        # (module doc, "K order"), so that this load feeds the dot straight from its pipelined buffer.
-        w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE)
-    else:
-        w = _dequant_mxfp4(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 2, SUBNORMAL_DECODE, COMPUTE)
+    # K_ORDER: the activations are stored in the order the weights decode into (module doc, "Dequantization"), so
+    # that this load feeds the dot straight from its pipelined buffer.
+    w = _dequant_words(tl.load(w_ptrs), tl.load(s_ptrs), N, BLOCK_K // 8, SUBNORMAL_DECODE, COMPUTE, K_ORDER)
     return tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
 
 
@@ -1000,23 +1018,23 @@ def _k_order(t, ROWS: tl.constexpr, COLS: tl.constexpr):
 
     A thread's share of a wgmma A operand in registers (kWidth 2) is, per 8 columns, the 2 columns
     2j, 2j + 1 (j = lane % 4), and the next 8 columns' share belongs to the same 4 lanes. Column
-    8a + 2j + h of the reordered tile (a = 4v + i) is source column 8(j COLS/32 + v) + i + 4h: thread j's
-    columns are then the contiguous quarter j of the tile, so it reads its packed bytes 16 at a time,
-    and each of its bf16 pairs is one decoded pair (i, i + 4) of a word (`_dequant_words`). Naturally
-    ordered, each thread would read a byte in every 4 (Triton then reads the staged weights from shared
-    memory a byte at a time) and the decoded tile would go through shared memory again to reach the
-    fragment layout. The same reordering of both operands' K columns leaves the dot unchanged.
+    8a + 2j + h of the reordered tile (a = 4v + i) is source column 8(j COLS/32 + v) + 2i + h: thread j's
+    columns are then the contiguous quarter j of the tile, so it reads its packed words 4 at a time,
+    and each of its bf16 pairs is one decoded pair i of a word (`_dequant_words`). Naturally ordered,
+    each thread would read a byte in every 4 (Triton then reads the staged weights from shared memory a
+    byte at a time) and the decoded tile would go through shared memory again to reach the fragment
+    layout. The same reordering of both operands' K columns leaves the dot unchanged.
     """
-    return tl.reshape(tl.permute(tl.reshape(t, (ROWS, 4, COLS // 32, 2, 4)), (0, 2, 4, 1, 3)), (ROWS, COLS))
+    return tl.reshape(tl.permute(tl.reshape(t, (ROWS, 4, COLS // 32, 4, 2)), (0, 2, 3, 1, 4)), (ROWS, COLS))
 
 
 @triton.jit
 def _k_position(c, COLS: tl.constexpr):
     """Where `_k_order` of COLS columns puts natural column c (0 <= c < COLS): source column
-    8 (j COLS/32 + v) + 4 h + i goes to 8 (4 v + i) + 2 j + h."""
+    8 (j COLS/32 + v) + 2 i + h goes to 8 (4 v + i) + 2 j + h."""
     j = c // (COLS // 4)
     v = (c % (COLS // 4)) // 8
-    return 32 * v + 8 * (c % 4) + 2 * j + (c % 8) // 4
+    return 32 * v + 8 * ((c % 8) // 2) + 2 * j + c % 2
 
 
 @triton.jit
@@ -1036,15 +1054,11 @@ def _order_kernel(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, BLOCK_K: tl.cons
 
 @triton.jit
 def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_K: tl.constexpr, WORDS: tl.constexpr = False):
-    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed bytes (WORDS: int32 words of
-    8 codes), scale words."""
-    if WORDS:
-        w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_we // 4) + rows[:, None] * (stride_wn // 4)
-                  + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
-    else:
-        w_ptrs = (w_ptr + expert * stride_we + rows[:, None] * stride_wn
-                  + (k_start // 2 + tl.arange(0, BLOCK_K // 2))[None, :])
+                 BLOCK_K: tl.constexpr):
+    """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed int32 words (8 codes each),
+    scale words (4 scale bytes each). The strides are the uint8 tensors' (bytes)."""
+    w_ptrs = (w_ptr.to(tl.pointer_type(tl.int32)) + expert * (stride_we // 4) + rows[:, None] * (stride_wn // 4)
+              + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[None, :])
     s_ptrs = (s_ptr + expert * stride_se + rows[:, None] * stride_sn
               + (k_start // _SCALE_WORD + tl.arange(0, BLOCK_K // _SCALE_WORD))[None, :])
     return w_ptrs, s_ptrs
@@ -1066,11 +1080,11 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
-                    WORDS: tl.constexpr, H_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
+                    K_ORDER: tl.constexpr, H_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
                     COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split).
 
-    WORDS: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
+    K_ORDER: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
     H_ORDER columns, the down kernel's (module doc, "K order")."""
     pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
@@ -1094,8 +1108,8 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
-                                  stride_sn, BLOCK_K, WORDS)
-    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, WORDS,
+                                  stride_sn, BLOCK_K)
+    acc = _mxfp4_matmul(x_ptrs, row_ok, w_ptrs, s_ptrs, k_part, BLOCK_M, 2 * BLOCK_N, BLOCK_K, SWAP_AB, K_ORDER,
                         SUBNORMAL_DECODE, COMPUTE)
     if SPLIT_K > 1:
         # The part that completes the tile adds up the others' (left in split_sum) and goes on; it leaves
@@ -1129,7 +1143,7 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 WORDS: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
+                 K_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
     adds the parts up); added into out (atomic) or stored per pair (reduce).
 
@@ -1148,16 +1162,16 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
     first_n = tl.program_id(1) * TILES * BLOCK_N
     x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, first_n + tl.arange(0, BLOCK_N), k_start, stride_we,
-                                  stride_wn, stride_se, stride_sn, BLOCK_K, WORDS)
+                                  stride_wn, stride_se, stride_sn, BLOCK_K)
     # Step `it` reads the first tile's pointers moved by a scalar (tile rows down, K steps across).
-    w_tile = BLOCK_N * (stride_wn // 4 if WORDS else stride_wn)
-    w_step: tl.constexpr = BLOCK_K // 8 if WORDS else BLOCK_K // 2
+    w_tile = BLOCK_N * (stride_wn // 4)  # in int32 words
+    w_step: tl.constexpr = BLOCK_K // 8
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], dtype=tl.float32)
     for it in range(0, TILES * STEPS):
         tile, step = it // STEPS, it % STEPS
         acc = _mxfp4_step(acc, x_ptrs + step * BLOCK_K, row_ok, w_ptrs + (tile * w_tile + step * w_step),
                           s_ptrs + (tile * BLOCK_N * stride_sn + step * (BLOCK_K // _SCALE_WORD)), BLOCK_M, BLOCK_N,
-                          BLOCK_K, SWAP_AB, WORDS, SUBNORMAL_DECODE, COMPUTE)
+                          BLOCK_K, SWAP_AB, K_ORDER, SUBNORMAL_DECODE, COMPUTE)
         if TILES > 1 and step == STEPS - 1:
             _down_epilogue(acc, out_ptr, y_ptr, pair, row_ok, coef, first_n + tile * BLOCK_N, HIDDEN, TOP_K, BLOCK_N,
                            ATOMIC, SWAP_AB, COMPUTE)

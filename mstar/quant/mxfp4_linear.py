@@ -8,7 +8,9 @@ tensors are MXFP4 holds exactly those bytes, as uint8 buffers named like the che
 
 The torch forward dequantizes on the fly in the input's dtype. MXFP4 values are exact in fp32, bf16
 and fp64, so it computes exactly what an nn.Linear holding the dequantized weight computes; the
-GPU path (`gpu_ops.MXFP4Experts`) reads the buffers directly instead.
+GPU path (`gpu_ops.MXFP4Experts`) reads the buffers directly instead. It stacks a layer's experts with
+their codes re-placed for its kernels (mxfp4_words.py) and points each layer's buffers into the stack,
+marking it `word_layout`: the layer then decodes that layout, and still saves and loads the checkpoint form.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .mxfp4 import GROUP_SIZE, check_packed_pair, dequantize_mxfp4
+from .mxfp4_words import from_word_layout, to_word_layout
 
 
 class MXFP4Linear(nn.Module):
     """y = x W^T with W [out_features, in_features] stored as MXFP4 (see the module doc)."""
+
+    word_layout = False  # weight_packed holds the expert kernels' word layout (set where they stack it)
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str | None = None):
         super().__init__()
@@ -44,7 +49,22 @@ class MXFP4Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense weight [out, in] in `dtype` (exact for fp32, bf16 and fp64)."""
-        return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype=dtype)
+        return dequantize_mxfp4(self.checkpoint_packed(), self.weight_scale, dtype=dtype)
+
+    def checkpoint_packed(self) -> torch.Tensor:
+        """weight_packed as the checkpoint packs it (a converted copy where it holds the word layout)."""
+        return from_word_layout(self.weight_packed) if self.word_layout else self.weight_packed
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.word_layout:
+            destination[prefix + "weight_packed"] = self.checkpoint_packed()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.word_layout:  # the checkpoint form was copied into the stack's bytes: re-place it there
+            with torch.no_grad():
+                self.weight_packed.copy_(to_word_layout(self.weight_packed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized(x.dtype))

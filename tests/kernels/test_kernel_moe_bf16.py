@@ -41,6 +41,7 @@ from mstar.kernels import moe_mxfp4 as moe
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, MXFP4Experts, expert_kernel_fits, expert_kernels
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
+from mstar.quant.mxfp4_words import from_word_layout
 
 GPU_E = 32  # experts in the GPU tests: real per-rank expert shapes, fewer of them to keep it quick
 hopper = pytest.mark.skipif(not (torch.cuda.is_available() and moe_bf16.supported("cuda")) or INTERPRET,
@@ -68,8 +69,8 @@ def run_bf16(z, ids, weights, stacked, scratch=None) -> torch.Tensor:
 
 
 def random_stacked_bytes(gen, num_experts: int, hidden: int, inter: int, top_scale: int) -> moe.StackedExperts:
-    """Stacked experts of uniformly random bytes: every code in both nibbles (negative zero too), and scale
-    bytes from 64 to top_scale."""
+    """Stacked experts of uniformly random bytes (read in the word layout): every code at every place of a word
+    (negative zero too), and scale bytes from 64 to top_scale."""
 
     def u8(*shape, low=0, high=256):
         return torch.randint(low, high, shape, generator=gen, device=gen.device, dtype=torch.int32).to(torch.uint8)
@@ -87,7 +88,8 @@ def test_dequantize_experts_is_exact(decode):
     stacked = random_stacked_bytes(gen, 3, 256, TINY_I, top)
     scratch = moe_bf16.dequantize_experts(stacked, poisoned_scratch(stacked), decode=decode)
     for e in range(3):
-        w13, w2 = (stacked.w13_packed[e], stacked.w13_scale[e]), (stacked.w2_packed[e], stacked.w2_scale[e])
+        w13 = from_word_layout(stacked.w13_packed[e]), stacked.w13_scale[e]
+        w2 = from_word_layout(stacked.w2_packed[e]), stacked.w2_scale[e]
         assert torch.equal(scratch.w13[e], dequantize_mxfp4(*w13, torch.bfloat16))
         assert torch.equal(scratch.w2[e], dequantize_mxfp4(*w2, torch.bfloat16))
 
@@ -208,7 +210,7 @@ def test_layer_takes_bf16_path_above_threshold(tiny_model, layout):
             expect = reference.routed(z.float(), route)
         assert relative_error(got, expect) < BF16_BOUND
         assert bool(scratch.w13.isnan().all()) != bf16_path
-    w13 = kernel.weights.w13_packed[0], kernel.weights.w13_scale[0]
+    w13 = from_word_layout(kernel.weights.w13_packed[0]), kernel.weights.w13_scale[0]
     assert torch.equal(scratch.w13[0], dequantize_mxfp4(*w13, torch.bfloat16))
 
 

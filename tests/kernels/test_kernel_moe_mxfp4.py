@@ -30,8 +30,9 @@ triton = pytest.importorskip("triton")
 tl = pytest.importorskip("triton.language")
 
 from mstar.kernels import moe_mxfp4 as moe  # noqa: E402
-from mstar.kernels.moe_mxfp4 import _dequant_mxfp4, _dequant_words, _k_order, _k_position  # noqa: E402
+from mstar.kernels.moe_mxfp4 import _dequant_words, _k_order, _k_position  # noqa: E402
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4  # noqa: E402
+from mstar.quant.mxfp4_words import from_word_layout  # noqa: E402
 
 # Interpreted only if triton's own helpers (tl.sum & co.) were defined under the interpreter too.
 INTERPRET = moe._interpreted() and type(tl.standard.sum).__name__ == "InterpretedFunction"
@@ -344,27 +345,23 @@ def test_alignment_at_rank_routing(num_tokens, block_m):
 
 @triton.jit
 def _dequant_probe(packed_ptr, words_ptr, out_ptr, column_ptr, N: tl.constexpr, KB: tl.constexpr,
-                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, WORDS: tl.constexpr):
-    """The decoded tile of N rows x 2 KB columns, and (WORDS) the source column of each of its columns."""
+                   SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, K_ORDER: tl.constexpr):
+    """The decoded tile of N rows x 2 KB columns, and the source column of each of its columns."""
     rows = tl.arange(0, N)[:, None]
     cols = tl.arange(0, 2 * KB)[None, :]
     words = tl.load(words_ptr + rows * (KB // 64) + tl.arange(0, KB // 64)[None, :])
-    if WORDS:
-        packed = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + rows * (KB // 4) + tl.arange(0, KB // 4)[None, :])
-        w = _dequant_words(packed, words, N, KB // 4, SUBNORMAL_DECODE, COMPUTE)
-        tl.store(column_ptr + rows * (2 * KB) + cols, _k_order(rows * 0 + cols, N, 2 * KB))
-    else:
-        packed = tl.load(packed_ptr + rows * KB + tl.arange(0, KB)[None, :])
-        w = _dequant_mxfp4(packed, words, N, KB, SUBNORMAL_DECODE, COMPUTE)
+    packed = tl.load(packed_ptr.to(tl.pointer_type(tl.int32)) + rows * (KB // 4) + tl.arange(0, KB // 4)[None, :])
+    w = _dequant_words(packed, words, N, KB // 4, SUBNORMAL_DECODE, COMPUTE, K_ORDER)
+    tl.store(column_ptr + rows * (2 * KB) + cols, _k_order(rows * 0 + cols, N, 2 * KB) if K_ORDER else rows * 0 + cols)
     tl.store(out_ptr + rows * (2 * KB) + cols, w.to(tl.float32))
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("words", [False, True])
+@pytest.mark.parametrize("k_order", [False, True])
 @pytest.mark.parametrize("decode", DECODES)
-def test_dequant_is_exact(decode, words):
-    """Every code (both nibbles, both signs) and a wide range of scale bytes decode bit for bit, a byte at a
-    time and a word at a time (then in the column order of _k_order, the same the activations take)."""
+def test_dequant_is_exact(decode, k_order):
+    """Every code (every column of a word, both signs) and a wide range of scale bytes decode bit for bit from
+    the word layout, in the natural column order and in that of _k_order (the one the activations take)."""
     gen = new_generator(TINY_DEVICE)
     rows, kb = 16, 128
     packed = torch.randint(0, 256, (rows, kb), generator=gen, device=TINY_DEVICE, dtype=torch.int32).to(torch.uint8)
@@ -374,11 +371,10 @@ def test_dequant_is_exact(decode, words):
     out = torch.full((rows, 2 * kb), float("nan"), device=TINY_DEVICE)
     column = torch.full((rows, 2 * kb), -1, dtype=torch.int32, device=TINY_DEVICE)
     _dequant_probe[(1,)](packed, scale.view(torch.int32), out, column, N=rows, KB=kb,
-                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype(), WORDS=words)
-    expected = dequantize_mxfp4(packed, scale)
-    if words:
-        assert torch.equal(column.sort(dim=1).values, torch.arange(2 * kb, device=TINY_DEVICE).expand(rows, -1).int())
-        expected = expected.gather(1, column.long())
+                         SUBNORMAL_DECODE=decode == "subnormal", COMPUTE=moe._compute_dtype(), K_ORDER=k_order)
+    expected = dequantize_mxfp4(from_word_layout(packed), scale)
+    assert torch.equal(column.sort(dim=1).values, torch.arange(2 * kb, device=TINY_DEVICE).expand(rows, -1).int())
+    expected = expected.gather(1, column.long())
     assert torch.equal(out, expected), "dequantized weights differ from dequantize_mxfp4"
 
 
@@ -474,7 +470,8 @@ def test_stack_from_checkpoint_names():
     stacked = moe.stack_experts_from_state(tensors, prefix, TINY_E)
     for got, want in zip(stacked, moe.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"]), strict=True):
         assert torch.equal(got, want)
-    assert torch.equal(stacked.w13_packed[1, TINY_I:], pairs["w3"][1][0])  # w3 rows follow w1 rows
+    assert torch.equal(from_word_layout(stacked.w13_packed[1, TINY_I:]), pairs["w3"][1][0])  # w3 rows follow w1
+    assert torch.equal(stacked.w2_scale[2], pairs["w2"][2][1])  # the scales as the checkpoint has them
     del tensors[f"{prefix}.2.w2.weight_scale"]
     with pytest.raises(KeyError, match="experts.2.w2.weight_scale"):
         moe.stack_experts_from_state(tensors, prefix, TINY_E)

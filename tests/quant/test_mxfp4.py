@@ -249,7 +249,10 @@ def test_random_mxfp4_is_canonical_and_well_scaled(gen, out_features, in_feature
         requantized = quantize_mxfp4(dequantize_mxfp4(packed, scale, dtype=dtype))
         assert torch.equal(requantized[0], packed) and torch.equal(requantized[1], scale)
     rms = dequantize_mxfp4(packed, scale).pow(2).mean().sqrt()
-    assert 0.5 < float(rms) * in_features**0.5 < 2.0
+    # About 1/sqrt(in_features); 8 groups (the 8 x 32 case) spread wider: 0.49-2.22 over 20,000 seeds, and the
+    # [0.5, 2] bound of the larger cases failed 0.3% of them.
+    spread = 3.0 if out_features * in_features // GROUP_SIZE < 64 else 2.0
+    assert 1 / spread < float(rms) * in_features**0.5 < spread
 
 
 def test_random_mxfp4_without_jitter_and_reproducible(gen):

@@ -361,15 +361,21 @@ class MXFP4Experts:
 
 
 def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
-    """The experts' packed buffers as `StackedExperts` (w1 then w3 rows per expert in w13): views of the
-    stack they already are (an earlier serving model's), else a new stack their buffers then point into."""
+    """The experts' packed buffers as `StackedExperts` (w1 then w3 rows per expert in w13, codes in the word
+    layout): views of the stack they already are (an earlier serving model's), else a new stack their buffers
+    then point into, each projection marked `word_layout` (its torch path decodes the stack's bytes)."""
     def buffers(names: tuple[str, ...], attr: str) -> list[torch.Tensor]:
         return [getattr(getattr(e, name), attr) for e in experts for name in names]
 
+    projections = [getattr(e, name) for e in experts for name in EXPERT_PROJECTIONS]
     views = [rows_view(buffers(names, attr)) for names in (("w1", "w3"), ("w2",))
              for attr in ("weight_packed", "weight_scale")]
-    if all(v is not None for v in views):
+    stacked_before = [p.word_layout for p in projections]
+    if all(stacked_before) and all(v is not None for v in views):
         return moe_mxfp4.StackedExperts(*(v.view(len(experts), -1, v.shape[-1]) for v in views))
+    if any(stacked_before):
+        raise ValueError("some of a layer's experts hold the kernels' word layout outside one stack (they were "
+                         "stacked, then their buffers replaced); reload the layer's experts")
     pairs = {name: [(getattr(e, name).weight_packed, getattr(e, name).weight_scale) for e in experts]
              for name in EXPERT_PROJECTIONS}
     stack = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
@@ -378,6 +384,8 @@ def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
         for proj, rows in ((expert.w1, slice(None, inter)), (expert.w3, slice(inter, None))):
             proj.weight_packed.data, proj.weight_scale.data = stack.w13_packed[i, rows], stack.w13_scale[i, rows]
         expert.w2.weight_packed.data, expert.w2.weight_scale.data = stack.w2_packed[i], stack.w2_scale[i]
+    for proj in projections:
+        proj.word_layout = True
     return stack
 
 

@@ -23,6 +23,7 @@ from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.weights import checkpoint_tensors
 from mstar.quant.mxfp4 import random_mxfp4
 from mstar.quant.mxfp4_linear import MXFP4Linear
+from mstar.quant.mxfp4_words import from_word_layout
 
 KERNEL_DEVICE = "cpu" if moe_mxfp4._interpreted() else "cuda"
 needs_kernel = pytest.mark.skipif(KERNEL_DEVICE == "cuda" and not torch.cuda.is_available(),
@@ -179,15 +180,19 @@ def test_stacked_packed_experts_match_the_torch_experts(tiny_model, layout):
     if sharding is not None:
         elsewhere = ~torch.isin(routing.experts, torch.tensor(held, device=KERNEL_DEVICE))
         assert bool(elsewhere.any())  # some pairs were dropped
-    # The stack holds the held experts' own bytes, and the experts now read them from it.
+    # The stack holds the held experts' own codes (in the word layout), and the experts now read them from it:
+    # their torch path decodes that layout, and their state_dict is still the checkpoint's.
     stack = kernel.weights
     assert stack.w13_packed.shape[0] == len(held)
     # A second serving model over the same experts takes the same stack (nothing copied, nothing freed).
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(MXFP4Experts(moe).weights, stack, strict=True))
     for i, expert in enumerate(moe.experts):
-        assert torch.equal(stack.w2_packed[i], packed_before[i])
+        assert torch.equal(from_word_layout(stack.w2_packed[i]), packed_before[i])
+        assert torch.equal(expert.w2.state_dict()["weight_packed"], packed_before[i])
         assert expert.w2.weight_packed.data_ptr() == stack.w2_packed[i].data_ptr()
         assert expert.w3.weight_scale.data_ptr() == stack.w13_scale[i, KERNEL_WIDTH:].data_ptr()
+    with torch.no_grad():
+        assert torch.equal(moe.routed(z, routing), expect)
 
 
 def test_dense_experts_keep_the_torch_path(tiny_model):
