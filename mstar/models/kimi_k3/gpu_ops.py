@@ -370,13 +370,10 @@ def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
     projections = [getattr(e, name) for e in experts for name in EXPERT_PROJECTIONS]
     views = [rows_view(buffers(names, attr)) for names in (("w1", "w3"), ("w2",))
              for attr in ("weight_packed", "weight_scale")]
-    stacked_before = [p.word_layout for p in projections]
-    if all(stacked_before) and all(v is not None for v in views):
+    if all(p.word_layout for p in projections) and all(v is not None for v in views):
         return moe_mxfp4.StackedExperts(*(v.view(len(experts), -1, v.shape[-1]) for v in views))
-    if any(stacked_before):
-        raise ValueError("some of a layer's experts hold the kernels' word layout outside one stack (they were "
-                         "stacked, then their buffers replaced); reload the layer's experts")
-    pairs = {name: [(getattr(e, name).weight_packed, getattr(e, name).weight_scale) for e in experts]
+    # (a projection stacked before but moved since, e.g. by .to(), holds the word layout outside any stack)
+    pairs = {name: [(getattr(e, name).checkpoint_packed(), getattr(e, name).weight_scale) for e in experts]
              for name in EXPERT_PROJECTIONS}
     stack = moe_mxfp4.stack_experts(pairs["w1"], pairs["w3"], pairs["w2"])
     inter = stack.w13_packed.shape[1] // 2

@@ -193,6 +193,16 @@ def test_stacked_packed_experts_match_the_torch_experts(tiny_model, layout):
         assert expert.w3.weight_scale.data_ptr() == stack.w13_scale[i, KERNEL_WIDTH:].data_ptr()
     with torch.no_grad():
         assert torch.equal(moe.routed(z, routing), expect)
+    # Buffers moved out of the stack since (as .to() to another device does): stacked again from their codes.
+    for expert in moe.experts:
+        for name in ("w1", "w3", "w2"):
+            proj = getattr(expert, name)
+            proj.weight_packed = proj.weight_packed.clone()
+    restacked = MXFP4Experts(moe)
+    assert restacked.weights.w2_packed.data_ptr() != stack.w2_packed.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip(restacked.weights, stack, strict=True))
+    with torch.no_grad():
+        assert torch.equal(moe.routed(z, routing), expect)
 
 
 def test_dense_experts_keep_the_torch_path(tiny_model):
