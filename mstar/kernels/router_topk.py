@@ -11,6 +11,10 @@ Per token row (one program): s = sigmoid(logit); pick k times the largest s + bi
 experts not yet picked (ids in pick order; torch's topk(sorted=False) order is unspecified, and
 the experts' sum does not depend on it); w_j = s[id_j], renormalised over the k picks when asked,
 times the scaling factor.
+
+`select_with_situ` also computes the shared experts' SiTU (gated_mlp) of the same GEMM's gate/up columns in
+the same launch, in programs of their own beside the selection's: the two are independent, and as two
+launches the second waited for the first (each ~1-4 us at decode, in each of K3's 92 MoE layers).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import triton
 import triton.language as tl
 
 from mstar.kernels import pdl, skinny_gemm
+from mstar.kernels.gated_mlp import situ_block
 
 
 def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
@@ -32,24 +37,53 @@ def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bo
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The post-GEMM part alone: logits fp32 [T, E] -> (ids [T, k], weights [T, k]). `bias` [E] in any float
     dtype (the kernel reads it as fp32: no cast launched per call)."""
+    ids, weights, _ = _launch(logits, bias, top_k, renormalize, scale, None, 0.0, 0.0)
+    return ids, weights
+
+
+def select_with_situ(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
+                     gate_up: torch.Tensor, beta: float, linear_beta: float
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`select` and `gated_mlp.situ_and_mul(gate_up, beta, linear_beta)` in one launch: (ids, weights, SiTU
+    [T, I] in gate_up's dtype). gate_up [T, 2I] (gate columns first, unit column stride) has logits' rows."""
+    if gate_up.dim() != 2 or gate_up.shape[0] != logits.shape[0] or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be [T={logits.shape[0]}, 2I] with unit column stride, got "
+                         f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
+    return _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta)
+
+
+SITU_BLOCK = 512  # SiTU columns a program of select_with_situ computes (one warp: 16 a thread)
+
+
+def _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta):
     T, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..{E}")
     if bias.shape != (E,):
         raise ValueError(f"bias must be [{E}] (one per expert), got {tuple(bias.shape)}")
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=logits.device)
-    _select_kernel[(T,)](logits.contiguous(), bias.contiguous(), ids, weights, E, scale,
-                         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
-                         RENORM=renormalize and top_k > 1, num_warps=1,
-                         **pdl.options(_select_kernel, logits.device))
-    return ids, weights
+    device = logits.device
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=device)
+    inter = 0 if gate_up is None else gate_up.shape[1] // 2
+    hidden = None if gate_up is None else torch.empty(T, inter, dtype=gate_up.dtype, device=device)
+    situ = (gate_up, hidden, gate_up.stride(0)) if gate_up is not None else (logits, logits, 0)  # unread stand-ins
+    _select_kernel[(T, 1 + triton.cdiv(inter, SITU_BLOCK))](
+        logits.contiguous(), bias.contiguous(), ids, weights, E, scale, *situ, inter, beta, linear_beta,
+        TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
+        RENORM=renormalize and top_k > 1, SITU_BLOCK=SITU_BLOCK, num_warps=1, **pdl.options(_select_kernel, device))
+    return ids, weights, hidden
 
 
 @triton.jit
-def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                   E_PAD: tl.constexpr, RENORM: tl.constexpr, PDL: tl.constexpr):
+def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, gu_ptr, hidden_ptr, stride_gu, inter,
+                   beta, linear_beta, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                   RENORM: tl.constexpr, SITU_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program (t, 0): row t's selection; programs (t, c > 0): block c - 1 of row t's SiTU (select_with_situ)."""
     pdl.wait_for_inputs(PDL)
+    if tl.program_id(1) > 0:
+        situ_block(gu_ptr, hidden_ptr, stride_gu, inter, beta, linear_beta, tl.program_id(0), tl.program_id(1) - 1,
+                   SITU_BLOCK)
+        return
     # One warp a row: each pick is one max over E_PAD keys held in registers (warp shuffles, no shared-memory
     # round trips, which four warps paid three times a pick). A key is the choice's bits made sortable as a
     # signed int (negative floats' magnitude bits flipped) above the complement of the id, so the max is the

@@ -76,3 +76,23 @@ def test_ties_pick_the_lowest_ids_and_negative_choices_rank_below_positive_ones(
     choice = torch.sigmoid(logits) + bias
     want = torch.sort(-choice, dim=-1, stable=True).indices[:, :k]
     assert torch.equal(ids, want)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 768), (7, 96), (3, 1030)])
+@pytest.mark.parametrize("dtype", [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+def test_selection_with_situ_is_the_two_launches(rows, inter, dtype):
+    """select_with_situ (one launch) = select + gated_mlp.situ_and_mul, bit for bit: fresh inputs, gate/up a
+    strided view of a wider GEMM output as the MoE inputs give it, SiTU widths over one and several blocks."""
+    from mstar.kernels import gated_mlp
+
+    E, k = 224, 16
+    logits = torch.randn(rows, E, device=DEVICE)
+    bias = torch.randn(E, device=DEVICE) * 0.05
+    wide = (torch.randn(rows, 40 + 2 * inter, device=DEVICE) * 8).to(dtype)  # far into both tanh clips
+    gate_up = wide[:, 40:]
+    ids, weights, hidden = router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up, 4.0, 25.0)
+    want_ids, want_weights = router_topk.select(logits, bias, k, True, 2.5)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
+    assert hidden.dtype == dtype and torch.equal(hidden, gated_mlp.situ_and_mul(gate_up, 4.0, 25.0))
+    with pytest.raises(ValueError, match="gate_up must be"):
+        router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up[:, 1:], 4.0, 25.0)

@@ -258,7 +258,7 @@ class GpuLayerOps(LayerOps):
     def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
         """The router, the latent down projection and the shared experts' gate/up read the same x: one GEMM over
         their stacked weights (the router's logits kept in fp32, the rest rounded as each alone would be), then
-        the selection and the shared experts' SiTU. Layers without that shape: one each."""
+        the selection and the shared experts' SiTU in one launch. Layers without that shape: one each."""
         cfg, mlp = moe.config, moe.shared_experts if moe.config.num_shared_experts else None
         projections = [moe.routed_expert_down_proj] + ([mlp.gate_proj, mlp.up_proj] if mlp is not None else [])
         if (cfg.num_expert_group != 1 or cfg.routed_expert_hidden_size is None or mlp is None
@@ -270,10 +270,10 @@ class GpuLayerOps(LayerOps):
         num_experts, z_width, gate_up_width = stack.widths[0], stack.widths[1], sum(stack.widths[2:])
         logits, rest = skinny_gemm.linear_split(x, stack.weight, num_experts)
         z, gate_up, _ = rest.split([z_width, gate_up_width, stack.pad], dim=-1)
-        ids, weights = router_topk.select(logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token,
-                                          cfg.moe_renormalize, cfg.routed_scaling_factor)
         act = mlp.config
-        hidden = gated_mlp.situ_and_mul(gate_up, act.activation_situ_beta, act.activation_situ_linear_beta)
+        ids, weights, hidden = router_topk.select_with_situ(
+            logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token, cfg.moe_renormalize,
+            cfg.routed_scaling_factor, gate_up, act.activation_situ_beta, act.activation_situ_linear_beta)
         return Routing(ids, weights), z, hidden
 
     def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
