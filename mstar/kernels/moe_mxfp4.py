@@ -407,7 +407,7 @@ class MoEWorkspace:
     block_expert: torch.Tensor  # int32 [blocks]: expert of each row block, -1 past the end
     block_rows: torch.Tensor  # int32 [blocks]: real rows in each row block
     hidden_act: torch.Tensor  # bf16 [T * k, I]: SiTU(gate, up) per pair (in the down GEMM's K order if it decodes)
-    z_ordered: torch.Tensor | None  # bf16 [T, H]: z in the gate/up GEMM's K order (when it decodes words)
+    z_ordered: torch.Tensor | None  # bf16 [T, H]: z in the gate/up GEMM's K order (when it decodes into it)
     expert_out: torch.Tensor | None  # bf16 [T * k, H]: per-pair expert output (combine="reduce" only)
     # Split gate/up only: zero at allocation, and each gate/up launch leaves them zero.
     split_sum: torch.Tensor | None  # fp32 [T * k, 2I]: the parts of gate/up added up, gate/up interleaved
@@ -549,7 +549,7 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
     if tuple(ws.hidden_act.shape) != (pairs, inter):
         problems.append(f"hidden_act {tuple(ws.hidden_act.shape)} != {(pairs, inter)}")
     if _k_ordered(config, "gate_up") and (ws.z_ordered is None or ws.z_ordered.shape[1] != hidden):
-        problems.append(f"a gate/up GEMM that decodes words needs z_ordered of {hidden} columns")
+        problems.append(f"a gate/up GEMM in K order needs z_ordered of {hidden} columns")
     if config.combine == "reduce" and (ws.expert_out is None or tuple(ws.expert_out.shape) != (pairs, hidden)):
         problems.append(f"combine='reduce' needs expert_out of shape {(pairs, hidden)}")
     if config.gate_up.split_k > 1:
@@ -875,7 +875,7 @@ def _scale_factors(scale_words, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.cons
             dtype=tl.int32, is_pure=True, pack=1)
     else:
         s = (scale_words[:, :, None] >> (tl.arange(0, 4) * 8)[None, None, :]) & 0xFF
-        factor = (((s + 126) << 7) if SUBNORMAL_DECODE else (s << 7)) * 0x10001
+        factor = (((s + 126) << 7) if SUBNORMAL_DECODE else (s << 7)) * 0x10001  # select: byte 0 reads as 0
     return factor
 
 
@@ -1085,7 +1085,7 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split).
 
     K_ORDER: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
-    H_ORDER columns, the down kernel's (module doc, "K order")."""
+    H_ORDER columns, the down kernel's (module doc, "Dequantization")."""
     pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
