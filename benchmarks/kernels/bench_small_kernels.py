@@ -5,10 +5,14 @@ shared-expert width 768):
     python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only attn_res]
     python3 benchmarks/kernels/bench_small_kernels.py --tokens 1024 8192 --attn-res-tiles 1024x4 512x2 \
         --attn-res-sources 5 9     # AttnRes's three launches at prefill sizes, by tiling
+    python3 benchmarks/kernels/bench_small_kernels.py --only decode_step --tokens 1 8 16 64
 
 T is the step's token rows, except for fold_recurrent (a verify step's KDA recurrence), where it is the
 sequences, each a block of VERIFY_ROWS rows after PENDING_ROWS accepted ones folded from its slot's state;
 that kernel is timed at each of its candidate tiles (kda_blocks.FOLD_TILES, the default marked).
+kda_decode.decode_step (a KDA layer's decode step after its input GEMM, one launch) is timed at each of its
+candidate warp counts (kda_decode.DECODE_STEP_WARP_CHOICES) against the chain of launches it replaced (the
+f_b GEMV, decode_conv, fla's recurrent kernel, gated_head_norm), which its "torch µs" column holds.
 
 Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
 graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
@@ -35,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
-from mstar.kernels import attn_res_norm, gated_mlp, kda_blocks, kda_decode, router_topk  # noqa: E402
+from mstar.kernels import attn_res_norm, gated_mlp, kda_blocks, kda_decode, router_topk, skinny_gemm  # noqa: E402
 from mstar.models.kimi_k3 import attn_res, norm  # noqa: E402
 from mstar.models.kimi_k3.kda import GatedHeadNorm, kda_gate, kda_recurrent, l2_normalize  # noqa: E402
 from mstar.models.kimi_k3.mlp import situ  # noqa: E402
@@ -174,6 +178,54 @@ def fold_bytes(t: int) -> int:
     return t * 2 * HEADS * HEAD_DIM * HEAD_DIM * 4 + rows * HEADS * (5 * HEAD_DIM + 1) * 2
 
 
+def decode_step_case(t: int, warps: int):
+    """t sequences' decode rows as the stacked input GEMM leaves them (column slices of one output), on slots
+    1..t of a pool each side owns a copy of (both write theirs in place; the check's first calls start equal)."""
+    width = HEADS * HEAD_DIM
+    proj = torch.randn(t, 4 * width + HEAD_DIM + HEADS, device="cuda", dtype=BF16)
+    q, k, v, gate, f_a, beta = proj.split([width] * 4 + [HEAD_DIM, HEADS], dim=1)
+    f_b = torch.randn(width, HEAD_DIM, device="cuda", dtype=BF16) * HEAD_DIM**-0.5
+    conv_weight = torch.randn(3, 4, width, device="cuda") * 0.5
+    a_log, dt_bias = torch.randn(HEADS, device="cuda") * 0.5, torch.randn(width, device="cuda") * 0.5 - 1
+    norm_w = torch.ones(HEAD_DIM, device="cuda", dtype=BF16)
+    conv = torch.randn(t + 1, 3, 3, width, device="cuda", dtype=BF16)
+    states = torch.randn(t + 1, HEADS, HEAD_DIM, HEAD_DIM, device="cuda") * 0.05
+    chain_conv, chain_states = conv.clone(), states.clone()
+    slots = torch.arange(1, t + 1, device="cuda")
+    scale, eps = HEAD_DIM**-0.5, 1e-6
+
+    def fused():
+        return kda_decode.decode_step(q, k, v, f_a, beta, gate, conv, states, slots, conv_weight, f_b, a_log, dt_bias,
+                                      norm_w, scale=scale, lower_bound=-5.0, l2_eps=eps, norm_eps=eps, warps=warps)
+
+    def chain():  # GpuMixerOps' decode step before decode_step (bf16: the stacked GEMM's outputs through GpuLayerOps)
+        from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+        f = skinny_gemm.linear(f_a, f_b)
+        qc, kc, vc = kda_decode.decode_conv(q, k, v, chain_conv, slots, conv_weight).view(3, t, 1, HEADS, HEAD_DIM)
+        o, _ = fused_recurrent_kda_fwd(
+            q=qc, k=kc, v=vc, g=f.view(t, 1, HEADS, HEAD_DIM), beta=beta.contiguous().view(t, 1, HEADS),
+            initial_state=chain_states, inplace_final_state=True, ssm_state_indices=slots, out=torch.empty_like(vc),
+            A_log=a_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True, lower_bound=-5.0)
+        o = o.view(t, HEADS, HEAD_DIM)
+        return kda_decode.gated_head_norm(o, gate.reshape(o.shape), norm_w, eps).view(t, width)
+
+    return fused, chain
+
+
+def decode_step_bytes(t: int) -> int:
+    """The states and conv windows read and written, the rows read and the output written, f_b and the conv
+    weights read once."""
+    width = HEADS * HEAD_DIM
+    return (t * 2 * HEADS * HEAD_DIM * HEAD_DIM * 4 + t * 2 * 3 * 3 * width * 2
+            + t * (5 * width + HEAD_DIM + HEADS) * 2 + width * HEAD_DIM * 2 + 3 * 4 * width * 4)
+
+
+DECODE_STEP_CASES = {
+    f"kda decode_step {w} warps{' (default)' if w == kda_decode.DECODE_STEP_WARPS else ''}":
+    (lambda t, w=w: decode_step_case(t, w), decode_step_bytes) for w in kda_decode.DECODE_STEP_WARP_CHOICES}
+
 FOLD_CASES = {f"kda fold_recurrent {bv}x{w}{' (default)' if (bv, w) == kda_blocks.FOLD_TILE else ''}":
               (lambda t, tile=(bv, w): fold_case(t, tile), fold_bytes) for bv, w in kda_blocks.FOLD_TILES}
 
@@ -186,6 +238,7 @@ CASES = {  # name -> (inputs, floor bytes for t tokens)
     "situ_and_mul": (situ_case, lambda t: 3 * t * SHARED * 2),
     "kda decode_conv": (decode_conv_case, lambda t: t * HEADS * HEAD_DIM * 3 * 2 * (1 + 3 + 3 + 1)),
     **FOLD_CASES,
+    **DECODE_STEP_CASES,
 }
 
 

@@ -1,12 +1,18 @@
-"""The elementwise parts of a KDA layer's decode step as two Triton kernels, beside their torch references.
+"""A KDA layer's decode step between its input projections and o_proj, and its parts, as Triton kernels.
 
+- `decode_step`: everything of a decode step (one row per sequence, no pending prefix) after the stacked
+  input GEMM, in one launch: the gate's f_b projection, the short conv of q, k, v continued from each
+  slot's window (shifted in place), the gated delta rule from each slot's state (stored back in place)
+  and the gated head norm of its output, ready for o_proj. It replaces a chain of four launches (the f_b
+  GEMV, `decode_conv`, fla's recurrent kernel, `gated_head_norm`) and rounds where that chain rounded.
 - `decode_conv`: the short causal conv of one new row per sequence for q, k and v, continued from each
   slot's window in the pool, with SiLU; the windows are shifted in place. Torch spends ~9 launches
-  on it (stack, gather, cat, casts, multiply, sum, SiLU, scatter, transpose) per KDA layer.
+  on it (stack, gather, cat, casts, multiply, sum, SiLU, scatter, transpose) per KDA layer. The serving
+  model no longer runs it: it is the chain's part that bench_small_kernels.py times `decode_step` against.
 - `gated_head_norm`: o_norm (RMSNorm over each head's channels, times sigmoid(gate)); ~9 launches in
   torch (models/kimi_k3/kda.py, `GatedHeadNorm`), one here, for any number of rows (prefill too).
 
-Both compute in fp32 and round once, as the references do.
+All compute in fp32 and round where the references do.
 """
 
 from __future__ import annotations
@@ -107,3 +113,118 @@ def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, ep
     normed = o / tl.sqrt(tl.sum(o * o, axis=0) / K + eps)
     y = w * normed * (1.0 / (1.0 + tl.exp(-g)))
     tl.store(out_ptr + r * K + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# decode_step's warps a program. A program owns one head of one sequence: its whole [K, K] state tile in
+# registers (64 KB in fp32 at K = 128: 64 registers a thread at 8 warps), so that the head's RMSNorm of o
+# needs no second launch. bench_small_kernels.py's "kda decode_step" cases time the candidates.
+DECODE_STEP_WARPS = 8
+DECODE_STEP_WARP_CHOICES = (4, 8, 16)
+
+
+def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Tensor, beta: torch.Tensor,
+                gate: torch.Tensor, conv: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                conv_weight: torch.Tensor, f_b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+                norm_weight: torch.Tensor, *, scale: float, lower_bound: float | None, l2_eps: float,
+                norm_eps: float, out: torch.Tensor | None = None, warps: int | None = None) -> torch.Tensor:
+    """A KDA layer's decode step from its input projections to o_proj's input, in one launch.
+
+    Row b continues slot slots[b] ([B]; no slot has a pending prefix). q, k, v [B, H*K] are the pre-conv
+    rows, f_a [B, F] the gate's low-rank input, beta [B, H] before its sigmoid, gate [B, H*K] the output
+    gate: each with unit column stride and any row stride (column slices of one stacked GEMM). conv
+    [slots, 3, W-1, H*K] and states [slots, H, K, K] (K = V = head_dim) are one layer's windows and
+    states, updated in place at the step's slots; conv_weight fp32 [3, W, H*K] (taps oldest first), f_b
+    [H*K, F] (f_b_proj's weight), a_log [H] and dt_bias [H*K] fp32, norm_weight [K] (o_norm's).
+    lower_bound: K3's gate bound; None: Kimi-Linear's softplus gate.
+
+    Returns norm_weight * RMSNorm(o) * sigmoid(gate) [B, H*K] in gate's dtype (into `out`, contiguous, if
+    given). Rounds where the four-launch chain it replaces rounded: f to f_a's dtype (the f_b GEMM's
+    output), the conv's SiLU to q's dtype (`decode_conv`), o to v's dtype (the recurrence's output)."""
+    (B, width), (H, K), F = q.shape, states.shape[1:3], f_a.shape[1]
+    rows = (q, k, v, f_a, beta, gate)
+    if (width != H * K or states.shape[1:] != (H, K, K) or states.stride()[1:] != (K * K, K, 1)
+            or f_b.shape != (width, F) or beta.shape != (B, H) or any(x.stride(-1) != 1 for x in (*rows, conv, f_b))):
+        raise ValueError(f"decode_step: rows {tuple(q.shape)}, f_a {tuple(f_a.shape)}, beta {tuple(beta.shape)}, "
+                         f"f_b {tuple(f_b.shape)} and states {tuple(states.shape)} do not fit one layer of heads "
+                         "of K = V columns with unit column strides")
+    out = torch.empty(B, width, dtype=gate.dtype, device=q.device) if out is None else out
+    _decode_step_kernel[(B, H)](
+        *rows, *(x.stride(0) for x in rows), conv, conv.stride(0), conv.stride(1), conv.stride(2), conv_weight,
+        states, states.stride(0), slots, f_b, f_b.stride(0), a_log, dt_bias, norm_weight, out, scale,
+        0.0 if lower_bound is None else lower_bound, norm_eps, H=H, K=K, F=F, HIST=conv.shape[2],
+        HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=warps or DECODE_STEP_WARPS,
+        **pdl.options(_decode_step_kernel, q.device),
+    )
+    return out
+
+
+@triton.jit
+def _conv_silu(x_ptrs, window, w_ptrs, s_hist, width, HIST: tl.constexpr):
+    """SiLU(short conv) of one row's columns `x_ptrs`, continued from `window` (their oldest window row),
+    which it shifts in place; weights at w_ptrs + tap * width. As `_decode_conv_kernel` sums and rounds it:
+    in the row's dtype, returned as fp32."""
+    dtype = x_ptrs.dtype.element_ty
+    x = tl.load(x_ptrs)
+    acc = x.to(tl.float32) * tl.load(w_ptrs + HIST * width)
+    previous = tl.load(window)
+    for j in tl.static_range(HIST):
+        acc += previous.to(dtype).to(tl.float32) * tl.load(w_ptrs + j * width)
+        if j + 1 < HIST:
+            following = tl.load(window + (j + 1) * s_hist)
+            tl.store(window + j * s_hist, following)  # shift the window by one row
+            previous = following
+    tl.store(window + (HIST - 1) * s_hist, x.to(window.dtype.element_ty))
+    y = acc / (1.0 + tl.exp(-acc))
+    return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk, sv, sfa, sbeta, sgate, conv_ptr,
+                        s_slot, s_which, s_hist, conv_w_ptr, states_ptr, s_state, slots_ptr, fb_ptr, sfb, a_log_ptr,
+                        dt_bias_ptr, norm_w_ptr, out_ptr, scale, lower_bound, norm_eps, H: tl.constexpr,
+                        K: tl.constexpr, F: tl.constexpr, HIST: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                        EPS: tl.constexpr, PDL: tl.constexpr):
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    ks = tl.arange(0, K)
+    fs = tl.arange(0, F)
+    cols = h * K + ks  # the head's columns of q, k, v, f, the gate and the output
+    # The layer's parameters load before the wait, while the kernel before (the input GEMM) may still run: no
+    # kernel writes them. The rows, the slots, the states and the windows are read only after it: earlier
+    # kernels write those (the GEMM the rows, the step's staging the slots, the pool's slot copies the states).
+    fb = tl.load(fb_ptr + cols[:, None] * sfb + fs[None, :])  # [K, F]: the head's rows of f_b
+    rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    bias = tl.load(dt_bias_ptr + cols).to(tl.float32)
+    norm_w = tl.load(norm_w_ptr + ks).to(tl.float32)
+    pdl.wait_for_inputs(PDL)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    state_ptrs = states_ptr + slot * s_state + h * K * K + ks[:, None] * K + ks[None, :]
+    S = tl.load(state_ptrs).to(tl.float32)  # [K, K]: the longest load, issued first
+    f = tl.sum(fb.to(tl.float32) * tl.load(fa_ptr + b * sfa + fs).to(tl.float32)[None, :], axis=1)
+    z = f.to(fa_ptr.dtype.element_ty).to(tl.float32) + bias  # f rounded as the f_b GEMM's output was
+    width = H * K
+    window = conv_ptr + slot * s_slot + cols
+    conv_w = conv_w_ptr + cols
+    qt = _conv_silu(q_ptr + b * sq + cols, window, conv_w, s_hist, width, HIST)
+    kt = _conv_silu(k_ptr + b * sk + cols, window + s_which, conv_w + (HIST + 1) * width, s_hist, width, HIST)
+    vt = _conv_silu(v_ptr + b * sv + cols, window + 2 * s_which, conv_w + 2 * (HIST + 1) * width, s_hist, width,
+                    HIST)
+    bt = tl.load(beta_ptr + b * sbeta + h).to(tl.float32)
+    # the gated delta rule of one row, as kda_blocks._fold_recurrent_kernel computes it
+    qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
+    kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
+    if HAS_LOWER_BOUND:
+        g = lower_bound / (1.0 + tl.exp(-rate * z))
+    else:
+        g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    S = S * tl.exp(g)[:, None]
+    predicted = tl.sum(S * kt[:, None], axis=0)  # S^T k
+    S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
+    o = tl.sum(S * (scale * qt)[:, None], axis=0)
+    tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty))
+    # the gated head norm of o in v's dtype (as the recurrence stored it), as _gated_head_norm_kernel computes it
+    o = o.to(v_ptr.dtype.element_ty).to(tl.float32)
+    gt = tl.load(gate_ptr + b * sgate + cols).to(tl.float32)
+    normed = o / tl.sqrt(tl.sum(o * o, axis=0) / K + norm_eps)
+    y = norm_w * normed * (1.0 / (1.0 + tl.exp(-gt)))
+    tl.store(out_ptr + b * width + cols, y.to(out_ptr.dtype.element_ty))

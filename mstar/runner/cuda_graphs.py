@@ -9,7 +9,7 @@ context lengths, KDA slots, the rows to sample, row offsets, KDA layouts or pref
 each replay; the kernels take their shapes from the bucket and their lengths from those buffers, so
 one capture serves any step that fits its bucket:
 
-- KDA: decode reads and writes state and conv windows in place by slot (kda_fla.decode); verify
+- KDA: decode reads and writes state and conv windows in place by slot (kda_decode.decode_step); verify
   blocks run [accepted prefix ; block] per sequence from a layout that the graph derives from the staged
   slots and pending-prefix lengths (kda_fla.BlockLayout.equal_blocks: a fixed capacity per sequence,
   kda_fla.block_recurrence); prefill

@@ -89,7 +89,7 @@ def test_kda_step_matches_torch(dtype, tol, shape):
 @pytest.mark.parametrize("stacked", [False, True])
 def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stacked):
     """One row per sequence, slots out of order: state and conv windows written in place by slot
-    (fla's state-indexed recurrent kernel); the other slots are untouched. With `stacked`, x's
+    (kda_decode.decode_step); the other slots are untouched. With `stacked`, x's
     projections run as one GEMM (the torch reference reads the same weights, now views)."""
     heads, head_dim, hidden = shape
     attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)

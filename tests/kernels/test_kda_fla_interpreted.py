@@ -1,6 +1,7 @@
-"""The GPU KDA path (models/kimi_k3/gpu_ops.py over mstar/kernels/kda_fla.py: fla's recurrent kernel, the
-decode conv, stacked projections and the one-launch head norm (`fused`), host-indexed state pool) run on
-the CPU through Triton's interpreter in fp32, against the torch mixer. It catches layout and indexing
+"""The GPU KDA path (models/kimi_k3/gpu_ops.py over mstar/kernels/kda_fla.py: fla's recurrent kernel, our
+block kernels, the one-launch decode step of kda_decode.py, stacked projections and the one-launch head norm
+(`fused`), host-indexed state pool) run on the CPU through Triton's interpreter in fp32, against the torch
+mixer. It catches layout and indexing
 bugs before the GPU does (a strided beta that fla read as contiguous gave 5% error here). On a GPU
 machine the same paths run in tests/kernels/test_gpu_kda.py."""
 
@@ -70,6 +71,7 @@ def step_against_torch(attn, pool, lengths, verify, slots, **shift):
 
 @pytest.mark.parametrize("stacked", [False, True])
 def test_decode_writes_the_pool_in_place_like_torch(stacked):
+    """A decode step (kda_decode.decode_step after the input projections), slots out of order."""
     attn, pool = layer_and_pool()
     slots = (7, 2, 5, 1)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None,
@@ -228,4 +230,31 @@ def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_referenc
     core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
     got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
     assert core.spec.num_rows > 0  # verify steps ran
+    assert_greedy_matches(tiny_model, jobs, got)
+
+
+def test_served_greedy_decode_through_the_decode_kernel_equals_the_reference(tiny_model, tiny_dir):
+    """The engine without speculation on the tiny fp32 model, its KDA layers through GpuMixerOps run by the
+    interpreter: its decode steps (batches of up to 3 sequences) take kda_decode.decode_step; greedy tokens
+    equal the reference's."""
+    import random
+
+    from greedy_ties import assert_greedy_matches
+
+    from mstar.config import EngineConfig
+    from mstar.engine.core import EngineCore
+    from mstar.models.kimi_k3.generate import greedy_generate
+    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
+
+    rng = random.Random()
+    jobs = []
+    for n in (3, 9, 17):
+        prompt = [rng.randrange(1000) for _ in range(n)]
+        jobs.append((prompt, 6, greedy_generate(tiny_model, prompt, 6)))
+    cfg = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 8, "max_num_pages": 40},
+                                                  "kda_state": {"max_slots": 5}},
+                       scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64})
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
+    core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
+    got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
     assert_greedy_matches(tiny_model, jobs, got)

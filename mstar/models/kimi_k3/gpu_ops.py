@@ -3,7 +3,8 @@
 Imported only where backend.py chooses a GPU backend (it imports Triton and fla-core). Which module runs
 which kernel is decided there, in `select_backend`; the classes here carry that choice out:
 
-- `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`), any dtype; MLA
+- `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step after
+  its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
@@ -61,7 +62,8 @@ def stacked(linears: list[nn.Linear]) -> StackedLinear:
 class GpuMixerOps(TorchMixerOps):
     """The token mixers on the GPU. `mla_layers`: the MLA modules the Triton kernels run (the others take
     the torch path); `fused`: the input projections of a layer as one GEMM and the one-launch norms (bf16
-    and fp16 models; fp32 ones keep the exact torch arithmetic there)."""
+    and fp16 models; fp32 ones keep the exact torch arithmetic there, except in a KDA decode step, whose
+    kernel computes the gate's f_b projection and the head norm at any dtype)."""
 
     def __init__(self, mla_layers: frozenset[GatedMLA] = frozenset(), *, fused: bool = False):
         heads = {attn.num_heads for attn in mla_layers}
@@ -89,8 +91,7 @@ class GpuMixerOps(TorchMixerOps):
         w = self._weights(attn)
         conv, state = pool.conv[layer], pool.state[layer]
         if step.path is KDAPath.DECODE:
-            q, k, v, f, beta, gate = self._kda_inputs(attn, x)
-            return self._kda_output(attn, kda_fla.decode(q, k, v, f, beta, conv, state, plan.kda_slots, w), gate)
+            return self._kda_decode(attn, x, conv, state, plan.kda_slots, w)
         if step.path is KDAPath.PREFILL:
             q, k, v, f, beta, gate = self._kda_inputs(attn, x)
             return self._kda_output(attn, kda_fla.prefill(q, k, v, f, beta, step.layout, conv, state, w), gate)
@@ -137,20 +138,35 @@ class GpuMixerOps(TorchMixerOps):
                 lower_bound=attn.gate_lower_bound, l2_eps=L2_NORM_EPS)
         return self._kda_weights[attn]
 
+    def _kda_decode(self, attn: KimiDeltaAttention, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
+                    slots: torch.Tensor, w: kda_fla.KDAWeights) -> torch.Tensor:
+        """A decode step (one row per slot, no pending prefix): the input projections, then one kernel up to
+        o_proj's input (the f_b projection, conv, recurrence and head norm), the pool updated in place."""
+        q, k, v, f_a, beta, gate = self._kda_projections(attn, x)
+        normed = kda_decode.decode_step(q, k, v, f_a, beta, gate, conv, state, slots, w.conv_weight,
+                                        attn.f_b_proj.weight, w.a_log, w.dt_bias, attn.o_norm.weight, scale=w.scale,
+                                        lower_bound=w.lower_bound, l2_eps=w.l2_eps, norm_eps=attn.o_norm.eps)
+        return self.layer_ops.linear(attn.o_proj, normed)
+
     def _kda_inputs(self, attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """(q, k, v pre-conv, the gate f before the kernel's activation, beta before its sigmoid, the output
         gate) of rows x. Stacked, the blocks are strided views of one output: fla's kernels assume contiguous
         rows, so what goes to them straight (beta) is made contiguous there (`.float()` copies a bf16 beta but
         returns an fp32 one as it is; the H200 run that found this measured 11% error for fp32 models)."""
+        q, k, v, f_a, beta, gate = self._kda_projections(attn, x)
+        return q, k, v, self.layer_ops.linear(attn.f_b_proj, f_a), beta, gate
+
+    def _kda_projections(self, attn: KimiDeltaAttention, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """`_kda_inputs` with the gate's low-rank input f_a [M, head_dim] in place of f (its f_b projection
+        not run)."""
         first_gate = attn.g_proj if attn.use_full_rank_gate else attn.g_a_proj
         projections = [attn.q_proj, attn.k_proj, attn.v_proj, attn.f_a_proj, attn.b_proj, first_gate]
         if self.fused:
             q, k, v, f_a, beta, g = self._stacked(attn, projections)(x, self.layer_ops.gemm)
         else:
             q, k, v, f_a, beta, g = (p(x) for p in projections)
-        ops = self.layer_ops
-        gate = g if attn.use_full_rank_gate else ops.linear(attn.g_b_proj, g)
-        return q, k, v, ops.linear(attn.f_b_proj, f_a), beta, gate
+        gate = g if attn.use_full_rank_gate else self.layer_ops.linear(attn.g_b_proj, g)
+        return q, k, v, f_a, beta, gate
 
     def _kda_output(self, attn: KimiDeltaAttention, o: torch.Tensor, gate: torch.Tensor,
                     tokens: torch.Tensor | None = None) -> torch.Tensor:
