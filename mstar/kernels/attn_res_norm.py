@@ -23,7 +23,9 @@ wide tile (WIDE_TILE columns, every source of a column in one thread), S = D / W
 `splits` of 1) the mix normalises its own row (two launches).
 
 Bytes: the sources twice, the mix row twice, the output once; at decode these are a few hundred KB, so
-launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage.
+launch latency, not HBM, is the cost. `rms_norm_rows` (a plain RMSNorm) is one launch of the norm stage; it can
+round a wider input as it loads it and write some of a row's columns into a slice of a wider buffer (the latent
+MoE's norm: an fp32 routed sum in, this rank's columns out, beside the shared experts' activations).
 
 One launch (decode and verify sizes below WIDE_TILE_ROWS rows, on the GPU): when the rows' programs fit the GPU at
 once (at most ONE_LAUNCH_CTAS_PER_SM programs of 4 warps a SM: two always fit, whatever their registers), the three
@@ -105,7 +107,7 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     )
     if S > 1:
         _norm_kernel[(T, S)](
-            mixed, D, square_sums, out_norm_weight, out_eps, out,
+            mixed, D, square_sums, out_norm_weight, out_eps, out, D, 0, D,
             D=D, CHUNK=chunk, S=S, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, OWN_STATS=False,
             num_warps=warps, **pdl.options(_norm_kernel, sources.device),
         )
@@ -194,16 +196,27 @@ def _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, ou
     return out
 
 
-def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """`rms_norm(x, weight, eps)` for x [..., D] in one launch (into `out`, contiguous, if given)."""
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
+                  columns: slice | None = None) -> torch.Tensor:
+    """`rms_norm(x.to(dtype), weight, eps)[..., columns]` for x [..., D] in one launch, into `out` if given (rows
+    of any stride, unit column stride), dtype being out's (else x's). x is rounded to that dtype as it is loaded:
+    a wider sum (fp32) is normalised as its rounded copy would be, without the copy. The statistics take whole rows;
+    only `columns` (consecutive, default all) are written, column `columns.start` at out's first."""
     rows = x.reshape(-1, x.shape[-1])
     T, D = rows.shape
-    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device) if out is None else out.view(rows.shape)
+    first, stop, step = (slice(None) if columns is None else columns).indices(D)
+    if step != 1 or stop <= first:
+        raise ValueError(f"columns={columns}: need consecutive columns of the {D}")
+    width = stop - first
+    out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device) if out is None else out
+    out_rows = out.view(T, width)
+    if out_rows.stride(1) != 1 and width > 1:
+        raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
     # a row of 7168 is two tiles: one program per row is already short, no split
-    _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out,
-                         D=D, CHUNK=D, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8,
+    _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out_rows, out_rows.stride(0), first, stop,
+                         D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8,
                          **pdl.options(_norm_kernel, x.device))
-    return out.view(x.shape)
+    return out
 
 
 def _block(D: int, n_pad: int) -> int:
@@ -333,11 +346,12 @@ def _mix_kernel(src_ptr, stride_n, stride_t, n_sources, stats_ptr, res_eps, mixe
 
 
 @triton.jit
-def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.constexpr, CHUNK: tl.constexpr,
-                 S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, OWN_STATS: tl.constexpr,
-                 PDL: tl.constexpr):
-    """The output RMSNorm of chunk s of row t from the row's partial square sums (OWN_STATS: one chunk
-    per row, whose square sum this program takes itself: a plain RMSNorm)."""
+def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, stride_out, col0, col1, D: tl.constexpr,
+                 CHUNK: tl.constexpr, S: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
+                 OWN_STATS: tl.constexpr, PDL: tl.constexpr):
+    """The output RMSNorm of chunk s of row t's columns [col0, col1), column c stored at out column c - col0, from
+    the row's partial square sums (OWN_STATS: one chunk per row, whose square sum this program takes itself over
+    the whole row: a plain RMSNorm). x is read rounded to out's dtype (as `_normalize` reads it)."""
     pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -347,12 +361,14 @@ def _norm_kernel(x_ptr, stride_t, ss_ptr, out_w_ptr, out_eps, out_ptr, D: tl.con
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             c = d0 + cols
-            x = tl.load(row + c, mask=c < D, other=0).to(tl.float32)
+            x = tl.load(row + c, mask=c < D, other=0).to(out_ptr.dtype.element_ty).to(tl.float32)
             acc += x * x
         ss = tl.sum(acc, axis=0)
     else:
         ss = _row_square_sum(ss_ptr, t, S, S_PAD)
-    _normalize(row, out_ptr + t * D, out_w_ptr, ss, out_eps, s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), D, BLOCK_D)
+    c0 = col0 + s * CHUNK
+    _normalize(row, out_ptr + t * stride_out - col0, out_w_ptr, ss, out_eps, c0, tl.minimum(c0 + CHUNK, col1), D,
+               BLOCK_D)
 
 
 @triton.jit
@@ -429,14 +445,15 @@ def _row_barrier(counter, target):
 
 @triton.jit
 def _normalize(row_ptr, out_row_ptr, w_ptr, square_sum, eps, c0, c1, D: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Columns [c0, c1) of out = w * (x * rsqrt(square_sum / D + eps)).to(dtype), rounded as `rms_norm`."""
+    """Columns [c0, c1) of out = w * (x * rsqrt(square_sum / D + eps)).to(dtype), rounded as `rms_norm`; x read
+    rounded to out's dtype (a no-op where it is stored in it)."""
     dtype = out_row_ptr.dtype.element_ty
     r = 1.0 / tl.sqrt(square_sum / D + eps)
     cols = tl.arange(0, BLOCK_D)
     for d0 in range(c0, c1, BLOCK_D):
         c = d0 + cols
         ok = c < c1
-        x = tl.load(row_ptr + c, mask=ok, other=0).to(tl.float32)
+        x = tl.load(row_ptr + c, mask=ok, other=0).to(dtype).to(tl.float32)
         tl.store(out_row_ptr + c, _scaled(x, r, w_ptr, c, ok, dtype), mask=ok)
 
 

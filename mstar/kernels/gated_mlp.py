@@ -33,16 +33,17 @@ def situ_and_mul(gate_up: torch.Tensor, beta: float, linear_beta: float) -> torc
 @triton.jit
 def _situ_kernel(gu_ptr, out_ptr, stride, inter, beta, linear_beta, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
-    situ_block(gu_ptr, out_ptr, stride, inter, beta, linear_beta, tl.program_id(0), tl.program_id(1), BLOCK)
+    situ_block(gu_ptr, out_ptr, stride, inter, inter, beta, linear_beta, tl.program_id(0), tl.program_id(1), BLOCK)
 
 
 @triton.jit
-def situ_block(gu_ptr, out_ptr, stride, inter, beta, linear_beta, row, block, BLOCK: tl.constexpr):
-    """Columns block * BLOCK .. of row `row`: out = SiTU(gate, up) of gate_up's halves (for kernels that fuse it)."""
+def situ_block(gu_ptr, out_ptr, stride, stride_out, inter, beta, linear_beta, row, block, BLOCK: tl.constexpr):
+    """Columns block * BLOCK .. of row `row`: out = SiTU(gate, up) of gate_up's halves (for kernels that fuse it),
+    out's rows `stride_out` apart."""
     t = row.to(tl.int64)
     cols = block * BLOCK + tl.arange(0, BLOCK)
     ok = cols < inter
     a = tl.load(gu_ptr + t * stride + cols, mask=ok, other=0).to(tl.float32)
     b = tl.load(gu_ptr + t * stride + inter + cols, mask=ok, other=0).to(tl.float32)
     y = beta * _tanh(a / beta) * tl.sigmoid(a) * (linear_beta * _tanh(b / linear_beta))
-    tl.store(out_ptr + t * inter + cols, y.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + t * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=ok)

@@ -37,25 +37,33 @@ def select(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bo
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The post-GEMM part alone: logits fp32 [T, E] -> (ids [T, k], weights [T, k]). `bias` [E] in any float
     dtype (the kernel reads it as fp32: no cast launched per call)."""
-    ids, weights, _ = _launch(logits, bias, top_k, renormalize, scale, None, 0.0, 0.0)
+    ids, weights, _ = _launch(logits, bias, top_k, renormalize, scale, None, 0.0, 0.0, None)
     return ids, weights
 
 
 def select_with_situ(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool, scale: float,
-                     gate_up: torch.Tensor, beta: float, linear_beta: float
+                     gate_up: torch.Tensor, beta: float, linear_beta: float, out: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`select` and `gated_mlp.situ_and_mul(gate_up, beta, linear_beta)` in one launch: (ids, weights, SiTU
-    [T, I] in gate_up's dtype). gate_up [T, 2I] (gate columns first, unit column stride) has logits' rows."""
+    [T, I] in gate_up's dtype). gate_up [T, 2I] (gate columns first, unit column stride) has logits' rows. `out`:
+    where the SiTU goes, [T, I] in gate_up's dtype with unit column stride (e.g. the last columns of a wider
+    buffer that a GEMM reads next)."""
     if gate_up.dim() != 2 or gate_up.shape[0] != logits.shape[0] or gate_up.shape[1] % 2 or gate_up.stride(1) != 1:
         raise ValueError(f"gate_up must be [T={logits.shape[0]}, 2I] with unit column stride, got "
                          f"{tuple(gate_up.shape)} strides {gate_up.stride()}")
-    return _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta)
+    T, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    if out is None:
+        out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
+    elif out.shape != (T, inter) or out.dtype != gate_up.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{T}, {inter}] {gate_up.dtype} with unit column stride, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    return _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta, out)
 
 
 SITU_BLOCK = 512  # SiTU columns a program of select_with_situ computes (one warp: 16 a thread)
 
 
-def _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta):
+def _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta, hidden):
     T, E = logits.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k={top_k} must be in 1..{E}")
@@ -65,8 +73,8 @@ def _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=device)
     weights = torch.empty(T, top_k, dtype=torch.float32, device=device)
     inter = 0 if gate_up is None else gate_up.shape[1] // 2
-    hidden = None if gate_up is None else torch.empty(T, inter, dtype=gate_up.dtype, device=device)
-    situ = (gate_up, hidden, gate_up.stride(0)) if gate_up is not None else (logits, logits, 0)  # unread stand-ins
+    situ = ((gate_up, hidden, gate_up.stride(0), hidden.stride(0)) if gate_up is not None
+            else (logits, logits, 0, 0))  # unread stand-ins
     _select_kernel[(T, 1 + triton.cdiv(inter, SITU_BLOCK))](
         logits.contiguous(), bias.contiguous(), ids, weights, E, scale, *situ, inter, beta, linear_beta,
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(E),
@@ -75,14 +83,14 @@ def _launch(logits, bias, top_k, renormalize, scale, gate_up, beta, linear_beta)
 
 
 @triton.jit
-def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, gu_ptr, hidden_ptr, stride_gu, inter,
-                   beta, linear_beta, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+def _select_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, E, scale, gu_ptr, hidden_ptr, stride_gu, stride_hidden,
+                   inter, beta, linear_beta, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                    RENORM: tl.constexpr, SITU_BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Program (t, 0): row t's selection; programs (t, c > 0): block c - 1 of row t's SiTU (select_with_situ)."""
     pdl.wait_for_inputs(PDL)
     if tl.program_id(1) > 0:
-        situ_block(gu_ptr, hidden_ptr, stride_gu, inter, beta, linear_beta, tl.program_id(0), tl.program_id(1) - 1,
-                   SITU_BLOCK)
+        situ_block(gu_ptr, hidden_ptr, stride_gu, stride_hidden, inter, beta, linear_beta, tl.program_id(0),
+                   tl.program_id(1) - 1, SITU_BLOCK)
         return
     # One warp a row: each pick is one max over E_PAD keys held in registers (warp shuffles, no shared-memory
     # round trips, which four warps paid three times a pick). A key is the choice's bits made sortable as a

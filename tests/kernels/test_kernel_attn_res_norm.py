@@ -13,6 +13,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from kernel_rounding import as_kernel_rounds  # noqa: E402
+
 from mstar.kernels import attn_res_norm as k  # noqa: E402
 from mstar.models.kimi_k3.attn_res import attn_res_norm as reference  # noqa: E402
 from mstar.models.kimi_k3.norm import rms_norm  # noqa: E402
@@ -112,6 +114,39 @@ def test_rms_norm_rows_equals_torch_on_strided_rows(dtype, d, tol):
     assert rel(got, rms_norm(x, w, 1e-6)) < tol
     x3 = torch.randn(3, 4, d, device=DEVICE).to(dtype)
     assert rel(k.rms_norm_rows(x3, w, 1e-6), rms_norm(x3, w, 1e-6)) < tol
+
+
+# (input dtype, output dtype, width, relative bound): the output's dtype is the one the input is rounded to as it is
+# loaded; bf16 outputs differ from torch by a rounding of the normalised value (also in the interpreter)
+ROUNDING_CASES = [(torch.float32, torch.float32, 160, 1e-5), (torch.float32, torch.bfloat16, 1100, 1e-2),
+                  (torch.bfloat16, torch.bfloat16, 160, 1e-2)]
+
+
+@pytest.mark.parametrize("x_dtype, out_dtype, d, tol", ROUNDING_CASES)
+@pytest.mark.parametrize("columns", [None, slice(0, 96), slice(64, None)])
+def test_rms_norm_rows_writes_chosen_columns_into_a_wider_buffer(x_dtype, out_dtype, d, tol, columns):
+    """The norm of whole rows, x rounded to out's dtype as it is loaded (an fp32 sum normalised bit for bit as its
+    rounded copy is), only `columns` written, into a column slice of a wider buffer (poisoned: the columns around
+    it stay untouched)."""
+    x = (torch.randn(5, d, device=DEVICE) * 3).to(x_dtype)
+    w = (1 + 0.2 * torch.randn(d, device=DEVICE)).to(out_dtype)
+    chosen = columns or slice(None)
+    width = len(range(d)[chosen])
+    wide = torch.full((5, width + 40), float("nan"), device=DEVICE, dtype=out_dtype)
+    got = k.rms_norm_rows(x, w, 1e-6, out=wide[:, 16 : 16 + width], columns=columns)
+    assert got.data_ptr() == wide[:, 16:].data_ptr()
+    assert wide[:, :16].isnan().all() and wide[:, 16 + width :].isnan().all()
+    expect = rms_norm(x.to(out_dtype), w, 1e-6)[:, chosen]
+    assert torch.isfinite(got).all() and rel(got, expect) < tol, rel(got, expect)
+    assert torch.equal(got, k.rms_norm_rows(as_kernel_rounds(x, out_dtype), w, 1e-6)[:, chosen])
+
+
+def test_rms_norm_rows_refuses_columns_that_are_not_a_run():
+    x, w = torch.randn(2, 32, device=DEVICE), torch.ones(32, device=DEVICE)
+    with pytest.raises(ValueError, match="consecutive columns"):
+        k.rms_norm_rows(x, w, 1e-6, columns=slice(0, 32, 2))
+    with pytest.raises(ValueError, match="consecutive columns"):
+        k.rms_norm_rows(x, w, 1e-6, columns=slice(40, 50))
 
 
 def test_too_many_sources_is_refused():

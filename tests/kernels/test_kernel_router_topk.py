@@ -96,3 +96,21 @@ def test_selection_with_situ_is_the_two_launches(rows, inter, dtype):
     assert hidden.dtype == dtype and torch.equal(hidden, gated_mlp.situ_and_mul(gate_up, 4.0, 25.0))
     with pytest.raises(ValueError, match="gate_up must be"):
         router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up[:, 1:], 4.0, 25.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selection_with_situ_writes_into_a_column_slice_of_a_wider_buffer(dtype):
+    """With `out`, the SiTU lands in the last columns of a wider buffer (the MoE output GEMM's input, poisoned:
+    its first columns stay untouched), the same bits as its own tensor."""
+    rows, inter, E, k = 3, 600, 40, 4
+    logits = torch.randn(rows, E, device=DEVICE)
+    bias = torch.randn(E, device=DEVICE) * 0.05
+    gate_up = (torch.randn(rows, 2 * inter, device=DEVICE) * 8).to(dtype)
+    buffer = torch.full((rows, 24 + inter), float("nan"), device=DEVICE, dtype=dtype)
+    ids, weights, hidden = router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up, 4.0, 25.0,
+                                                        out=buffer[:, 24:])
+    assert hidden.data_ptr() == buffer[:, 24:].data_ptr() and buffer[:, :24].isnan().all()
+    want_ids, want_weights, want_hidden = router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up, 4.0, 25.0)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights) and torch.equal(hidden, want_hidden)
+    with pytest.raises(ValueError, match="out must be"):
+        router_topk.select_with_situ(logits, bias, k, True, 2.5, gate_up, 4.0, 25.0, out=buffer[:, 23:])

@@ -1,13 +1,16 @@
 """A MoE layer's input projections on the GPU path (`GpuLayerOps.moe_inputs`: router, latent down projection
 and shared experts' gate/up as one stacked GEMM with the router's logits in fp32) against the reference
 `LayerOps.moe_inputs`: the same experts and weights, the same latent input and shared activations; the stacked
-weights are the modules' own. And the layer's output projections (`GpuLayerOps.latent_output`: latent up and
-shared down as one GEMM over their weights stacked by columns) against the reference's two. Without CUDA
-through Triton's interpreter (fp32); on the GPU in bf16 too."""
+weights are the modules' own. The layer's output (`GpuLayerOps.latent_output`: the latent norm written into the
+GEMM input beside the shared activations, latent up and shared down as one GEMM over their weights stacked by
+columns) against the reference's norm and two projections; and whole layers through the GPU ops against the
+single-rank reference, on one rank and on two (threads taking turns, `Lockstep`), the latent projections
+replicated or sharded. Without CUDA through Triton's interpreter (the GEMMs through torch); on the GPU too."""
 
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -17,14 +20,21 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from kernel_rounding import as_kernel_rounds  # noqa: E402
+
+from mstar.distributed.communicator import Communicator, NullCommunicator  # noqa: E402
+from mstar.distributed.sharding import ShardingPlan  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps  # noqa: E402
 from mstar.models.kimi_k3.layer_ops import REFERENCE_OPS  # noqa: E402
-from mstar.models.kimi_k3.moe import LatentMoE  # noqa: E402
+from mstar.models.kimi_k3.moe import LatentMoE, Routing  # noqa: E402
+from mstar.models.kimi_k3.norm import rms_norm  # noqa: E402
 from mstar.tools.make_tiny import tiny_k3_raw_config  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CASES = [(torch.float32, 1e-5)] + ([(torch.bfloat16, 2e-2)] if DEVICE == "cuda" else [])
+# the whole layer: bf16 on CPU too (torch GEMMs, the interpreter for the norm and the SiTU)
+LAYER_CASES = [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)]
 
 
 def rel(a, b):
@@ -53,18 +63,28 @@ def test_stacked_moe_inputs_equal_the_reference(rows, dtype, tol):
     stack = ops._moe_inputs[moe].weight
     assert moe.gate.weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
     assert rel(REFERENCE_OPS.moe_inputs(moe, x)[1], z) < 1e-6
+    # the shared activations are the last columns of the GEMM input kept for latent_output, which takes it as it is
+    kept, held = ops._latent_gemm_inputs[moe], moe.routed_expert_up_proj.in_features
+    assert got_shared.data_ptr() == kept[:, held:].data_ptr() and kept.shape == (rows, held + shared.shape[1])
+    assert GpuLayerOps._gemm_input(kept, got_shared, z, held, dtype) is kept
 
 
 @pytest.mark.parametrize("rows", [1, 6])
 @pytest.mark.parametrize("dtype, tol", CASES)
-def test_stacked_latent_output_equals_the_reference(rows, dtype, tol):
+def test_latent_output_equals_the_reference(rows, dtype, tol):
+    """Of shared activations in no kept buffer (copied into a new one), of none (an all-reduce between, the
+    replicated layout on several ranks) and of one rank's columns of the norm (the sharded-latent layout)."""
     cfg = parse_config(tiny_k3_raw_config())
-    moe = LatentMoE(cfg).to(DEVICE).requires_grad_(False).to(dtype)
-    r = torch.randn(rows, cfg.moe_input_size, device=DEVICE).to(dtype)
+    moe = LatentMoE(cfg).to(DEVICE).requires_grad_(False)
+    with torch.no_grad():
+        moe.routed_expert_norm.weight.normal_(1, 0.2)
+    moe = moe.to(dtype)
+    r = (torch.randn(rows, cfg.moe_input_size, device=DEVICE) * 3).to(dtype)
     shared = torch.randn(rows, moe.shared_experts.down_proj.in_features, device=DEVICE).to(dtype)
+    norm, up, down = moe.routed_expert_norm, moe.routed_expert_up_proj.weight, moe.shared_experts.down_proj.weight
+    normed = rms_norm(r.double(), norm.weight.double(), norm.eps)
+    expect = normed @ up.double().T + shared.double() @ down.double().T
     want = REFERENCE_OPS.latent_output(moe, r, shared)
-    expect = (r.double() @ moe.routed_expert_up_proj.weight.double().T
-              + shared.double() @ moe.shared_experts.down_proj.weight.double().T)
     assert rel(want, expect) < tol
     ops = GpuLayerOps()
     got = ops.latent_output(moe, r, shared)
@@ -72,4 +92,128 @@ def test_stacked_latent_output_equals_the_reference(rows, dtype, tol):
     stack = ops._latent_output[moe]
     assert moe.routed_expert_up_proj.weight.untyped_storage().data_ptr() == stack.untyped_storage().data_ptr()
     assert rel(REFERENCE_OPS.latent_output(moe, r, shared), want) < 1e-6  # the modules read the stack
-    assert rel(ops.latent_output(moe, r, None), r.double() @ moe.routed_expert_up_proj.weight.double().T) < tol
+    assert rel(ops.latent_output(moe, r, None), normed @ up.double().T) < tol
+    second = rank_moe(moe, ShardingPlan(2, 1, latent_sharded=True), NullCommunicator(2, 1))
+    half, inter = slice(cfg.moe_input_size // 2, None), slice(shared.shape[1] // 2, None)  # the second rank's
+    got = ops.latent_output(second, r, shared[:, inter], half)
+    expect = normed[:, half] @ up[:, half].double().T + shared[:, inter].double() @ down[:, inter].double().T
+    assert rel(got, expect) < tol and rel(REFERENCE_OPS.latent_output(second, r, shared[:, inter], half), expect) < tol
+
+
+class Lockstep:
+    """Ranks as threads of this process that take turns: one runs at a time (Triton's interpreter patches
+    triton.language for each launch, so two launches must never overlap), handing the turn on in collectives."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.turn = threading.Lock()
+        self.barrier = threading.Barrier(world_size, timeout=120)
+        self.pieces: list[torch.Tensor | None] = [None] * world_size
+
+    def run(self, fn):
+        """[fn(rank) for every rank], each in its own thread; the first error raised again."""
+        results, errors = [None] * self.world_size, []
+
+        def body(rank):
+            with self.turn:
+                try:
+                    results[rank] = fn(rank)
+                except BaseException as e:
+                    errors.append(e)
+                    self.barrier.abort()
+
+        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, in rank order."""
+        self.pieces[rank] = x
+        self._wait()
+        pieces = list(self.pieces)
+        self._wait()  # all have read them before the next collective writes
+        return pieces
+
+    def _wait(self):
+        self.turn.release()
+        try:
+            self.barrier.wait()
+        finally:
+            self.turn.acquire()
+
+
+class LockstepCommunicator(Communicator):
+    def __init__(self, lockstep: Lockstep, rank: int):
+        super().__init__(rank, lockstep.world_size)
+        self.lockstep = lockstep
+
+    def all_reduce(self, x):
+        return torch.stack(self.lockstep.exchange(self.rank, x)).sum(0)
+
+    def all_gather(self, x):
+        return torch.cat(self.lockstep.exchange(self.rank, x), dim=-1)
+
+
+def rank_moe(whole: LatentMoE, plan: ShardingPlan, comm: Communicator) -> LatentMoE:
+    """The layer as `plan`'s rank holds it (sharding.py's rules, as the checkpoint loader applies them)."""
+    cfg = whole.config
+    moe = LatentMoE(plan.rank_config(cfg), comm, plan.expert_sharding(cfg)).to(DEVICE)
+    full = whole.state_dict()
+    state = {}
+    for name in moe.state_dict():
+        split = plan.split_of(f"model.layers.1.block_sparse_moe.{name}", cfg)
+        state[name] = full[name] if split is None else full[name][split.region(full[name].shape)]
+    moe.load_state_dict(state)
+    return moe.requires_grad_(False).to(whole.routed_expert_up_proj.weight.dtype)
+
+
+def tiny_moe(dtype: torch.dtype) -> LatentMoE:
+    moe = LatentMoE(parse_config(tiny_k3_raw_config())).to(DEVICE).requires_grad_(False)
+    with torch.no_grad():
+        moe.gate.e_score_correction_bias.normal_(0, 0.05)
+        moe.routed_expert_norm.weight.normal_(1, 0.2)
+    return moe.to(dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", LAYER_CASES)
+@pytest.mark.parametrize("ranks, latent_sharded", [(1, False), (2, False), (2, True)],
+                         ids=["one-rank", "tp2", "tp2-latent-sharded"])
+def test_the_layer_through_gpu_ops_equals_the_single_rank_reference(dtype, tol, ranks, latent_sharded):
+    """Every rank gets the reference's output; nothing is left kept for a later call."""
+    whole = tiny_moe(dtype)
+    x = torch.randn(3, whole.config.hidden_size, device=DEVICE).to(dtype)
+    expect = whole(x)
+    lockstep = Lockstep(ranks)
+    opses = [GpuLayerOps() for _ in range(ranks)]
+    plans = [ShardingPlan(ranks, rank, latent_sharded=latent_sharded) for rank in range(ranks)]
+    moes = [rank_moe(whole, plans[rank], LockstepCommunicator(lockstep, rank)) for rank in range(ranks)]
+    outputs = lockstep.run(lambda rank: moes[rank](x, opses[rank]))
+    for out, ops in zip(outputs, opses, strict=True):
+        assert out.dtype == dtype and rel(out, expect) < tol, rel(out, expect)
+        assert not ops._latent_gemm_inputs
+
+
+def test_an_fp32_routed_sum_is_rounded_as_the_norm_loads_it():
+    """On one rank the experts' kernel's fp32 sum goes to the norm as it is (no copy kernel), which rounds it to
+    the model dtype as it loads it: the layer's output is, bit for bit, the one of the sum rounded first. On
+    several ranks `routed` rounds it before the all-reduce."""
+    moe = tiny_moe(torch.bfloat16)
+    x = torch.randn(3, moe.config.hidden_size, device=DEVICE).to(torch.bfloat16)
+
+    def fp32_sum(z, experts, weights):  # stands in for MXFP4Experts: an fp32 sum, finer than bf16
+        r = moe.routed(z, Routing(experts, weights)).float()
+        return r + r.abs() * 2**-11
+
+    got = moe(x, GpuLayerOps({moe: fp32_sum}))
+    want = moe(x, GpuLayerOps({moe: lambda *args: as_kernel_rounds(fp32_sum(*args), torch.bfloat16)}))
+    assert torch.equal(got, want)
+    assert rel(got, moe(x)) < 2e-2
+    routing, z, _ = REFERENCE_OPS.moe_inputs(moe, x)
+    assert GpuLayerOps({moe: fp32_sum}).routed(moe, z, routing).dtype == torch.float32
+    rank = rank_moe(moe, ShardingPlan(2, 0, latent_sharded=True), LockstepCommunicator(Lockstep(2), 0))
+    assert GpuLayerOps({rank: fp32_sum}).routed(rank, z, routing).dtype == torch.bfloat16

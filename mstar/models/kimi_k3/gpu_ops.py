@@ -235,13 +235,17 @@ class GpuLayerOps(LayerOps):
     """One-launch Triton kernels for the token-wise operations: every RMSNorm, every AttnRes mix + norm
     (kernels/attn_res_norm.py), ungrouped routers' selection (kernels/router_topk.py), the SiTU MLPs
     (kernels/gated_mlp.py, gate and up as one GEMM), MLA's output gate (kernels/sigmoid_gate.py); the routed
-    experts of the layers in `experts`."""
+    experts of the layers in `experts`. A latent MoE layer's shared activations and normalised routed sum land
+    in one buffer that its output GEMM reads as it is (`moe_inputs`, `latent_output`)."""
 
     def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
         self.experts = experts or {}
         self._gate_up: dict[GatedMLP, StackedLinear] = {}  # per MLP, on first use (an eager step)
         self._moe_inputs: dict[LatentMoE, StackedLinear] = {}  # per MoE layer, likewise
         self._latent_output: dict[LatentMoE, torch.Tensor] = {}  # per MoE layer: [up | shared down] by columns
+        # per MoE layer, from moe_inputs to its latent_output: the GEMM input [T, held + I] whose last I columns the
+        # SiTU wrote the shared experts' activations into, the first left for the latent norm
+        self._latent_gemm_inputs: dict[LatentMoE, torch.Tensor] = {}
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
@@ -274,7 +278,8 @@ class GpuLayerOps(LayerOps):
     def moe_inputs(self, moe: LatentMoE, x: torch.Tensor) -> tuple[Routing, torch.Tensor, torch.Tensor | None]:
         """The router, the latent down projection and the shared experts' gate/up read the same x: one GEMM over
         their stacked weights (the router's logits kept in fp32, the rest rounded as each alone would be), then
-        the selection and the shared experts' SiTU in one launch. Layers without that shape: one each."""
+        the selection and the shared experts' SiTU in one launch, the SiTU written where `latent_output`'s GEMM
+        reads it. Layers without that shape: one each."""
         cfg, mlp = moe.config, moe.shared_experts if moe.config.num_shared_experts else None
         projections = [moe.routed_expert_down_proj] + ([mlp.gate_proj, mlp.up_proj] if mlp is not None else [])
         if (cfg.num_expert_group != 1 or cfg.routed_expert_hidden_size is None or mlp is None
@@ -289,24 +294,75 @@ class GpuLayerOps(LayerOps):
         act = mlp.config
         ids, weights, hidden = router_topk.select_with_situ(
             logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token, cfg.moe_renormalize,
-            cfg.routed_scaling_factor, gate_up, act.activation_situ_beta, act.activation_situ_linear_beta)
+            cfg.routed_scaling_factor, gate_up, act.activation_situ_beta, act.activation_situ_linear_beta,
+            out=self._shared_hidden_out(moe, gate_up))
         return Routing(ids, weights), z, hidden
 
-    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-        """up(r) + shared_down(shared) as one GEMM: [r | shared] times the two weights stacked by columns (one
-        launch and one fp32 accumulation instead of two GEMMs and an add)."""
-        projections = [moe.routed_expert_up_proj] + ([moe.shared_experts.down_proj] if shared is not None else [])
-        if shared is None or shared.dtype != r.dtype or any(p.bias is not None for p in projections):
-            return super().latent_output(moe, r, shared)
+    def _shared_hidden_out(self, moe: LatentMoE, gate_up: torch.Tensor) -> torch.Tensor | None:
+        """Where the SiTU of gate_up [T, 2I] goes: where the layer's `latent_output` takes the shared activations
+        with the norm's columns, the last I columns of its GEMM input (kept for that call); else None (a tensor of
+        their own)."""
+        if not (moe.shared_in_latent_output and self._norm_feeds_gemm(moe)):
+            return None
+        held, inter = moe.routed_expert_up_proj.in_features, gate_up.shape[1] // 2
+        gemm_input = torch.empty(gate_up.shape[0], held + inter, dtype=gate_up.dtype, device=gate_up.device)
+        self._latent_gemm_inputs[moe] = gemm_input
+        return gemm_input[:, held:]
+
+    @staticmethod
+    def _norm_feeds_gemm(moe: LatentMoE) -> bool:
+        """Whether `latent_output` runs as its norm writing into its GEMM's input: a latent norm, bias-free
+        projections."""
+        mlp = moe.shared_experts if moe.config.num_shared_experts else None
+        projections = [moe.routed_expert_up_proj] + ([mlp.down_proj] if mlp is not None else [])
+        return moe.config.latent_moe_use_norm and all(p.bias is None for p in projections)
+
+    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None,
+                      columns: slice | None = None) -> torch.Tensor:
+        """The reference's function in two launches: the latent norm of whole rows of r writes `columns` of its
+        output into the first columns of the GEMM input, whose last ones hold the shared activations (where
+        moe_inputs' SiTU wrote them), then up(normed) + shared_down(shared) as one GEMM over the two weights stacked
+        by columns: no cat, one fp32 accumulation. r may be the routed kernel's fp32 sum (`routed`): rounded to the
+        model dtype as the norm loads it, as the reference's rounded copy. Without a latent norm: the reference's."""
+        gemm_input = self._latent_gemm_inputs.pop(moe, None)
+        up = moe.routed_expert_up_proj
+        if not self._norm_feeds_gemm(moe) or (shared is not None and shared.dtype != up.weight.dtype):
+            return super().latent_output(moe, r.to(up.weight.dtype), shared, columns)
+        gemm_input = self._gemm_input(gemm_input, shared, r, up.in_features, up.weight.dtype)
+        norm = moe.routed_expert_norm
+        attn_res_norm.rms_norm_rows(r, norm.weight, norm.eps, out=gemm_input[:, : up.in_features], columns=columns)
+        if shared is None:
+            return self.gemm(gemm_input, up.weight)
         if moe not in self._latent_output:
-            self._latent_output[moe] = stack_columns([p.weight for p in projections])
-        return self.gemm(torch.cat([r, shared], dim=-1), self._latent_output[moe])
+            self._latent_output[moe] = stack_columns([up.weight, moe.shared_experts.down_proj.weight])
+        return self.gemm(gemm_input, self._latent_output[moe])
+
+    @staticmethod
+    def _gemm_input(kept: torch.Tensor | None, shared: torch.Tensor | None, r: torch.Tensor, held: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+        """latent_output's GEMM input [T, held (+ I)] for r's rows: `kept` (from moe_inputs) where `shared` is its
+        last columns; else a new one, `shared` copied into it (one copy, as the cat it replaces)."""
+        if shared is None:
+            return torch.empty(r.shape[0], held, dtype=dtype, device=r.device)
+        inter = shared.shape[1]
+        if kept is not None and kept.shape[1] == held + inter and shared.data_ptr() == kept[:, held:].data_ptr():
+            return kept
+        gemm_input = torch.empty(r.shape[0], held + inter, dtype=dtype, device=r.device)
+        gemm_input[:, held:] = shared
+        return gemm_input
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The kernel's fp32 sum as it is where it goes straight to `latent_output` (one rank, a latent space: its
+        norm rounds it to z's dtype as it loads it, no copy kernel); else rounded to z's dtype, as the reference's.
+        On several ranks that is before the all-reduce: the partial sums are reduced in the model dtype, as the
+        reference reduces them (an fp32 message would also leave the symmetric-memory all-reduce, which takes the
+        model dtype only, for NCCL: comm_choice)."""
         kernel = self.experts.get(moe)
         if kernel is None:
             return moe.routed(z, routing)
-        return kernel(z, routing.experts, routing.weights).to(z.dtype)
+        r = kernel(z, routing.experts, routing.weights)
+        straight_to_norm = moe.comm.world_size == 1 and moe.config.routed_expert_hidden_size is not None
+        return r if straight_to_norm else r.to(z.dtype)
 
     def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         return self.linear(mlp.down_proj, self.mlp_hidden(mlp, x))

@@ -55,10 +55,14 @@ class LayerOps:
         shared = self.mlp_hidden(moe.shared_experts, x) if moe.config.num_shared_experts else None
         return self.route(moe.gate, x), z, shared
 
-    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
-        """The latent up projection of the routed sum r plus the shared experts' down projection of their
-        activations `shared` (when there are shared experts): both land in the hidden space."""
-        y = self.linear(moe.routed_expert_up_proj, r)
+    def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None,
+                      columns: slice | None = None) -> torch.Tensor:
+        """The latent up projection of the normalised routed sum r [T, latent] plus the shared experts' down
+        projection of their activations `shared` (when there are shared experts): both land in the hidden space.
+        `columns`: the latent columns this rank's up projection takes (the sharded-latent layout; the norm needs
+        whole rows)."""
+        normed = moe.latent_norm(r, self)
+        y = self.linear(moe.routed_expert_up_proj, normed if columns is None else normed[:, columns])
         return y if shared is None else y + self.linear(moe.shared_experts.down_proj, shared)
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:

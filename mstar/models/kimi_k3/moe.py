@@ -164,18 +164,24 @@ class LatentMoE(nn.Module):
     def latent_norm(self, r: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         return ops.norm(self.routed_expert_norm, r) if self.config.latent_moe_use_norm else r
 
+    @property
+    def shared_in_latent_output(self) -> bool:
+        """Whether `forward` hands the shared experts' activations to `LayerOps.latent_output`, beside the routed sum
+        (a latent space, on one rank or in the sharded-latent layout); else they are projected and reduced apart."""
+        return self.config.routed_expert_hidden_size is not None and (
+            self.comm.world_size == 1 or self.config.latent_shards > 1)
+
     def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         if self.config.latent_shards > 1:
             return self.forward_sharded_latent(x, ops)
         routing, z, hidden = ops.moe_inputs(self, x)
         r = ops.routed(self, z, routing)
-        latent = self.config.routed_expert_hidden_size is not None
-        if latent and self.comm.world_size == 1:  # nothing to reduce: up and the shared experts' down together
-            return ops.latent_output(self, self.latent_norm(r, ops), hidden)
+        if self.shared_in_latent_output:  # one rank, nothing to reduce: the norm, up and shared experts' down together
+            return ops.latent_output(self, r, hidden)
         shared = None if hidden is None else ops.linear(self.shared_experts.down_proj, hidden)
         r, shared = self.reduce_partials(r, shared)
-        if latent:
-            r = ops.linear(self.routed_expert_up_proj, self.latent_norm(r, ops))
+        if self.config.routed_expert_hidden_size is not None:
+            r = ops.latent_output(self, r, None)
         return r if shared is None else r + shared
 
     def forward_sharded_latent(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
@@ -186,7 +192,7 @@ class LatentMoE(nn.Module):
                              f"got world_size={comm.world_size}")
         routing, z_held, hidden = ops.moe_inputs(self, x)
         z = comm.all_gather(z_held)  # [T, latent], every rank's slice in order
-        r = self.latent_norm(comm.all_reduce(ops.routed(self, z, routing)), ops)
-        held = r.shape[-1] // cfg.latent_shards
-        y = ops.latent_output(self, r[:, comm.rank * held : (comm.rank + 1) * held], hidden)
+        r = comm.all_reduce(ops.routed(self, z, routing))  # whole: the norm needs every latent column
+        held = self.routed_expert_up_proj.in_features
+        y = ops.latent_output(self, r, hidden, slice(comm.rank * held, (comm.rank + 1) * held))
         return comm.all_reduce(y)
