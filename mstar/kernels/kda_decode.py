@@ -4,11 +4,11 @@
   input GEMM, in one launch: the gate's f_b projection, the short conv of q, k, v continued from each
   slot's window (shifted in place), the gated delta rule from each slot's state (stored back in place)
   and the gated head norm of its output, ready for o_proj. It replaces a chain of four launches (the f_b
-  GEMV, `decode_conv`, fla's recurrent kernel, `gated_head_norm`) and rounds where that chain rounded.
+  GEMV, `decode_conv`, fla's recurrent kernel, `gated_head_norm`) and rounds where that chain rounded,
+  up to DECODE_STEP_MAX_ROWS rows; larger decode steps still run that chain (kda_fla.decode).
 - `decode_conv`: the short causal conv of one new row per sequence for q, k and v, continued from each
   slot's window in the pool, with SiLU; the windows are shifted in place. Torch spends ~9 launches
-  on it (stack, gather, cat, casts, multiply, sum, SiLU, scatter, transpose) per KDA layer. The serving
-  model no longer runs it: it is the chain's part that bench_small_kernels.py times `decode_step` against.
+  on it (stack, gather, cat, casts, multiply, sum, SiLU, scatter, transpose) per KDA layer.
 - `gated_head_norm`: o_norm (RMSNorm over each head's channels, times sigmoid(gate)); ~9 launches in
   torch (models/kimi_k3/kda.py, `GatedHeadNorm`), one here, for any number of rows (prefill too).
 
@@ -116,10 +116,16 @@ def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, ep
 
 
 # decode_step's warps a program. A program owns one head of one sequence: its whole [K, K] state tile in
-# registers (64 KB in fp32 at K = 128: 64 registers a thread at 8 warps), so that the head's RMSNorm of o
-# needs no second launch. bench_small_kernels.py's "kda decode_step" cases time the candidates.
-DECODE_STEP_WARPS = 8
+# registers (64 KB in fp32 at K = 128: 128 registers a thread at 4 warps), so that the head's RMSNorm of o
+# needs no second launch. bench_small_kernels.py's "kda decode_step" cases time the candidates; 4 warps were
+# the fastest at every batch on an H100 (benchmarks/kernels/results/h100_ca793e9_kda_decode_step.md).
+DECODE_STEP_WARPS = 4
 DECODE_STEP_WARP_CHOICES = (4, 8, 16)
+# Up to this many rows a decode step takes `decode_step`; beyond, the chain of launches it replaced (f_b GEMV,
+# `decode_conv`, fla's recurrent kernel, `gated_head_norm`): at 64 rows its one program a head (768 programs of
+# a 64 KB state each) lost to fla's recurrent kernel, which splits each head's state columns over programs
+# (62.8 against 55.6 us on the H100; 19.4 against 26.2 at 16 rows, 13.8 against 18.6 at 8).
+DECODE_STEP_MAX_ROWS = 16
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Tensor, beta: torch.Tensor,
@@ -152,6 +158,7 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Te
         *rows, *(x.stride(0) for x in rows), conv, conv.stride(0), conv.stride(1), conv.stride(2), conv_weight,
         states, states.stride(0), slots, f_b, f_b.stride(0), a_log, dt_bias, norm_weight, out, scale,
         0.0 if lower_bound is None else lower_bound, norm_eps, H=H, K=K, F=F, HIST=conv.shape[2],
+        HIST_PAD=triton.next_power_of_2(conv.shape[2]),
         HAS_LOWER_BOUND=lower_bound is not None, EPS=l2_eps, num_warps=warps or DECODE_STEP_WARPS,
         **pdl.options(_decode_step_kernel, q.device),
     )
@@ -159,20 +166,24 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Te
 
 
 @triton.jit
-def _conv_silu(x_ptrs, window, w_ptrs, s_hist, width, HIST: tl.constexpr):
+def _conv_silu(x_ptrs, window, w_ptrs, s_hist, width, HIST: tl.constexpr, HIST_PAD: tl.constexpr):
     """SiLU(short conv) of one row's columns `x_ptrs`, continued from `window` (their oldest window row),
     which it shifts in place; weights at w_ptrs + tap * width. As `_decode_conv_kernel` sums and rounds it:
-    in the row's dtype, returned as fp32."""
+    in the row's dtype, returned as fp32.
+
+    Every window row is loaded before any is stored, with a barrier between: a [K] vector may be held by
+    several threads at once (more threads than columns), and a copy that shifted a row in place before
+    another copy had read it gave that copy the shifted row (wrong outputs at 8 and 16 warps on an H100)."""
     dtype = x_ptrs.dtype.element_ty
     x = tl.load(x_ptrs)
+    taps = tl.arange(0, HIST_PAD)[:, None]
+    live = taps < HIST
+    history = tl.load(window[None, :] + taps * s_hist, mask=live, other=0)  # [HIST_PAD, K], oldest first
+    weights = tl.load(w_ptrs[None, :] + taps * width, mask=live, other=0)
     acc = x.to(tl.float32) * tl.load(w_ptrs + HIST * width)
-    previous = tl.load(window)
-    for j in tl.static_range(HIST):
-        acc += previous.to(dtype).to(tl.float32) * tl.load(w_ptrs + j * width)
-        if j + 1 < HIST:
-            following = tl.load(window + (j + 1) * s_hist)
-            tl.store(window + j * s_hist, following)  # shift the window by one row
-            previous = following
+    acc += tl.sum(history.to(dtype).to(tl.float32) * weights, axis=0)
+    tl.debug_barrier()
+    tl.store(window[None, :] + (taps - 1) * s_hist, history, mask=live & (taps > 0))  # shift by one row
     tl.store(window + (HIST - 1) * s_hist, x.to(window.dtype.element_ty))
     y = acc / (1.0 + tl.exp(-acc))
     return y.to(dtype).to(tl.float32)
@@ -182,7 +193,8 @@ def _conv_silu(x_ptrs, window, w_ptrs, s_hist, width, HIST: tl.constexpr):
 def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk, sv, sfa, sbeta, sgate, conv_ptr,
                         s_slot, s_which, s_hist, conv_w_ptr, states_ptr, s_state, slots_ptr, fb_ptr, sfb, a_log_ptr,
                         dt_bias_ptr, norm_w_ptr, out_ptr, scale, lower_bound, norm_eps, H: tl.constexpr,
-                        K: tl.constexpr, F: tl.constexpr, HIST: tl.constexpr, HAS_LOWER_BOUND: tl.constexpr,
+                        K: tl.constexpr, F: tl.constexpr, HIST: tl.constexpr, HIST_PAD: tl.constexpr,
+                        HAS_LOWER_BOUND: tl.constexpr,
                         EPS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -205,10 +217,11 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk,
     width = H * K
     window = conv_ptr + slot * s_slot + cols
     conv_w = conv_w_ptr + cols
-    qt = _conv_silu(q_ptr + b * sq + cols, window, conv_w, s_hist, width, HIST)
-    kt = _conv_silu(k_ptr + b * sk + cols, window + s_which, conv_w + (HIST + 1) * width, s_hist, width, HIST)
+    qt = _conv_silu(q_ptr + b * sq + cols, window, conv_w, s_hist, width, HIST, HIST_PAD)
+    kt = _conv_silu(k_ptr + b * sk + cols, window + s_which, conv_w + (HIST + 1) * width, s_hist, width, HIST,
+                    HIST_PAD)
     vt = _conv_silu(v_ptr + b * sv + cols, window + 2 * s_which, conv_w + 2 * (HIST + 1) * width, s_hist, width,
-                    HIST)
+                    HIST, HIST_PAD)
     bt = tl.load(beta_ptr + b * sbeta + h).to(tl.float32)
     # the gated delta rule of one row, as kda_blocks._fold_recurrent_kernel computes it
     qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)

@@ -27,8 +27,11 @@ prefix) run each sequence's [accepted prefix ; rows] in one pass of our own kern
 (kernels/kda_blocks.py), folding only the prefix of a verify block: the checkpoint + pending prefix
 rule in one launch per layer, without a state copy.
 
-Decode steps (one row per sequence, no pending prefix) do not come here: kernels/kda_decode.py's
-`decode_step` runs everything of theirs after the input GEMM in one launch, without fla.
+Decode steps (one row per sequence, no pending prefix) of up to kda_decode.DECODE_STEP_MAX_ROWS rows do not
+come here: kernels/kda_decode.py's `decode_step` runs everything of theirs after the input GEMM in one launch.
+Larger ones (`decode`) skip all host-side logic: the conv windows are updated by slot index, and fla's
+recurrent kernel reads and writes each sequence's state in the pool in place (its continuous-batching mode,
+`ssm_state_indices`), so no state is gathered or scattered and the step is CUDA-graph capturable.
 
 Captured prefill steps (`prefill`: up to a fixed number of sequences of any lengths, no
 pending prefix) take their lengths from a `PrefillLayout` staged on the device: the conv of every row
@@ -47,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import kda_blocks
+from mstar.kernels import kda_decode as kda_decode_kernels
 
 RECURRENT_MAX_ROWS = 16  # at most this many rows per sequence: the recurrent kernel; else the chunked one
 
@@ -120,6 +124,25 @@ class KDAWeights:
         """What every fla KDA call takes from the layer."""
         return dict(A_log=self.a_log, dt_bias=self.dt_bias, scale=self.scale, use_qk_l2norm_in_kernel=True,
                     use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, lower_bound=self.lower_bound)
+
+
+def decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
+           conv: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, w: KDAWeights) -> torch.Tensor:
+    """A decode step: row b continues slot `slots[b]`, whose conv window (`conv` [slots, 3, W-1, width]) and
+    state (`state` [slots, H, K, V]) are updated in place (the caller guarantees no slot has a pending
+    prefix). Returns o [B, H, K]."""
+    from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+
+    B, H, K = q.shape[0], w.num_heads, w.head_dim
+    q, k, v = kda_decode_kernels.decode_conv(q, k, v, conv, slots, w.conv_weight).view(3, B, 1, H, K)
+    # fla's kernel loads beta as fp32 itself and writes every row of o: no cast, no zero fill (at B=1 the
+    # [1, H] slice of the stacked projection is already contiguous, so no copy either)
+    o, _ = fused_recurrent_kda_fwd(
+        q=q, k=k, v=v, g=f.view(B, 1, H, K), beta=beta.contiguous().view(B, 1, H),
+        initial_state=state, inplace_final_state=True, ssm_state_indices=slots, out=torch.empty_like(v),
+        **w.fla_args(),
+    )
+    return o.view(B, H, K)
 
 
 def _index_tensors(*lists: list[int], device: torch.device) -> list[torch.Tensor]:

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mstar.kernels import kda_fla
+from mstar.kernels import kda_decode, kda_fla
 from mstar.models.kimi_k3.config import parse_config
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
 from mstar.models.kimi_k3.kda import KimiDeltaAttention
@@ -87,10 +87,13 @@ def test_kda_step_matches_torch(dtype, tol, shape):
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("shape", [(4, 32, 128), (12, 128, 1024)])
 @pytest.mark.parametrize("stacked", [False, True])
-def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stacked):
+@pytest.mark.parametrize("max_rows", [kda_decode.DECODE_STEP_MAX_ROWS, 0])
+def test_kda_decode_updates_the_pool_in_place_like_torch(dtype, tol, shape, stacked, max_rows, monkeypatch):
     """One row per sequence, slots out of order: state and conv windows written in place by slot
-    (kda_decode.decode_step); the other slots are untouched. With `stacked`, x's
-    projections run as one GEMM (the torch reference reads the same weights, now views)."""
+    (kda_decode.decode_step, or past its row bound, forced by a bound of 0, fla's recurrent kernel); the other
+    slots are untouched. With `stacked`, x's projections run as one GEMM (the torch reference reads the same
+    weights, now views)."""
+    monkeypatch.setattr(kda_decode, "DECODE_STEP_MAX_ROWS", max_rows)
     heads, head_dim, hidden = shape
     attn, pool = layer_and_pool(heads, head_dim, hidden, dtype)
     slots = torch.tensor([7, 2, 5, 1], device="cuda")

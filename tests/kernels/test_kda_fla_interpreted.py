@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reaso
 fla_kda = pytest.importorskip("fla.ops.kda")
 from engine_run import numbered, run_to_completion  # noqa: E402
 
-from mstar.kernels import kda_fla  # noqa: E402
+from mstar.kernels import kda_decode, kda_fla  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuMixerOps  # noqa: E402
 from mstar.models.kimi_k3.kda import KimiDeltaAttention  # noqa: E402
@@ -70,8 +70,11 @@ def step_against_torch(attn, pool, lengths, verify, slots, **shift):
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-def test_decode_writes_the_pool_in_place_like_torch(stacked):
-    """A decode step (kda_decode.decode_step after the input projections), slots out of order."""
+@pytest.mark.parametrize("max_rows", [kda_decode.DECODE_STEP_MAX_ROWS, 0])
+def test_decode_writes_the_pool_in_place_like_torch(stacked, max_rows, monkeypatch):
+    """A decode step, slots out of order: kda_decode.decode_step after the input projections, or (past its row
+    bound, forced here by a bound of 0) the chain of launches of larger batches (kda_fla.decode)."""
+    monkeypatch.setattr(kda_decode, "DECODE_STEP_MAX_ROWS", max_rows)
     attn, pool = layer_and_pool()
     slots = (7, 2, 5, 1)
     plan = BatchPlan(input_ids=None, seq_starts=(0, 1, 2, 3, 4), num_computed=(9,) * 4, kv=None,

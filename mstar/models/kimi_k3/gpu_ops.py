@@ -141,7 +141,12 @@ class GpuMixerOps(TorchMixerOps):
     def _kda_decode(self, attn: KimiDeltaAttention, x: torch.Tensor, conv: torch.Tensor, state: torch.Tensor,
                     slots: torch.Tensor, w: kda_fla.KDAWeights) -> torch.Tensor:
         """A decode step (one row per slot, no pending prefix): the input projections, then one kernel up to
-        o_proj's input (the f_b projection, conv, recurrence and head norm), the pool updated in place."""
+        o_proj's input (the f_b projection, conv, recurrence and head norm), the pool updated in place; above
+        DECODE_STEP_MAX_ROWS rows the chain it replaced (kda_decode's doc). The rows are the tensor's shape, a
+        host int: a graph captured at B rows replays the path taken."""
+        if x.shape[0] > kda_decode.DECODE_STEP_MAX_ROWS:
+            q, k, v, f, beta, gate = self._kda_inputs(attn, x)
+            return self._kda_output(attn, kda_fla.decode(q, k, v, f, beta, conv, state, slots, w), gate)
         q, k, v, f_a, beta, gate = self._kda_projections(attn, x)
         normed = kda_decode.decode_step(q, k, v, f_a, beta, gate, conv, state, slots, w.conv_weight,
                                         attn.f_b_proj.weight, w.a_log, w.dt_bias, attn.o_norm.weight, scale=w.scale,
