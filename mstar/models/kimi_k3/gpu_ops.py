@@ -3,8 +3,8 @@
 Imported only where backend.py chooses a GPU backend (it imports Triton and fla-core). Which module runs
 which kernel is decided there, in `select_backend`; the classes here carry that choice out:
 
-- `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step after
-  its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
+- `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step of up to
+  16 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
   multi-row causal kernel (prefill chunks, verify blocks) reads them.
