@@ -166,27 +166,35 @@ def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Te
 
 
 @triton.jit
-def _conv_silu(x_ptrs, window, w_ptrs, s_hist, width, HIST: tl.constexpr, HIST_PAD: tl.constexpr):
-    """SiLU(short conv) of one row's columns `x_ptrs`, continued from `window` (their oldest window row),
-    which it shifts in place; weights at w_ptrs + tap * width. As `_decode_conv_kernel` sums and rounds it:
-    in the row's dtype, returned as fp32.
-
-    Every window row is loaded before any is stored, with a barrier between: a [K] vector may be held by
-    several threads at once (more threads than columns), and a copy that shifted a row in place before
-    another copy had read it gave that copy the shifted row (wrong outputs at 8 and 16 warps on an H100)."""
-    dtype = x_ptrs.dtype.element_ty
-    x = tl.load(x_ptrs)
+def _taps(w_ptrs, width, HIST: tl.constexpr, HIST_PAD: tl.constexpr):
+    """(the window's taps [HIST_PAD, K] fp32, oldest first, zero past HIST; the new row's tap [K]) of one of q, k,
+    v at columns w_ptrs (tap j at w_ptrs + j * width)."""
     taps = tl.arange(0, HIST_PAD)[:, None]
-    live = taps < HIST
-    history = tl.load(window[None, :] + taps * s_hist, mask=live, other=0)  # [HIST_PAD, K], oldest first
-    weights = tl.load(w_ptrs[None, :] + taps * width, mask=live, other=0)
-    acc = x.to(tl.float32) * tl.load(w_ptrs + HIST * width)
-    acc += tl.sum(history.to(dtype).to(tl.float32) * weights, axis=0)
-    tl.debug_barrier()
-    tl.store(window[None, :] + (taps - 1) * s_hist, history, mask=live & (taps > 0))  # shift by one row
-    tl.store(window + (HIST - 1) * s_hist, x.to(window.dtype.element_ty))
+    return tl.load(w_ptrs[None, :] + taps * width, mask=taps < HIST, other=0), tl.load(w_ptrs + HIST * width)
+
+
+@triton.jit
+def _window_rows(window, s_hist, HIST: tl.constexpr, HIST_PAD: tl.constexpr):
+    """A window's rows [HIST_PAD, K] at columns `window` (its oldest row), oldest first."""
+    taps = tl.arange(0, HIST_PAD)[:, None]
+    return tl.load(window[None, :] + taps * s_hist, mask=taps < HIST, other=0)
+
+
+@triton.jit
+def _conv_silu(x, history, taps, last_tap, dtype: tl.constexpr):
+    """SiLU(short conv) of a new row x [K] after its window's rows `history`, summed in fp32 from values in the
+    row's dtype and rounded to it, as `_decode_conv_kernel` does; returned as fp32."""
+    acc = x.to(tl.float32) * last_tap + tl.sum(history.to(dtype).to(tl.float32) * taps, axis=0)
     y = acc / (1.0 + tl.exp(-acc))
     return y.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _shift_window(window, history, x, s_hist, HIST: tl.constexpr, HIST_PAD: tl.constexpr):
+    """The window moved past row x: its rows 1.. to 0.., x last (`history`: its rows as loaded)."""
+    taps = tl.arange(0, HIST_PAD)[:, None]
+    tl.store(window[None, :] + (taps - 1) * s_hist, history, mask=(taps > 0) & (taps < HIST))
+    tl.store(window + (HIST - 1) * s_hist, x.to(window.dtype.element_ty))
 
 
 @triton.jit
@@ -194,13 +202,14 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk,
                         s_slot, s_which, s_hist, conv_w_ptr, states_ptr, s_state, slots_ptr, fb_ptr, sfb, a_log_ptr,
                         dt_bias_ptr, norm_w_ptr, out_ptr, scale, lower_bound, norm_eps, H: tl.constexpr,
                         K: tl.constexpr, F: tl.constexpr, HIST: tl.constexpr, HIST_PAD: tl.constexpr,
-                        HAS_LOWER_BOUND: tl.constexpr,
-                        EPS: tl.constexpr, PDL: tl.constexpr):
+                        HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr, PDL: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ks = tl.arange(0, K)
     fs = tl.arange(0, F)
     cols = h * K + ks  # the head's columns of q, k, v, f, the gate and the output
+    width = H * K
+    dtype = q_ptr.dtype.element_ty
     # The layer's parameters load before the wait, while the kernel before (the input GEMM) may still run: no
     # kernel writes them. The rows, the slots, the states and the windows are read only after it: earlier
     # kernels write those (the GEMM the rows, the step's staging the slots, the pool's slot copies the states).
@@ -208,21 +217,37 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk,
     rate = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
     bias = tl.load(dt_bias_ptr + cols).to(tl.float32)
     norm_w = tl.load(norm_w_ptr + ks).to(tl.float32)
+    q_taps, q_last = _taps(conv_w_ptr + cols, width, HIST, HIST_PAD)
+    k_taps, k_last = _taps(conv_w_ptr + (HIST + 1) * width + cols, width, HIST, HIST_PAD)
+    v_taps, v_last = _taps(conv_w_ptr + 2 * (HIST + 1) * width + cols, width, HIST, HIST_PAD)
     pdl.wait_for_inputs(PDL)
+    # Every load of the step's data is issued before any arithmetic: the program is a chain of dependent
+    # reductions, and a load waiting for its turn behind one put a memory round trip in the chain.
     slot = tl.load(slots_ptr + b).to(tl.int64)
     state_ptrs = states_ptr + slot * s_state + h * K * K + ks[:, None] * K + ks[None, :]
     S = tl.load(state_ptrs).to(tl.float32)  # [K, K]: the longest load, issued first
-    f = tl.sum(fb.to(tl.float32) * tl.load(fa_ptr + b * sfa + fs).to(tl.float32)[None, :], axis=1)
-    z = f.to(fa_ptr.dtype.element_ty).to(tl.float32) + bias  # f rounded as the f_b GEMM's output was
-    width = H * K
+    f_a = tl.load(fa_ptr + b * sfa + fs).to(tl.float32)
     window = conv_ptr + slot * s_slot + cols
-    conv_w = conv_w_ptr + cols
-    qt = _conv_silu(q_ptr + b * sq + cols, window, conv_w, s_hist, width, HIST, HIST_PAD)
-    kt = _conv_silu(k_ptr + b * sk + cols, window + s_which, conv_w + (HIST + 1) * width, s_hist, width, HIST,
-                    HIST_PAD)
-    vt = _conv_silu(v_ptr + b * sv + cols, window + 2 * s_which, conv_w + 2 * (HIST + 1) * width, s_hist, width,
-                    HIST, HIST_PAD)
+    q_hist = _window_rows(window, s_hist, HIST, HIST_PAD)
+    k_hist = _window_rows(window + s_which, s_hist, HIST, HIST_PAD)
+    v_hist = _window_rows(window + 2 * s_which, s_hist, HIST, HIST_PAD)
+    q_row = tl.load(q_ptr + b * sq + cols)
+    k_row = tl.load(k_ptr + b * sk + cols)
+    v_row = tl.load(v_ptr + b * sv + cols)
     bt = tl.load(beta_ptr + b * sbeta + h).to(tl.float32)
+    gt = tl.load(gate_ptr + b * sgate + cols).to(tl.float32)
+    # The windows move on only once every thread has read them: a [K] vector may be held by several threads at
+    # once (more threads than columns), and a copy that shifted a row in place before another copy had read it
+    # gave that copy the shifted row (wrong outputs at 8 and 16 warps on an H100).
+    tl.debug_barrier()
+    _shift_window(window, q_hist, q_row, s_hist, HIST, HIST_PAD)
+    _shift_window(window + s_which, k_hist, k_row, s_hist, HIST, HIST_PAD)
+    _shift_window(window + 2 * s_which, v_hist, v_row, s_hist, HIST, HIST_PAD)
+    f = tl.sum(fb.to(tl.float32) * f_a[None, :], axis=1)
+    z = f.to(fa_ptr.dtype.element_ty).to(tl.float32) + bias  # f rounded as the f_b GEMM's output was
+    qt = _conv_silu(q_row, q_hist, q_taps, q_last, dtype)
+    kt = _conv_silu(k_row, k_hist, k_taps, k_last, dtype)
+    vt = _conv_silu(v_row, v_hist, v_taps, v_last, dtype)
     # the gated delta rule of one row, as kda_blocks._fold_recurrent_kernel computes it
     qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
     kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
@@ -237,7 +262,6 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk,
     tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty))
     # the gated head norm of o in v's dtype (as the recurrence stored it), as _gated_head_norm_kernel computes it
     o = o.to(v_ptr.dtype.element_ty).to(tl.float32)
-    gt = tl.load(gate_ptr + b * sgate + cols).to(tl.float32)
     normed = o / tl.sqrt(tl.sum(o * o, axis=0) / K + norm_eps)
     y = norm_w * normed * (1.0 / (1.0 + tl.exp(-gt)))
     tl.store(out_ptr + b * width + cols, y.to(out_ptr.dtype.element_ty))
