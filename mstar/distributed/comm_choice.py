@@ -56,8 +56,10 @@ class Message:
     nbytes: int
 
     @classmethod
-    def of(cls, op: str, x: torch.Tensor) -> Message:
-        return cls(op, x.device.type, x.dtype, x.numel() * x.element_size())
+    def of(cls, op: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> Message:
+        """The message of x, or of x rounded to `dtype` (`Communicator.all_reduce_rounded`)."""
+        dtype = dtype or x.dtype
+        return cls(op, x.device.type, dtype, x.numel() * dtype.itemsize)
 
 
 def choose_communicator(message: Message, world_size: int, config: CommConfig,
@@ -91,8 +93,8 @@ class ChoosingCommunicator(Communicator):
         self.config = config
         self.symm_mem_dtype = symm_mem_dtype
 
-    def _pick(self, op: str, x: torch.Tensor) -> Communicator:
-        kind = choose_communicator(Message.of(op, x), self.world_size, self.config, self.symm_mem_dtype)
+    def _pick(self, op: str, x: torch.Tensor, dtype: torch.dtype | None = None) -> Communicator:
+        kind = choose_communicator(Message.of(op, x, dtype), self.world_size, self.config, self.symm_mem_dtype)
         if kind not in self.implementations:
             raise RuntimeError(f"{op} of {x.dtype} on {x.device.type} needs the {kind.value} communicator, "
                                f"which this rank did not build (it has {[k.value for k in self.implementations]})")
@@ -100,6 +102,9 @@ class ChoosingCommunicator(Communicator):
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         return self._pick("all_reduce", x).all_reduce(x)
+
+    def all_reduce_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._pick("all_reduce", x, dtype).all_reduce_rounded(x, dtype)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self._pick("all_gather", x).all_gather(x)

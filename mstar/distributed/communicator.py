@@ -10,6 +10,9 @@ Contract of every implementation:
   place, so the caller must not use `x` afterwards. Every rank receives the same bits (ring, tree and
   symmetric-memory algorithms all reduce each element in one place and copy it out), which is what
   keeps routing and every other data-dependent decision identical on all ranks.
+- `all_reduce_rounded(x, dtype)` is `all_reduce(x.to(dtype))`: the sum of each rank's x rounded to `dtype`
+  first (a reference that rounds its partial sums before reducing them). An implementation that copies its
+  message anyway (symmetric memory stages it into its buffer) rounds in that copy instead of a kernel of its own.
 - `all_gather(x)` returns the ranks' tensors concatenated along the last dim, in rank order.
 - Every rank calls the same collectives in the same order (lockstep); nothing here checks that.
 """
@@ -37,6 +40,10 @@ class Communicator(ABC):
     @abstractmethod
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over all ranks (may reuse `x`'s memory)."""
+
+    def all_reduce_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`all_reduce(x.to(dtype))` (the module doc's contract)."""
+        return self.all_reduce(x.to(dtype))
 
     @abstractmethod
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:

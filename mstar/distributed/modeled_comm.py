@@ -70,6 +70,12 @@ class ModeledCommunicator(Communicator):
         self._charge(x.numel() * x.element_size())
         return x
 
+    def all_reduce_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x as it is (no cast kernel: the real rank's symmetric-memory all-reduce rounds as it stages its message,
+        and the kernels that read the sum round what they load), charged as the rounded message."""
+        self._charge(x.numel() * dtype.itemsize)
+        return x
+
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([x] * self.world_size, dim=-1) if self.world_size > 1 else x
         self._charge(out.numel() * out.element_size())  # what each rank receives and holds

@@ -74,16 +74,22 @@ class SymmMemCommunicator(Communicator):
         self.buffer = buffer
         self.algorithm = algorithm
 
-    def fits(self, x: torch.Tensor) -> bool:
-        b = self.buffer
-        return x.dtype == b.dtype and x.is_cuda and x.numel() * x.element_size() <= b.max_bytes
+    def fits(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> bool:
+        """Whether x (rounded to `dtype` first, if given) is a message of this buffer."""
+        b, dtype = self.buffer, dtype or x.dtype
+        return dtype == b.dtype and x.is_cuda and x.numel() * b.tensor.element_size() <= b.max_bytes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fits(x):
+        return self.all_reduce_rounded(x, x.dtype)
+
+    def all_reduce_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The staging copy into the buffer rounds x to the buffer's dtype: no cast kernel of its own."""
+        if not self.fits(x, dtype):
             b = self.buffer
             raise ValueError(
                 f"symmetric-memory all-reduce takes {b.dtype} CUDA tensors of at most {b.max_bytes} bytes; got "
-                f"{x.dtype} on {x.device}, {x.numel() * x.element_size()} bytes (comm_choice routes those elsewhere)"
+                f"{x.dtype} rounded to {dtype} on {x.device}, {x.numel() * dtype.itemsize} bytes (comm_choice routes "
+                "those elsewhere)"
             )
         staged = self.buffer.stage(x)
         n = x.numel()

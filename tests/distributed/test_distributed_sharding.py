@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -139,6 +140,20 @@ def test_choose_communicator_rule():
     assert choose_communicator(_msg(10), 8, CommConfig(symm_mem=False), bf16) is CommKind.NCCL
     with pytest.raises(ValueError, match="protocol"):
         CommConfig(protocol="RDMA")
+
+
+def test_a_rounded_all_reduce_is_chosen_as_its_rounded_message():
+    """`all_reduce_rounded(x, dtype)` goes where a message of x in `dtype` would: an fp32 partial sum rounded to
+    the bf16 of the symmetric buffer takes it (in its staging copy), at the bf16 message's size."""
+    fp32_sum = torch.zeros(3, 4, dtype=torch.float32)
+    assert Message.of("all_reduce", fp32_sum, torch.bfloat16) == Message("all_reduce", "cpu", torch.bfloat16, 24)
+    assert Message.of("all_reduce", fp32_sum) == Message("all_reduce", "cpu", torch.float32, 48)
+    shm = CommConfig(protocol="SHM", one_shot_max_bytes=24, two_shot_max_bytes=5000)
+    message = Message.of("all_reduce", fp32_sum.to("meta"), torch.bfloat16)
+    assert choose_communicator(replace(message, device_type="cuda"), 8, shm, torch.bfloat16) \
+        is CommKind.SYMM_MEM_ONE_SHOT
+    four = NullCommunicator(world_size=4, rank=2)
+    assert four.all_reduce_rounded(fp32_sum, torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_null_communicator():

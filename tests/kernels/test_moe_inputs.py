@@ -200,8 +200,9 @@ def test_the_layer_through_gpu_ops_equals_the_single_rank_reference(dtype, tol, 
 
 def test_an_fp32_routed_sum_is_rounded_as_the_norm_loads_it():
     """On one rank the experts' kernel's fp32 sum goes to the norm as it is (no copy kernel), which rounds it to
-    the model dtype as it loads it: the layer's output is, bit for bit, the one of the sum rounded first. On
-    several ranks `routed` rounds it before the all-reduce."""
+    the model dtype as it loads it: the layer's output is, bit for bit, the one of the sum rounded first. In the
+    sharded-latent layout it goes to `all_reduce_rounded` as it is (the next test); with the latent replicated
+    over several ranks `routed` rounds it before the all-reduce."""
     moe = tiny_moe(torch.bfloat16)
     x = torch.randn(3, moe.config.hidden_size, device=DEVICE).to(torch.bfloat16)
 
@@ -215,5 +216,31 @@ def test_an_fp32_routed_sum_is_rounded_as_the_norm_loads_it():
     assert rel(got, moe(x)) < 2e-2
     routing, z, _ = REFERENCE_OPS.moe_inputs(moe, x)
     assert GpuLayerOps({moe: fp32_sum}).routed(moe, z, routing).dtype == torch.float32
-    rank = rank_moe(moe, ShardingPlan(2, 0, latent_sharded=True), LockstepCommunicator(Lockstep(2), 0))
+    rank = rank_moe(moe, ShardingPlan(2, 0), LockstepCommunicator(Lockstep(2), 0))
     assert GpuLayerOps({rank: fp32_sum}).routed(rank, z, routing).dtype == torch.bfloat16
+
+
+def test_sharded_latent_ranks_reduce_their_fp32_sums_rounded_first():
+    """In the sharded-latent layout each rank's fp32 routed sum goes to `all_reduce_rounded` as it is, which
+    rounds it before summing (here in a cast; symmetric memory in its staging copy): every rank's output is, bit
+    for bit, the one of sums rounded by the kernel itself."""
+    whole = tiny_moe(torch.bfloat16)
+    x = torch.randn(3, whole.config.hidden_size, device=DEVICE).to(torch.bfloat16)
+
+    def outputs(round_in_kernel: bool) -> list[torch.Tensor]:
+        lockstep = Lockstep(2)
+        moes = [rank_moe(whole, ShardingPlan(2, rank, latent_sharded=True), LockstepCommunicator(lockstep, rank))
+                for rank in range(2)]
+
+        def kernel(rank):
+            def fp32_sum(z, experts, weights):
+                r = moes[rank].routed(z, Routing(experts, weights)).float()
+                r = r + r.abs() * 2**-11
+                return r.to(torch.bfloat16) if round_in_kernel else r
+            return fp32_sum
+
+        opses = [GpuLayerOps({moes[rank]: kernel(rank)}) for rank in range(2)]
+        return lockstep.run(lambda rank: moes[rank](x, opses[rank]))
+
+    for got, want in zip(outputs(False), outputs(True), strict=True):
+        assert torch.equal(got, want)

@@ -357,17 +357,15 @@ class GpuLayerOps(LayerOps):
         return gemm_input
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """The kernel's fp32 sum as it is where it goes straight to `latent_output` (one rank, a latent space: its
-        norm rounds it to z's dtype as it loads it, no copy kernel); else rounded to z's dtype, as the reference's.
-        On several ranks that is before the all-reduce: the partial sums are reduced in the model dtype, as the
-        reference reduces them (an fp32 message would also leave the symmetric-memory all-reduce, which takes the
-        model dtype only, for NCCL: comm_choice)."""
+        """The kernel's fp32 sum as it is where forward hands it to `latent_output` (a latent space, on one rank or
+        in the sharded-latent layout): the latent norm rounds it to z's dtype as it loads it, and on several ranks
+        `all_reduce_rounded` rounds each rank's partial sum first (symmetric memory in its staging copy), as the
+        reference rounds them; no copy kernel either way. Else rounded to z's dtype here, as the reference's."""
         kernel = self.experts.get(moe)
         if kernel is None:
             return moe.routed(z, routing)
         r = kernel(z, routing.experts, routing.weights)
-        straight_to_norm = moe.comm.world_size == 1 and moe.config.routed_expert_hidden_size is not None
-        return r if straight_to_norm else r.to(z.dtype)
+        return r if moe.shared_in_latent_output else r.to(z.dtype)
 
     def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         return self.linear(mlp.down_proj, self.mlp_hidden(mlp, x))

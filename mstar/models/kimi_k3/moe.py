@@ -192,7 +192,8 @@ class LatentMoE(nn.Module):
                              f"got world_size={comm.world_size}")
         routing, z_held, hidden = ops.moe_inputs(self, x)
         z = comm.all_gather(z_held)  # [T, latent], every rank's slice in order
-        r = comm.all_reduce(ops.routed(self, z, routing))  # whole: the norm needs every latent column
+        # whole: the norm needs every latent column; each rank's partial sum rounded to the model dtype first
+        r = comm.all_reduce_rounded(ops.routed(self, z, routing), z.dtype)
         held = self.routed_expert_up_proj.in_features
         y = ops.latent_output(self, r, hidden, slice(comm.rank * held, (comm.rank + 1) * held))
         return comm.all_reduce(y)
