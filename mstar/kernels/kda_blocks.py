@@ -243,6 +243,24 @@ def _row_inputs(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, t, end
 
 
 @triton.jit
+def delta_rule_row(S, qt, kt, vt, z, bt, rate, lower_bound, scale, HAS_LOWER_BOUND: tl.constexpr, EPS: tl.constexpr):
+    """One row of kda.py's gated delta rule on a state tile S [K, columns] fp32, all in fp32: q and k L2-normalised,
+    the gate of z = f + dt_bias (K3's lower_bound * sigmoid(exp(A_log) z), or Kimi-Linear's -exp(A_log)
+    softplus(z)), beta's sigmoid. (q, k, z [K]; v and the returned o [columns]; rate = exp(A_log).) Returns
+    (the new S, o = S^T (scale q))."""
+    qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
+    kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
+    if HAS_LOWER_BOUND:
+        g = lower_bound / (1.0 + tl.exp(-rate * z))
+    else:
+        g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    S = S * tl.exp(g)[:, None]
+    predicted = tl.sum(S * kt[:, None], axis=0)  # S^T k
+    S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
+    return S, tl.sum(S * (scale * qt)[:, None], axis=0)
+
+
+@triton.jit
 def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, a_log_ptr, dt_bias_ptr,
                            states_ptr, s_slot, slots_ptr, starts_ptr, ends_ptr, fold_ptr, o_ptr, scale, lower_bound,
                            H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -270,16 +288,7 @@ def _fold_recurrent_kernel(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf,
         z = zn + bias
         qn, kn, vn, zn, bn = _row_inputs(q_ptr, k_ptr, v_ptr, f_ptr, beta_ptr, sq, sk, sv, sf, sb, t + 1, end, h,
                                          ks, vs, v_ok, K, V)
-        qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
-        kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
-        if HAS_LOWER_BOUND:
-            g = lower_bound / (1.0 + tl.exp(-rate * z))
-        else:
-            g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-        S = S * tl.exp(g)[:, None]
-        predicted = tl.sum(S * kt[:, None], axis=0)  # S^T k
-        S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
-        ot = tl.sum(S * (scale * qt)[:, None], axis=0)
+        S, ot = delta_rule_row(S, qt, kt, vt, z, bt, rate, lower_bound, scale, HAS_LOWER_BOUND, EPS)
         tl.store(o_ptr + t * H * V + h * V + vs, ot.to(o_ptr.dtype.element_ty), mask=v_ok)
         folds_here = v_ok & (t + vs * 0 == last_folded)  # a full tensor (see _row_value)
         tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty), mask=folds_here[None, :])

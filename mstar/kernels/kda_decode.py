@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from mstar.kernels import pdl
+from mstar.kernels.kda_blocks import delta_rule_row
 
 
 def decode_conv_reference(rows: torch.Tensor, windows: torch.Tensor, weight: torch.Tensor
@@ -248,17 +249,7 @@ def _decode_step_kernel(q_ptr, k_ptr, v_ptr, fa_ptr, beta_ptr, gate_ptr, sq, sk,
     qt = _conv_silu(q_row, q_hist, q_taps, q_last, dtype)
     kt = _conv_silu(k_row, k_hist, k_taps, k_last, dtype)
     vt = _conv_silu(v_row, v_hist, v_taps, v_last, dtype)
-    # the gated delta rule of one row, as kda_blocks._fold_recurrent_kernel computes it
-    qt = qt / tl.sqrt(tl.sum(qt * qt, axis=0) + EPS)
-    kt = kt / tl.sqrt(tl.sum(kt * kt, axis=0) + EPS)
-    if HAS_LOWER_BOUND:
-        g = lower_bound / (1.0 + tl.exp(-rate * z))
-    else:
-        g = -rate * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-    S = S * tl.exp(g)[:, None]
-    predicted = tl.sum(S * kt[:, None], axis=0)  # S^T k
-    S = S + kt[:, None] * ((1.0 / (1.0 + tl.exp(-bt))) * (vt - predicted))[None, :]
-    o = tl.sum(S * (scale * qt)[:, None], axis=0)
+    S, o = delta_rule_row(S, qt, kt, vt, z, bt, rate, lower_bound, scale, HAS_LOWER_BOUND, EPS)
     tl.store(state_ptrs, S.to(states_ptr.dtype.element_ty))
     # the gated head norm of o in v's dtype (as the recurrence stored it), as _gated_head_norm_kernel computes it
     o = o.to(v_ptr.dtype.element_ty).to(tl.float32)
