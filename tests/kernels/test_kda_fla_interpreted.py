@@ -205,33 +205,41 @@ def test_a_staged_prefill_step_matches_torch(stacked, lengths, num_rows):
         assert rel(getattr(pool, name)[:, 1:], getattr(ref, name)[:, 1:]) < 1e-5, name
 
 
-def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_reference(tiny_model, tiny_dirs):
-    """The engine with DSpark (k=3) on the tiny fp32 model, its KDA layers through GpuMixerOps (decode,
-    short-block verify with pending prefixes, ragged prefill) run by the interpreter: greedy tokens
-    equal the reference's."""
+def served_through_gpu_kda(tiny_model, tiny_dir, lengths, max_tokens, cfg, draft=None):
+    """Greedy jobs of random prompts of `lengths` served by an engine on the tiny fp32 model whose KDA layers run
+    through GpuMixerOps (by the interpreter here; CUDA picks it on a GPU): (the engine, the jobs, the tokens)."""
     import random
 
-    from greedy_ties import assert_greedy_matches
-
-    from mstar.config import EngineConfig
     from mstar.engine.core import EngineCore, SpeculativeModels
-    from mstar.models.dspark.model import K3DSparkModel
     from mstar.models.kimi_k3.generate import greedy_generate
     from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
     rng = random.Random()
     jobs = []
-    for n in (2, 20, 45):
+    for n in lengths:
         prompt = [rng.randrange(1000) for _ in range(n)]
-        jobs.append((prompt, 8, greedy_generate(tiny_model, prompt, 8)))
+        jobs.append((prompt, max_tokens, greedy_generate(tiny_model, prompt, max_tokens)))
+    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg,
+                      None if draft is None else SpeculativeModels(draft))
+    core.runner.serving.ops = GpuMixerOps()
+    return core, jobs, run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
+
+
+def test_served_speculative_greedy_through_the_gpu_kda_paths_equals_the_reference(tiny_model, tiny_dirs):
+    """The engine with DSpark (k=3) on the tiny fp32 model, its KDA layers through GpuMixerOps (decode,
+    short-block verify with pending prefixes, ragged prefill) run by the interpreter: greedy tokens
+    equal the reference's."""
+    from greedy_ties import assert_greedy_matches
+
+    from mstar.config import EngineConfig
+    from mstar.models.dspark.model import K3DSparkModel
+
     draft = K3DSparkModel.from_checkpoint(tiny_dirs[1], dtype=torch.float32)
     cfg = EngineConfig(max_seq_len=256, resources={"mla_kv": {"page_size": 8, "max_num_pages": 200},
                                                    "kda_state": {"max_slots": 5}},
                        scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 64},
                        model_kwargs={"speculative_tokens": 3})
-    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dirs[0]), cfg, SpeculativeModels(draft))
-    core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
-    got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
+    core, jobs, got = served_through_gpu_kda(tiny_model, tiny_dirs[0], (2, 20, 45), 8, cfg, draft)
     assert core.spec.num_rows > 0  # verify steps ran
     assert_greedy_matches(tiny_model, jobs, got)
 
@@ -240,24 +248,12 @@ def test_served_greedy_decode_through_the_decode_kernel_equals_the_reference(tin
     """The engine without speculation on the tiny fp32 model, its KDA layers through GpuMixerOps run by the
     interpreter: its decode steps (batches of up to 3 sequences) take kda_decode.decode_step; greedy tokens
     equal the reference's."""
-    import random
-
     from greedy_ties import assert_greedy_matches
 
     from mstar.config import EngineConfig
-    from mstar.engine.core import EngineCore
-    from mstar.models.kimi_k3.generate import greedy_generate
-    from mstar.models.kimi_k3.tokenizer import KimiTokenizer
 
-    rng = random.Random()
-    jobs = []
-    for n in (3, 9, 17):
-        prompt = [rng.randrange(1000) for _ in range(n)]
-        jobs.append((prompt, 6, greedy_generate(tiny_model, prompt, 6)))
     cfg = EngineConfig(max_seq_len=64, resources={"mla_kv": {"page_size": 8, "max_num_pages": 40},
                                                   "kda_state": {"max_slots": 5}},
                        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64})
-    core = EngineCore(tiny_model, KimiTokenizer.from_dir(tiny_dir), cfg)
-    core.runner.serving.ops = GpuMixerOps()  # CUDA picks it; here the interpreter runs its kernels
-    got = run_to_completion(core, numbered(jobs)).numbered_tokens(len(jobs))
+    _, jobs, got = served_through_gpu_kda(tiny_model, tiny_dir, (3, 9, 17), 6, cfg)
     assert_greedy_matches(tiny_model, jobs, got)
