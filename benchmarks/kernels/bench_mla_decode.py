@@ -58,8 +58,10 @@ class Shape:
         self.lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
 
     def call(self, s: int, num_splits: int, workspace, config, min_split: int) -> None:
-        mla.paged_mla_decode(self.q[s], self.cache, self.tables[s], self.lens, SCALE, self.out[s],
-                             num_splits=num_splits, workspace=workspace, config=config, min_split_tokens=min_split)
+        q = self.q[s]  # the query's parts as views of one q_abs
+        mla.paged_mla_decode(q[..., :LATENT], q[..., LATENT:], self.cache, self.tables[s], self.lens, SCALE,
+                             self.out[s], num_splits=num_splits, workspace=workspace, config=config,
+                             min_split_tokens=min_split)
 
     def check(self, num_splits: int, config, min_split: int = mla.DEFAULT_MIN_SPLIT_TOKENS) -> float:
         """Relative error of set 0 against the fp32 reference (output poisoned first)."""

@@ -54,8 +54,8 @@ class Prompt:
         self.lens = torch.tensor([t], dtype=torch.int32, device="cuda")
 
     def call(self, config: mla.KernelConfig | None) -> torch.Tensor:
-        return mla.paged_mla_prefill(self.q, self.cache, self.table, self.cu, self.lens, SCALE, self.out,
-                                     config=config)
+        return mla.paged_mla_prefill(self.q[..., :LATENT], self.q[..., LATENT:], self.cache, self.table, self.cu,
+                                     self.lens, SCALE, self.out, config=config)
 
     def error(self, config: mla.KernelConfig | None) -> float:
         self.out.fill_(float("nan"))

@@ -52,9 +52,9 @@ class Blocks:
         self.bytes = batch * context * WIDTH * 2 + self.q.numel() * 2 + self.out.numel() * 2
 
     def call(self, splits: int, min_split: int, workspace) -> torch.Tensor:
-        return mla.paged_mla_prefill(self.q, self.cache, self.table, self.cu, self.lens, SCALE, self.out,
-                                     max_query_len=self.rows, num_splits=splits, min_split_tokens=min_split,
-                                     workspace=workspace, causal=self.causal)
+        return mla.paged_mla_prefill(self.q[..., :LATENT], self.q[..., LATENT:], self.cache, self.table, self.cu,
+                                     self.lens, SCALE, self.out, max_query_len=self.rows, num_splits=splits,
+                                     min_split_tokens=min_split, workspace=workspace, causal=self.causal)
 
     def workspace(self, splits: int):
         return mla.split_workspace(splits, self.q.shape[0], self.heads, LATENT, "cuda") if splits > 1 else None

@@ -6,13 +6,16 @@ shared-expert width 768):
     python3 benchmarks/kernels/bench_small_kernels.py --tokens 1024 8192 --attn-res-tiles 1024x4 512x2 \
         --attn-res-sources 5 9     # AttnRes's three launches at prefill sizes, by tiling
     python3 benchmarks/kernels/bench_small_kernels.py --only decode_step --tokens 1 8 16 64
+    python3 benchmarks/kernels/bench_small_kernels.py --only "latent kv write" --tokens 1 8 64 1024
 
 T is the step's token rows, except for fold_recurrent (a verify step's KDA recurrence), where it is the
 sequences, each a block of VERIFY_ROWS rows after PENDING_ROWS accepted ones folded from its slot's state;
 that kernel is timed at each of its candidate tiles (kda_blocks.FOLD_TILES, the default marked).
 kda_decode.decode_step (a KDA layer's decode step after its input GEMM, one launch) is timed at each of its
 candidate warp counts (kda_decode.DECODE_STEP_WARP_CHOICES) against the chain of launches it replaced (the
-f_b GEMV, decode_conv, fla's recurrent kernel, gated_head_norm), which its "torch µs" column holds.
+f_b GEMV, decode_conv, fla's recurrent kernel, gated_head_norm), which its "torch µs" column holds. The latent KV
+write (an MLA layer's new rows [c_kv | k_pe] into their slots, kv_slots.write_latent_rows) is timed against the
+cat and index_put it replaced.
 
 Each kernel is first checked against its torch reference (relative error), then captured in a CUDA
 graph that runs it over several input sets in turn (so that one pass reads past the 50 MB L2, as a
@@ -39,13 +42,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
-from mstar.kernels import attn_res_norm, gated_mlp, kda_blocks, kda_decode, router_topk, skinny_gemm  # noqa: E402
+from mstar.kernels import (  # noqa: E402
+    attn_res_norm,
+    gated_mlp,
+    kda_blocks,
+    kda_decode,
+    kv_slots,
+    router_topk,
+    skinny_gemm,
+)
 from mstar.models.kimi_k3 import attn_res, norm  # noqa: E402
 from mstar.models.kimi_k3.kda import GatedHeadNorm, kda_gate, kda_recurrent, l2_normalize  # noqa: E402
 from mstar.models.kimi_k3.mlp import situ  # noqa: E402
 
 HBM = 4.3e12
 D, HEADS, HEAD_DIM, SOURCES, EXPERTS, TOP_K, SHARED = 7168, 12, 128, 9, 224, 16, 768
+LATENT, ROPE, PAGE, KV_PAGES = 512, 64, 64, 512  # an MLA layer's rows; the pages each set writes into
 SETS = 8
 VERIFY_ROWS, PENDING_ROWS = 8, 2  # DSpark k = 7
 BF16 = torch.bfloat16
@@ -222,6 +234,26 @@ def decode_step_bytes(t: int) -> int:
             + t * (5 * width + HEAD_DIM + HEADS) * 2 + width * HEAD_DIM * 2 + 3 * 4 * width * 4)
 
 
+def kv_write_case(t: int):
+    """t rows as the MLA layer leaves them (c_kv a tensor of its own, k_pe the last columns of kv_a) into distinct
+    random slots of a layer's pages; each side writes its own copy of the pages, which it returns."""
+    c_kv = torch.randn(t, LATENT, device="cuda", dtype=BF16)
+    k_pe = torch.randn(t, LATENT + ROPE, device="cuda", dtype=BF16)[:, LATENT:]
+    slots = torch.randperm(KV_PAGES * PAGE, device="cuda")[:t]
+    fused_cache, torch_cache = (torch.zeros(KV_PAGES, PAGE, LATENT + ROPE, device="cuda", dtype=BF16)
+                                for _ in range(2))
+
+    def fused():
+        kv_slots.write_latent_rows(fused_cache, slots, c_kv, k_pe)
+        return fused_cache
+
+    def reference():  # GpuMixerOps before the kernel: PagedLatentKV.write of the cat
+        torch_cache.view(-1, LATENT + ROPE)[slots] = torch.cat([c_kv, k_pe], dim=-1)
+        return torch_cache
+
+    return fused, reference
+
+
 DECODE_STEP_CASES = {
     f"kda decode_step {w} warps{' (default)' if w == kda_decode.DECODE_STEP_WARPS else ''}":
     (lambda t, w=w: decode_step_case(t, w), decode_step_bytes) for w in kda_decode.DECODE_STEP_WARP_CHOICES}
@@ -237,6 +269,7 @@ CASES = {  # name -> (inputs, floor bytes for t tokens)
     "kda gated_head_norm": (gated_norm_case, lambda t: 3 * t * HEADS * HEAD_DIM * 2),
     "situ_and_mul": (situ_case, lambda t: 3 * t * SHARED * 2),
     "kda decode_conv": (decode_conv_case, lambda t: t * HEADS * HEAD_DIM * 3 * 2 * (1 + 3 + 3 + 1)),
+    "latent kv write": (kv_write_case, lambda t: t * ((LATENT + ROPE) * 2 * 2 + 8)),
     **FOLD_CASES,
     **DECODE_STEP_CASES,
 }

@@ -1,10 +1,16 @@
-"""A step's latent KV addressing in one launch, when a verify step in flight shifts its positions.
+"""A step's latent KV addressing and its new rows' writes, one launch each.
 
-Planned while that step runs, sequence b's new rows sit advance[b] positions past what the host knows
-(resources/latent_kv.py): each row's position, its slot (page_table[b, pos // page_size] * page_size +
-pos % page_size) and each sequence's cached length follow on the device. In torch that is eight launches
-(two gathers, adds, a floor division, a remainder), twice a speculative step (the target's KV and the
-draft's), each costing the host a dispatch; here it is one.
+Addressing (`shifted_slots`), when a verify step in flight shifts the step's positions: planned while that
+step runs, sequence b's new rows sit advance[b] positions past what the host knows (resources/latent_kv.py):
+each row's position, its slot (page_table[b, pos // page_size] * page_size + pos % page_size) and each
+sequence's cached length follow on the device. In torch that is eight launches (two gathers, adds, a floor
+division, a remainder), twice a speculative step (the target's KV and the draft's), each costing the host a
+dispatch; here it is one.
+
+Writes (`write_latent_rows`): an MLA layer's new rows [c_kv | k_pe] go to their slots of the layer's pages. In
+torch that is a cat and an index_put (a gather-scatter kernel far slower than its bytes: ~4.3 us for one row on
+the H200); here one launch reads both parts where the layer left them (k_pe a column slice of kv_a) and stores
+each row once.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from mstar.kernels import pdl
 
 _BLOCK = 256
 
@@ -46,3 +54,50 @@ def _shifted_slots_kernel(table_ptr, row_seq_ptr, pos_ptr, lens_ptr, advance_ptr
     seqs = i < B
     shifted = tl.load(lens_ptr + i, mask=seqs, other=0) + tl.load(advance_ptr + i, mask=seqs, other=0)
     tl.store(context_lens_ptr + i, shifted, mask=seqs)
+
+
+def write_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """cache.view(-1, W)[slots] = torch.cat([c_kv, k_pe], -1).to(cache.dtype), in one launch.
+
+    cache [num_pages, page_size, W] is one layer of the paged latent cache (contiguous); slots [N] int32/int64
+    (contiguous) the flat rows (page * page_size + offset) the step's rows go to, trusted to lie in the cache
+    (no host sync; the runner pads a captured bucket's rows onto the sink slot 0, where, as in torch, one of
+    them wins); c_kv [N, R] and k_pe [N, W - R] with unit column strides (any row strides: views of the
+    projections are read where they are), each cast to the cache's dtype as it is stored."""
+    _check_latent_rows(cache, slots, c_kv, k_pe)
+    if slots.shape[0] == 0:
+        return
+    latent, rope = c_kv.shape[1], k_pe.shape[1]
+    _write_latent_rows_kernel[(slots.shape[0],)](
+        cache, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0), LATENT=latent, ROPE=rope,
+        BLOCK_LATENT=triton.next_power_of_2(latent), BLOCK_ROPE=triton.next_power_of_2(rope), num_warps=1,
+        **pdl.options(_write_latent_rows_kernel, cache.device))
+
+
+def _check_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """Raise a ValueError naming every shape unless the arguments are what write_latent_rows takes."""
+    N = slots.shape[0] if slots.dim() == 1 else -1
+    if (cache.dim() != 3 or not cache.is_contiguous() or N < 0 or not slots.is_contiguous()
+            or slots.dtype not in (torch.int32, torch.int64) or c_kv.dim() != 2 or k_pe.dim() != 2
+            or c_kv.shape[0] != N or k_pe.shape[0] != N or c_kv.shape[1] + k_pe.shape[1] != cache.shape[-1]
+            or c_kv.stride(1) != 1 or k_pe.stride(1) != 1):
+        raise ValueError(f"write_latent_rows takes a contiguous cache [pages, page_size, W], contiguous int slots "
+                         f"[N], c_kv [N, R] and k_pe [N, W - R] with unit column strides; got cache "
+                         f"{tuple(cache.shape)}, slots {tuple(slots.shape)} {slots.dtype}, c_kv {tuple(c_kv.shape)} "
+                         f"strides {c_kv.stride()}, k_pe {tuple(k_pe.shape)} strides {k_pe.stride()}")
+
+
+@triton.jit
+def _write_latent_rows_kernel(cache_ptr, slots_ptr, c_ptr, pe_ptr, stride_c, stride_pe, LATENT: tl.constexpr,
+                              ROPE: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+                              PDL: tl.constexpr):
+    pdl.wait_for_inputs(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    # a constexpr row width lets the compiler prove every cache row's alignment (vector stores)
+    dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * (LATENT + ROPE)
+    cols = tl.arange(0, BLOCK_LATENT)
+    c = tl.load(c_ptr + row * stride_c + cols, mask=cols < LATENT)
+    tl.store(dst + cols, c.to(cache_ptr.dtype.element_ty), mask=cols < LATENT)
+    cols = tl.arange(0, BLOCK_ROPE)
+    pe = tl.load(pe_ptr + row * stride_pe + cols, mask=cols < ROPE)
+    tl.store(dst + LATENT + cols, pe.to(cache_ptr.dtype.element_ty), mask=cols < ROPE)

@@ -3,8 +3,10 @@
 Every K3 MLA head attends over the same cached rows [c_kv (512) | k_pe (64)] (one latent "KV head": the
 model's `mla.absorbed_attention`, which the torch references here equal, tests/kernels/test_kernel_mla.py).
 Decode is memory-bound on those rows, so a program loads each 576-wide row once and uses it for every head
-it holds, twice: as the key (all 576 columns, against q_abs) and as the value (the first 512 columns,
-weighted by the softmax).
+it holds, twice: as the key (all 576 columns, against the absorbed query q_abs = [W_UK^T q_nope | q_pe]) and
+as the value (the first 512 columns, weighted by the softmax). The kernels take q_abs's two parts as separate
+tensors, q_lat = W_UK^T q_nope (the einsum's output) and q_pe (a view of the query projection), and load each
+once a program from where it was computed, so no cat builds q_abs; the references take q_abs whole.
 
 Layout of one program (both entry points use the same kernel):
 
@@ -13,7 +15,7 @@ Layout of one program (both entry points use the same kernel):
            tokens times all heads in verify/prefill, so the query tokens of a block share the row loads too.
     keys   one split of the sequence's context, walked in tiles of BLOCK_N rows gathered through the
            page table (one page id per tile when BLOCK_N divides the page size, one per row otherwise).
-    math   s = q_nope.kv_lat^T + q_pe.kv_pe^T (fp32 accumulate), online softmax in fp32 in the exp2
+    math   s = q_lat.kv_lat^T + q_pe.kv_pe^T (fp32 accumulate), online softmax in fp32 in the exp2
            domain, acc += p.kv_lat. Padded and causally hidden keys are masked per row.
 
 Split-KV: with `num_splits` > 1 the context of each sequence is cut into equal pieces (a multiple of BLOCK_N
@@ -196,9 +198,9 @@ if triton is not None:
 
     @triton.jit
     def _mla_attn_kernel(
-        q_ptr, cache_ptr, page_table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+        q_lat_ptr, q_pe_ptr, cache_ptr, page_table_ptr, cu_ptr, ctx_ptr, out_ptr, part_o_ptr, part_lse_ptr,
         scale_log2, num_heads, num_splits,
-        stride_qt, stride_qh, stride_pt,
+        stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_pt,
         stride_ot, stride_oh, stride_ps, stride_pn, stride_ph, stride_ls, stride_ln,
         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -237,9 +239,11 @@ if triton is not None:
 
             d_lat = tl.arange(0, LATENT)
             d_pe = tl.arange(0, ROPE)
-            q_row = q_ptr + token * stride_qt + head * stride_qh
-            q_lat = tl.load(q_row[:, None] + d_lat[None, :], mask=row_ok[:, None], other=0.0)
-            q_pe = tl.load(q_row[:, None] + LATENT + d_pe[None, :], mask=row_ok[:, None], other=0.0)
+            # the query's two parts from where they were computed (no cat): loaded once a program
+            q_lat_row = q_lat_ptr + token * stride_qlt + head * stride_qlh
+            q_pe_row = q_pe_ptr + token * stride_qpt + head * stride_qph
+            q_lat = tl.load(q_lat_row[:, None] + d_lat[None, :], mask=row_ok[:, None], other=0.0)
+            q_pe = tl.load(q_pe_row[:, None] + d_pe[None, :], mask=row_ok[:, None], other=0.0)
 
             # A finite floor for the running max keeps exp2(m_old - m_new) free of inf - inf.
             m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -326,25 +330,28 @@ if triton is not None:
 # --- launchers -------------------------------------------------------------------------------------------
 
 
-def _check_inputs(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens: Tensor, out: Tensor,
+def _check_inputs(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, context_lens: Tensor, out: Tensor,
                   num_splits: int) -> tuple[int, int]:
     """Validate shapes and dtypes; returns (latent, rope) widths."""
     if triton is None:
         raise RuntimeError("mla_attention kernels need triton; install it or use the *_reference functions")
-    if q_abs.dim() != 3 or out.dim() != 3 or q_abs.shape[:2] != out.shape[:2]:
-        raise ValueError(f"q_abs must be [N, H, latent+rope] and out [N, H, latent] with the same N, H; got "
-                         f"q_abs {tuple(q_abs.shape)} and out {tuple(out.shape)}")
-    if cache.dim() != 3 or cache.shape[-1] != q_abs.shape[-1]:
-        raise ValueError(f"cache must be one layer's [num_pages, page_size, {q_abs.shape[-1]}] (q_abs width); "
+    if (q_lat.dim() != 3 or q_pe.dim() != 3 or out.dim() != 3 or not q_lat.shape[:2] == q_pe.shape[:2] == out.shape[:2]
+            or out.shape[-1] != q_lat.shape[-1]):
+        raise ValueError(f"q_lat must be [N, H, latent], q_pe [N, H, rope] and out [N, H, latent] with the same N, H "
+                         f"and latent; got q_lat {tuple(q_lat.shape)}, q_pe {tuple(q_pe.shape)} and out "
+                         f"{tuple(out.shape)}")
+    latent, rope = q_lat.shape[-1], q_pe.shape[-1]
+    if cache.dim() != 3 or cache.shape[-1] != latent + rope:
+        raise ValueError(f"cache must be one layer's [num_pages, page_size, {latent + rope}] (latent + rope); "
                          f"got {tuple(cache.shape)}")
-    latent = out.shape[-1]
-    rope = q_abs.shape[-1] - latent
-    for name, width in (("latent (out width)", latent), ("rope (q width - out width)", rope)):
+    for name, width in (("latent (q_lat width)", latent), ("rope (q_pe width)", rope)):
         if width < 16 or width & (width - 1):
             raise ValueError(f"{name} is {width}; the kernel needs a power of two >= 16 (K3: 512 and 64)")
-    if q_abs.dtype != cache.dtype or q_abs.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"q_abs ({q_abs.dtype}) and cache ({cache.dtype}) must share one of bf16/fp16/fp32")
-    for name, t in (("q_abs", q_abs), ("out", out)):
+    if (not q_lat.dtype == q_pe.dtype == cache.dtype
+            or cache.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+        raise ValueError(f"q_lat ({q_lat.dtype}), q_pe ({q_pe.dtype}) and cache ({cache.dtype}) must share one of "
+                         f"bf16/fp16/fp32")
+    for name, t in (("q_lat", q_lat), ("q_pe", q_pe), ("out", out)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension; got strides {t.stride()}")
     if not cache.is_contiguous():
@@ -362,17 +369,18 @@ def _check_inputs(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens
         raise ValueError(f"context_lens must be int32/int64; got {context_lens.dtype}")
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int (fixed per capture bucket); got {num_splits!r}")
-    devices = {t.device for t in (q_abs, cache, page_table, context_lens, out)}
+    devices = {t.device for t in (q_lat, q_pe, cache, page_table, context_lens, out)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
     return latent, rope
 
 
-def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor | None, context_lens: Tensor,
-            scale: float, out: Tensor, *, num_seqs: int, max_rows: int, num_splits: int, min_split_tokens: int,
-            workspace: tuple[Tensor, Tensor] | None, config: KernelConfig, causal: bool = True) -> Tensor:
-    latent, rope = _check_inputs(q_abs, cache, page_table, context_lens, out, num_splits)
-    num_tokens, num_heads = q_abs.shape[:2]
+def _launch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor | None,
+            context_lens: Tensor, scale: float, out: Tensor, *, num_seqs: int, max_rows: int, num_splits: int,
+            min_split_tokens: int, workspace: tuple[Tensor, Tensor] | None, config: KernelConfig,
+            causal: bool = True) -> Tensor:
+    latent, rope = _check_inputs(q_lat, q_pe, cache, page_table, context_lens, out, num_splits)
+    num_tokens, num_heads = q_lat.shape[:2]
     if num_seqs == 0 or num_tokens == 0:
         return out
     if config.block_n < 16 or config.block_n & (config.block_n - 1) or min_split_tokens < 1:
@@ -382,7 +390,7 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
     cu = cu_seqlens if multi_query else context_lens  # unread when not multi-query
     if num_splits > 1:
         if workspace is None:
-            workspace = split_workspace(num_splits, num_tokens, num_heads, latent, q_abs.device)
+            workspace = split_workspace(num_splits, num_tokens, num_heads, latent, q_lat.device)
         part_o, part_lse = workspace
         if (part_o.shape[0] < num_splits or part_o.shape[1:] != (num_tokens, num_heads, latent)
                 or part_lse.shape[1:] != (num_tokens, num_heads) or part_lse.stride(-1) != 1
@@ -393,14 +401,14 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
         part_o, part_lse = out, out  # unread placeholders
     grid = (triton.cdiv(max_rows, config.block_m), num_seqs, num_splits)
     _mla_attn_kernel[grid](
-        q_abs, cache, page_table, cu, context_lens, out, part_o, part_lse,
+        q_lat, q_pe, cache, page_table, cu, context_lens, out, part_o, part_lse,
         float(scale) * LOG2E, num_heads, num_splits,
-        q_abs.stride(0), q_abs.stride(1), page_table.stride(0),
+        q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         PAGE_SIZE=cache.shape[1], LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         SPLIT_KV=num_splits > 1, MIN_SPLIT=min_split_tokens, MULTI_QUERY=multi_query, CAUSAL=causal,
-        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(_mla_attn_kernel, q_abs.device),
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(_mla_attn_kernel, q_lat.device),
     )
     if num_splits > 1:
         block_dv = min(128, latent)
@@ -410,17 +418,19 @@ def _launch(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor
             out.stride(0), out.stride(1),
             LATENT=latent, BLOCK_DV=block_dv, BLOCK_S=16,
             MIN_SPLIT=min_split_tokens, ALIGN=config.block_n, MULTI_QUERY=multi_query,
-            num_warps=4, **pdl.options(_mla_merge_kernel, q_abs.device),
+            num_warps=4, **pdl.options(_mla_merge_kernel, q_lat.device),
         )
     return out
 
 
-def paged_mla_decode(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_lens: Tensor, scale: float,
-                     out: Tensor, *, num_splits: int, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+def paged_mla_decode(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, context_lens: Tensor,
+                     scale: float, out: Tensor, *, num_splits: int, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
                      workspace: tuple[Tensor, Tensor] | None = None, config: KernelConfig | None = None) -> Tensor:
     """Absorbed MLA decode, one query token per sequence; writes and returns `out`.
 
-    q_abs        [B, H, latent + rope]  [W_UK^T q_nope | q_pe] per head (K3: 512 + 64), bf16
+    q_lat, q_pe  [B, H, latent], [B, H, rope]  the absorbed query [W_UK^T q_nope | q_pe] per head (K3: 512 + 64),
+                 bf16, as its two parts were computed (any token and head strides, unit column stride): the
+                 `q_abs` of the references without its cat
     cache        [num_pages, page_size, latent + rope]  one layer's slice of the paged latent cache
     page_table   [B, max_pages] int32/int64  page ids of each sequence, in position order
     context_lens [B] int32/int64  rows each sequence attends to, including the one just written; 0 gives zeros
@@ -431,26 +441,27 @@ def paged_mla_decode(q_abs: Tensor, cache: Tensor, page_table: Tensor, context_l
                  here when None: inside a graph capture that comes from the graph's pool)
     No host sync: lengths are read on the device. Lengths past max_pages * page_size are not checked.
     """
-    if context_lens.shape[0] != q_abs.shape[0]:
-        raise ValueError(f"decode takes one query per sequence: q_abs has {q_abs.shape[0]} rows, context_lens "
+    if context_lens.shape[0] != q_lat.shape[0]:
+        raise ValueError(f"decode takes one query per sequence: q_lat has {q_lat.shape[0]} rows, context_lens "
                          f"{tuple(context_lens.shape)}")
-    cfg = config or default_config(q_abs.shape[1], cache.shape[1], multi_query=False)
-    return _launch(q_abs, cache, page_table, None, context_lens, scale, out, num_seqs=q_abs.shape[0],
-                   max_rows=q_abs.shape[1], num_splits=num_splits, min_split_tokens=min_split_tokens,
+    cfg = config or default_config(q_lat.shape[1], cache.shape[1], multi_query=False)
+    return _launch(q_lat, q_pe, cache, page_table, None, context_lens, scale, out, num_seqs=q_lat.shape[0],
+                   max_rows=q_lat.shape[1], num_splits=num_splits, min_split_tokens=min_split_tokens,
                    workspace=workspace, config=cfg)
 
 
-def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor, context_lens: Tensor,
-                      scale: float, out: Tensor, *, max_query_len: int | None = None, num_splits: int = 1,
-                      min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS, workspace: tuple[Tensor, Tensor] | None = None,
-                      config: KernelConfig | None = None, causal: bool = True) -> Tensor:
+def paged_mla_prefill(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor,
+                      context_lens: Tensor, scale: float, out: Tensor, *, max_query_len: int | None = None,
+                      num_splits: int = 1, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+                      workspace: tuple[Tensor, Tensor] | None = None, config: KernelConfig | None = None,
+                      causal: bool = True) -> Tensor:
     """Absorbed MLA over several query tokens per sequence (chunked prefill, speculative verify); causal, or
     with `causal=False` every query of sequence b sees all its context_lens[b] rows (a DSpark draft block,
     bidirectional over its own rows and its context; its rows need not be the last ones: q_len_b may exceed
     context_lens[b] for padding rows, which then attend to the same rows).
 
-    q_abs        [N, H, latent + rope]; sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1], which are its
-                 last q_len_b positions: query i sits at position context_lens[b] - q_len_b + i
+    q_lat, q_pe  [N, H, latent], [N, H, rope] (as in decode); sequence b owns rows cu_seqlens[b]:cu_seqlens[b+1],
+                 which are its last q_len_b positions: query i sits at position context_lens[b] - q_len_b + i
     cu_seqlens   [B+1] int32/int64 row offsets (the step's seq_starts)
     context_lens [B] rows cached after this step (q_len_b <= context_lens[b])
     max_query_len  a static upper bound of every q_len_b (defaults to N; a tighter bound shrinks the grid;
@@ -459,15 +470,15 @@ def paged_mla_prefill(q_abs: Tensor, cache: Tensor, page_table: Tensor, cu_seqle
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != context_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens must be [B+1] = [{context_lens.shape[0] + 1}]; got {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.device != q_abs.device:
-        raise ValueError(f"cu_seqlens must be int32/int64 on {q_abs.device}; got {cu_seqlens.dtype} "
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.device != q_lat.device:
+        raise ValueError(f"cu_seqlens must be int32/int64 on {q_lat.device}; got {cu_seqlens.dtype} "
                          f"on {cu_seqlens.device}")
-    num_tokens, num_heads = q_abs.shape[:2]
+    num_tokens, num_heads = q_lat.shape[:2]
     max_q = num_tokens if max_query_len is None else min(int(max_query_len), num_tokens)
     cfg = config or default_config(num_heads, cache.shape[1], multi_query=True, query_rows=max_q)
-    return _launch(q_abs, cache, page_table, cu_seqlens, context_lens, scale, out, num_seqs=context_lens.shape[0],
-                   max_rows=max_q * num_heads, num_splits=num_splits, min_split_tokens=min_split_tokens,
-                   workspace=workspace, config=cfg, causal=causal)
+    return _launch(q_lat, q_pe, cache, page_table, cu_seqlens, context_lens, scale, out,
+                   num_seqs=context_lens.shape[0], max_rows=max_q * num_heads, num_splits=num_splits,
+                   min_split_tokens=min_split_tokens, workspace=workspace, config=cfg, causal=causal)
 
 
 def decode_bytes(batch: int, context: int, num_heads: int, width: int = 576, latent: int = 512,

@@ -1,7 +1,8 @@
-"""The shifted KV addressing kernel (mstar/kernels/kv_slots.py) against the torch arithmetic it replaces
-(resources/latent_kv.shift_slots on the CPU): random page tables, ragged rows per sequence, shifts up to
-the furthest a verify step in flight may keep; outputs poisoned first (the allocator's freed blocks on the
-GPU). Without CUDA through Triton's interpreter."""
+"""The latent KV kernels (mstar/kernels/kv_slots.py) against the torch they replace: the shifted addressing
+against resources/latent_kv.shift_slots on the CPU (random page tables, ragged rows per sequence, shifts up to
+the furthest a verify step in flight may keep; outputs poisoned first, the allocator's freed blocks on the
+GPU), the rows' write against PagedLatentKV.write's index_put of the cat (caches poisoned with NaN). Without
+CUDA through Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from mstar.kernels.kv_slots import shifted_slots  # noqa: E402
+from mstar.kernels.kv_slots import shifted_slots, write_latent_rows  # noqa: E402
 from mstar.resources.latent_kv import shift_slots  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,3 +57,66 @@ def test_shapes_that_do_not_match_are_refused():
     table, row_seq, positions, lens, advance = random_step(random.Random(0), 16)
     with pytest.raises(ValueError, match="shifted_slots takes"):
         shifted_slots(table, row_seq[:-1], positions, lens, advance, 16)
+
+
+SINK = 0  # the runner's padding rows all write slot 0 (page 0 is never a request's)
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16}
+
+
+def torch_write(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+    """What GpuMixerOps did before the kernel: PagedLatentKV.write of the cat."""
+    cache.view(-1, cache.shape[-1])[slots] = torch.cat([c_kv, k_pe], dim=-1).to(cache.dtype)
+
+
+def random_rows(rng: random.Random, latent: int, rope: int, page_size: int, dtype: torch.dtype):
+    """(pages, slots, c_kv, k_pe, padding) of a step: the real rows on distinct slots past page 0 in random order,
+    then `padding` rows on the sink; c_kv a tensor of its own, k_pe the last columns of kv_a (as the layer leaves
+    them). Drawn from `rng` alone (the global generator's later draws stay as they were)."""
+    gen = torch.Generator().manual_seed(rng.getrandbits(32))
+    pages = rng.randint(2, 5)
+    real, padding = rng.randint(0, 12), rng.choice([0, 1, 3])
+    slots = torch.randperm((pages - 1) * page_size, generator=gen)[:real] + page_size
+    slots = torch.cat([slots, torch.full((padding,), SINK)]).to(rng.choice([torch.int32, torch.int64]))
+    n = slots.shape[0]
+    kv_a = torch.randn(n, latent + rope, generator=gen).to(dtype)
+    return pages, slots, torch.randn(n, latent, generator=gen).to(dtype), kv_a[:, latent:], padding
+
+
+# Triton's interpreter truncates fp32 to bf16 (its casts ignore the rounding mode); the GPU rounds to nearest even
+ROUNDS_LIKE_TORCH = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                                       reason="the interpreter truncates fp32 to bf16")
+
+
+@pytest.mark.parametrize("cache_dtype,rows_dtype", [
+    pytest.param(torch.float32, torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, torch.bfloat16, id="bf16"),
+    pytest.param(torch.float32, torch.bfloat16, id="bf16_rows_into_fp32"),
+    pytest.param(torch.bfloat16, torch.float32, id="fp32_rows_into_bf16", marks=ROUNDS_LIKE_TORCH)])
+def test_latent_rows_land_where_torch_writes_them(cache_dtype, rows_dtype):
+    """Random steps at K3's row, the mini's and widths no power of two: every slot no row names stays NaN; the rest
+    hold bit for bit what torch writes (rounded to the cache's dtype alike), the sink one of its padding rows."""
+    rng = random.Random(str(cache_dtype) + str(rows_dtype))
+    for latent, rope in ((512, 64), (64, 16), (40, 24)) * 3:
+        page_size = rng.choice([16, 64])
+        pages, slots, c_kv, k_pe, padding = random_rows(rng, latent, rope, page_size, rows_dtype)
+        expected = torch.full((pages, page_size, latent + rope), float("nan"), dtype=cache_dtype)
+        got = expected.to(DEVICE, copy=True)
+        torch_write(expected, slots, c_kv, k_pe)
+        write_latent_rows(got, slots.to(DEVICE), c_kv.to(DEVICE), k_pe.to(DEVICE))
+        got = got.cpu().view(-1, latent + rope)
+        expected = expected.view(-1, latent + rope)
+        if padding:
+            written = torch.cat([c_kv, k_pe], dim=-1)[-padding:].to(cache_dtype).view(BITS[cache_dtype])
+            assert (got[SINK].view(BITS[cache_dtype]) == written).all(-1).any(), "the sink holds no padding row"
+            got[SINK] = expected[SINK]
+        assert torch.equal(got.view(BITS[cache_dtype]), expected.view(BITS[cache_dtype])), (latent, rope)
+
+
+def test_latent_rows_that_do_not_fit_are_refused():
+    cache = torch.zeros(2, 16, 80)
+    slots, c_kv, k_pe = torch.arange(3), torch.zeros(3, 64), torch.zeros(3, 16)
+    for bad in ((cache, slots, c_kv, k_pe[:, :8]), (cache, slots, c_kv.t().contiguous().t(), k_pe),
+                (cache, slots.float(), c_kv, k_pe), (cache.transpose(0, 1), slots, c_kv, k_pe),
+                (cache, slots[:2], c_kv, k_pe)):
+        with pytest.raises(ValueError, match="write_latent_rows takes"):
+            write_latent_rows(*bad)

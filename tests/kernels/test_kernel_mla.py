@@ -67,6 +67,12 @@ def tolerance(dtype: torch.dtype) -> float:
     return {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
 
 
+def parts(q: torch.Tensor, rope: int = ROPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' query parts (q_lat, q_pe) of a whole q_abs [N, H, latent + rope], as views (the addresses
+    the kernel read before it took the parts apart)."""
+    return q[..., :-rope], q[..., -rope:]
+
+
 def poisoned(shape, dtype, device) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
@@ -148,7 +154,8 @@ def test_decode_tiny(dtype, block_n, num_splits):
                                        pt_dtype=torch.int32 if block_n == 16 else torch.int64)
     out = poisoned((len(lens), heads, LATENT), dtype, device)
     cfg = mla.KernelConfig(block_m=16, block_n=block_n, num_warps=4, num_stages=2)
-    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, min_split_tokens=16, config=cfg)
+    mla.paged_mla_decode(*parts(q), cache, table, ctx, SCALE, out, num_splits=num_splits, min_split_tokens=16,
+                         config=cfg)
     assert torch.isfinite(out).all(), "some outputs were never written"
     ref = reference_fp64(q, cache, table, ctx)
     assert rel_err(out, ref) <= tolerance(dtype)
@@ -170,7 +177,8 @@ def test_decode_many_splits_tiny():
         cache[page, slot] = (cache[page, slot].float() + 0.05 * q[0, 0].float()).to(dtype)
     out = poisoned((2, 2, LATENT), dtype, device)
     cfg = mla.KernelConfig(block_m=16, block_n=16, num_warps=4, num_stages=2)
-    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=20, min_split_tokens=16, config=cfg)
+    mla.paged_mla_decode(*parts(q), cache, table, ctx, SCALE, out, num_splits=20, min_split_tokens=16,
+                         config=cfg)
     assert torch.isfinite(out).all()
     ref = reference_fp64(q, cache, table, ctx)
     for b in range(2):
@@ -185,7 +193,7 @@ def test_decode_zero_context_writes_zeros():
     q, cache, table, ctx = decode_case([0, 20], 2, 16, dtype, device)
     for splits in (1, 2):
         out = poisoned((2, 2, LATENT), dtype, device)
-        mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=splits, min_split_tokens=16)
+        mla.paged_mla_decode(*parts(q), cache, table, ctx, SCALE, out, num_splits=splits, min_split_tokens=16)
         assert (out[0] == 0).all()
         assert rel_err(out[1], reference_fp64(q, cache, table, ctx)[1]) <= tolerance(dtype)
 
@@ -208,7 +216,7 @@ def test_prefill_tiny(num_splits, block_m, block_n):
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
     out = poisoned((n_rows, heads, LATENT), dtype, device)
     cfg = mla.KernelConfig(block_m=block_m, block_n=block_n, num_warps=4, num_stages=2)
-    mla.paged_mla_prefill(q, cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
+    mla.paged_mla_prefill(*parts(q), cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
                           num_splits=num_splits, min_split_tokens=16, config=cfg)
     rows = int(cu[-1])
     assert torch.isfinite(out[:rows]).all(), "some outputs were never written"
@@ -237,7 +245,7 @@ def test_noncausal_blocks_see_every_row(num_splits):
     q_lens, lens = [4, 4, 7], [23, 3, 40]
     q, cache, table, cu, ctx = noncausal_case(q_lens, lens, 2, 16, dtype, device)
     out = poisoned((q.shape[0], 2, LATENT), dtype, device)
-    mla.paged_mla_prefill(q, cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
+    mla.paged_mla_prefill(*parts(q), cache, table, cu.to(device), ctx, SCALE, out, max_query_len=max(q_lens),
                           num_splits=num_splits, min_split_tokens=16, causal=False)
     up = torch.float64
     ref = mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu, ctx, SCALE, causal=False)
@@ -266,10 +274,56 @@ def test_prefill_rows_equal_decode_rows():
     q = torch.randn(6, 2, WIDTH, device=device).to(dtype)
     cu = torch.tensor([0, 4, 6], dtype=torch.int32, device=device)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
-    block = mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, poisoned((6, 2, LATENT), dtype, device))
-    last = mla.paged_mla_decode(q[[3, 5]].contiguous(), cache, table, ctx, SCALE,
+    block = mla.paged_mla_prefill(*parts(q), cache, table, cu, ctx, SCALE, poisoned((6, 2, LATENT), dtype, device))
+    last = mla.paged_mla_decode(*parts(q[[3, 5]]), cache, table, ctx, SCALE,
                                 poisoned((2, 2, LATENT), dtype, device), num_splits=1)
     torch.testing.assert_close(block[[3, 5]], last, rtol=1e-3, atol=1e-3)
+
+
+def apart(q: torch.Tensor, nope: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_abs's parts as GpuMixerOps hands them to the kernels: q_lat head-major (the einsum's output, [N, H, latent]
+    with strides (latent, N latent, 1)), q_pe the last columns of a wider [N, H, nope + rope] query projection."""
+    q_lat = torch.empty(q.shape[1], q.shape[0], LATENT, dtype=q.dtype, device=q.device).transpose(0, 1)
+    q_lat.copy_(q[..., :LATENT])
+    projection = torch.randn(*q.shape[:2], nope + ROPE, device=q.device).to(q.dtype)
+    projection[..., nope:] = q[..., LATENT:]
+    return q_lat, projection[..., nope:]
+
+
+@tiny
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_query_parts_are_read_where_they_lie(num_splits):
+    """Decode and causal blocks give bit-identical outputs whether q_lat and q_pe are views of one q_abs (the
+    addresses of the single-tensor form) or tensors of their own in the layouts the serving model makes."""
+    with torch.random.fork_rng():  # seeded; the later tests draw what they drew before this one
+        torch.manual_seed(num_splits)
+        check_query_parts(num_splits)
+
+
+def check_query_parts(num_splits: int) -> None:
+    """Decode, then causal blocks, each from both forms of the same query (the test above)."""
+    device = tiny_device()
+    dtype = torch.float32 if INTERPRET else torch.bfloat16
+    lens, q_lens = [5, 40, 23], [1, 4, 3]
+    table, num_pages = make_pages(lens, 16, device=device)
+    cache = torch.randn(num_pages, 16, WIDTH, device=device).to(dtype)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=device)
+    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    for rows, cu_seqlens in ((len(lens), None), (sum(q_lens), cu)):
+        q = torch.randn(rows, 2, WIDTH, device=device).to(dtype)
+        outs = []
+        for q_lat, q_pe in (parts(q), apart(q)):
+            out = poisoned((rows, 2, LATENT), dtype, device)
+            if cu_seqlens is None:
+                mla.paged_mla_decode(q_lat, q_pe, cache, table, ctx, SCALE, out, num_splits=num_splits,
+                                     min_split_tokens=16)
+            else:
+                mla.paged_mla_prefill(q_lat, q_pe, cache, table, cu_seqlens, ctx, SCALE, out,
+                                      max_query_len=max(q_lens), num_splits=num_splits, min_split_tokens=16)
+            outs.append(out)
+        assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+        ref = reference_fp64(q, cache, table, ctx, None if cu_seqlens is None else cu.cpu())
+        assert rel_err(outs[0], ref) <= tolerance(dtype)
 
 
 MINI_LATENT, MINI_ROPE = 64, 16  # kimi_k3_mini's MLA rows (kv_lora_rank 64, qk_rope_head_dim 16), 4 heads
@@ -291,7 +345,8 @@ def test_small_row_widths_tiny(num_splits):
 
     q = torch.randn(len(lens), heads, width, device=device).to(dtype)
     out = poisoned((len(lens), heads, MINI_LATENT), dtype, device)
-    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, min_split_tokens=16, config=cfg)
+    mla.paged_mla_decode(*parts(q, MINI_ROPE), cache, table, ctx, SCALE, out, num_splits=num_splits,
+                         min_split_tokens=16, config=cfg)
     ref = mla.paged_mla_decode_reference(q.to(up), cache.to(up), table, ctx, SCALE, rope_dim=MINI_ROPE)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= tolerance(dtype)
 
@@ -300,8 +355,8 @@ def test_small_row_widths_tiny(num_splits):
     q = torch.randn(sum(q_lens), heads, width, device=device).to(dtype)
     for causal in (True, False):
         out = poisoned((sum(q_lens), heads, MINI_LATENT), dtype, device)
-        mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens), num_splits=num_splits,
-                              min_split_tokens=16, config=cfg, causal=causal)
+        mla.paged_mla_prefill(*parts(q, MINI_ROPE), cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens),
+                              num_splits=num_splits, min_split_tokens=16, config=cfg, causal=causal)
         ref = mla.paged_mla_prefill_reference(q.to(up), cache.to(up), table, cu.cpu(), ctx, SCALE,
                                               rope_dim=MINI_ROPE, causal=causal)
         assert torch.isfinite(out).all() and rel_err(out, ref) <= tolerance(dtype), f"causal={causal}"
@@ -315,15 +370,19 @@ def test_bad_arguments_say_what_is_wrong():
     table = torch.zeros(2, 2, dtype=torch.int32)
     lens = torch.ones(2, dtype=torch.int32)
     with pytest.raises(ValueError, match="cache"):
-        mla.paged_mla_decode(q, torch.zeros(4, 16, 520), table, lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=1)
+        mla.paged_mla_decode(*parts(q), torch.zeros(4, 16, 520), table, lens, SCALE, torch.zeros(2, 2, LATENT),
+                             num_splits=1)
     with pytest.raises(ValueError, match="latent"):
-        mla.paged_mla_decode(q, cache, table, lens, SCALE, torch.zeros(2, 2, 500), num_splits=1)
+        mla.paged_mla_decode(*parts(q), cache, table, lens, SCALE, torch.zeros(2, 2, 500), num_splits=1)
+    with pytest.raises(ValueError, match="q_pe"):
+        mla.paged_mla_decode(q[..., :LATENT], q[..., LATENT:].double(), cache, table, lens, SCALE,
+                             torch.zeros(2, 2, LATENT), num_splits=1)
     with pytest.raises(ValueError, match="num_splits"):
-        mla.paged_mla_decode(q, cache, table, lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=0)
+        mla.paged_mla_decode(*parts(q), cache, table, lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=0)
     with pytest.raises(ValueError, match="page_table"):
-        mla.paged_mla_decode(q, cache, table.float(), lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=1)
+        mla.paged_mla_decode(*parts(q), cache, table.float(), lens, SCALE, torch.zeros(2, 2, LATENT), num_splits=1)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        mla.paged_mla_prefill(q, cache, table, torch.tensor([0, 1], dtype=torch.int32), lens, SCALE,
+        mla.paged_mla_prefill(*parts(q), cache, table, torch.tensor([0, 1], dtype=torch.int32), lens, SCALE,
                               torch.zeros(2, 2, LATENT))
 
 
@@ -335,7 +394,7 @@ GPU_CONTEXTS = [1, 63, 64, 65, 1000, 8192]
 def gpu_decode_check(lens: list[int], heads: int, num_splits: int) -> float:
     q, cache, table, ctx = decode_case(lens, heads, 64, torch.bfloat16, "cuda")
     out = poisoned((len(lens), heads, LATENT), torch.bfloat16, "cuda")
-    mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits)
+    mla.paged_mla_decode(*parts(q), cache, table, ctx, SCALE, out, num_splits=num_splits)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), "some outputs were never written"
     ref = reference_fp64(q, cache, table, ctx)
@@ -383,7 +442,8 @@ def test_gpu_prefill(heads, num_splits, case):
     q = torch.randn(n_rows, heads, WIDTH, device="cuda").bfloat16()
     ctx = torch.tensor(lens, dtype=torch.int32, device="cuda")
     out = poisoned((n_rows, heads, LATENT), torch.bfloat16, "cuda")
-    mla.paged_mla_prefill(q, cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens), num_splits=num_splits)
+    mla.paged_mla_prefill(*parts(q), cache, table, cu, ctx, SCALE, out, max_query_len=max(q_lens),
+                          num_splits=num_splits)
     torch.cuda.synchronize()
     rows = int(cu[-1])
     assert torch.isfinite(out[:rows]).all() and torch.isnan(out[rows:]).all()
@@ -401,8 +461,8 @@ def test_gpu_noncausal_draft_blocks(num_splits):
     lens = torch.randint(8, 8193, (16,)).tolist()
     q, cache, table, cu, ctx = noncausal_case([8] * 16, lens, 64, 64, torch.bfloat16, "cuda")
     out = poisoned((q.shape[0], 64, LATENT), torch.bfloat16, "cuda")
-    mla.paged_mla_prefill(q, cache, table, cu.cuda(), ctx, SCALE, out, max_query_len=8, num_splits=num_splits,
-                          causal=False)
+    mla.paged_mla_prefill(*parts(q), cache, table, cu.cuda(), ctx, SCALE, out, max_query_len=8,
+                          num_splits=num_splits, causal=False)
     torch.cuda.synchronize()
     ref = mla.paged_mla_prefill_reference(q.float(), cache.float(), table, cu, ctx, SCALE, causal=False)
     assert torch.isfinite(out).all() and rel_err(out, ref) <= 1e-2
@@ -422,7 +482,7 @@ def test_gpu_decode_replays_in_a_cuda_graph():
     workspace = mla.split_workspace(num_splits, batch, heads, LATENT, "cuda")
 
     def step():
-        mla.paged_mla_decode(q, cache, table, ctx, SCALE, out, num_splits=num_splits, workspace=workspace)
+        mla.paged_mla_decode(*parts(q), cache, table, ctx, SCALE, out, num_splits=num_splits, workspace=workspace)
 
     step()  # compile outside the capture
     torch.cuda.synchronize()

@@ -240,7 +240,8 @@ def test_the_padding_sequence_attends_to_nothing_and_empty_ones_are_harmless():
     lens = torch.tensor(contexts + [0, 0, 0])
     q = torch.randn(rows, heads, latent + rope)
     out = torch.full((rows, heads, latent), float("nan"))
-    mla_attention.paged_mla_prefill(q, cache, table, layout_cu, lens, 0.1, out, max_query_len=rows)
+    mla_attention.paged_mla_prefill(q[..., :latent], q[..., latent:], cache, table, layout_cu, lens, 0.1, out,
+                                    max_query_len=rows)
     expect = mla_attention.paged_mla_prefill_reference(q[:15], cache, table[:3], layout_cu[:4], lens[:3], 0.1,
                                                        rope_dim=rope)
     assert rel(out[:15], expect) < 1e-5

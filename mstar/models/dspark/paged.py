@@ -126,13 +126,13 @@ def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, rope: Rope, 
     cache.view(-1, cache.shape[-1])[blocks.slots] = rows.to(cache.dtype)
     q_nope, q_pe = attn.queries(h, positions, kernel_norm, rope)
     w_uk, w_uv = attn.kv_b_weights()
-    q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
+    q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # the kernel reads it and q_pe apart: no cat
     out = torch.empty(h.shape[0], attn.num_heads, attn.kv_lora_rank, device=h.device, dtype=h.dtype)
     # The context is cut over several programs per block as the target's verify blocks are (unsplit, the few
     # programs of a small batch each walk the whole context alone); the count follows from the shapes (the
     # page table's width), so a captured graph replays any context length.
     capacity = blocks.page_table.shape[1] * cache.shape[1]
     splits = mla_attention.num_splits_for(blocks.anchors.shape[0], attn.num_heads, capacity, query_rows=blocks.k_max)
-    mla_attention.paged_mla_prefill(q_abs, cache, blocks.page_table, blocks.cu, blocks.lens, attn.scale, out,
+    mla_attention.paged_mla_prefill(q_lat, q_pe, cache, blocks.page_table, blocks.cu, blocks.lens, attn.scale, out,
                                     max_query_len=blocks.k_max, num_splits=splits, causal=False)
     return attn.o_proj(torch.einsum("thr,hvr->thv", out, w_uv).flatten(-2))

@@ -6,8 +6,8 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
 - `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step of up to
   16 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
-  new latent rows are written to the pages first, then decode (one row per sequence, split-KV) or the
-  multi-row causal kernel (prefill chunks, verify blocks) reads them.
+  new latent rows are written to the pages first (one launch, `mstar/kernels/kv_slots.py`), then decode (one
+  row per sequence, split-KV) or the multi-row causal kernel (prefill chunks, verify blocks) reads them.
 - `GpuLayerOps`: every dense projection through `gemm` (the skinny GEMM kernel at the shapes and row counts
   where its H200 table beat cuBLAS, `mstar/kernels/skinny_gemm.py`; cuBLAS elsewhere); one-launch kernels
   for the norms, the AttnRes mix + norm, the routers' selection and the dense SiTU MLPs; the routed experts
@@ -31,6 +31,7 @@ from mstar.kernels import (
     gated_mlp,
     kda_decode,
     kda_fla,
+    kv_slots,
     mla_attention,
     moe_bf16,
     moe_mxfp4,
@@ -202,17 +203,19 @@ class GpuMixerOps(TorchMixerOps):
             return super().mla(attn, layer, x, plan, kv)
         step = meta.mla if meta is not None else mla_step(plan, attn.num_heads, x.device)
         q_first, kv_a, gate = self._mla_inputs(attn, x)
-        c_kv, k_pe = attn.latent_rows(kv_a, self.layer_ops)
-        kv.write(layer, plan.kv.slot_mapping, torch.cat([c_kv, k_pe], dim=-1))
+        cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
+        # the new rows' two parts go to their slots as they are (k_pe a view of kv_a): no cat, no index_put
+        kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, *attn.latent_rows(kv_a, self.layer_ops))
         q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
-        q_abs = torch.cat([torch.einsum("thd,hdr->thr", q_nope, w_uk), q_pe], dim=-1).contiguous()
+        # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
+        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
         out = torch.empty(x.shape[0], attn.num_heads, attn.kv_lora_rank, device=x.device, dtype=x.dtype)
-        cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
         if step.cu_seqlens is None:
-            mla_attention.paged_mla_decode(q_abs, cache, table, lens, attn.scale, out, num_splits=step.num_splits)
+            mla_attention.paged_mla_decode(q_lat, q_pe, cache, table, lens, attn.scale, out,
+                                           num_splits=step.num_splits)
         else:
-            mla_attention.paged_mla_prefill(q_abs, cache, table, step.cu_seqlens, lens, attn.scale, out,
+            mla_attention.paged_mla_prefill(q_lat, q_pe, cache, table, step.cu_seqlens, lens, attn.scale, out,
                                             max_query_len=step.max_query_len, num_splits=step.num_splits)
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, gate, self.layer_ops)
