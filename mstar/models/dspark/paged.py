@@ -122,8 +122,11 @@ def paged_blocks_hidden(draft: K3DSparkModel, cache: Tensor, blocks: PagedBlocks
 
 def _paged_attention(attn: DSparkMLA, h: Tensor, positions: Tensor, rope: Rope, cache: Tensor,
                      blocks: PagedBlocks) -> Tensor:
+    from mstar.kernels import kv_slots  # imports triton (see kernel_norm)
+
     rows = attn.latent_rows(h, positions, kernel_norm, rope)
-    cache.view(-1, cache.shape[-1])[blocks.slots] = rows.to(cache.dtype)
+    # one launch, as the target's MLA layers write theirs (torch's index_put was a gather-scatter kernel)
+    kv_slots.write_latent_rows(cache, blocks.slots, *rows.split([attn.kv_lora_rank, attn.rope_dim], dim=-1))
     q_nope, q_pe = attn.queries(h, positions, kernel_norm, rope)
     w_uk, w_uv = attn.kv_b_weights()
     q_lat = torch.einsum("thn,hnr->thr", q_nope, w_uk)  # the kernel reads it and q_pe apart: no cat
