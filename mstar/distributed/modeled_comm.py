@@ -14,6 +14,12 @@ for one-shot (Lamport-style) all-reduce kernels on 8 H100s over NVLink for small
 conservative NVLink ring rate beyond; `mstar-emulate-rank --comm-latency-us/--comm-small-kib/
 --comm-gb-per-s` change it, never below MIN_LATENCY_S (no collective across GPUs has been measured
 faster), and `--comm-latency-us 0` turns it off for a comparison with the null communicator.
+
+The rate is an all-reduce's: message bytes a second. An all-gather's bytes (its output, what each rank ends up
+holding) pass at twice it, because it moves half the traffic: over n ranks a ring or tree all-reduce of S bytes
+sends 2(n-1)/n S bytes over each rank's links and an all-gather of S output bytes (n-1)/n S (the bus-bandwidth
+factors of NVIDIA's nccl-tests, doc/PERFORMANCE.md, by which the two reach the same bus bandwidth on one
+NVLink node). Charged alike, the all-gathers of the sharded-latent MoE cost twice what the links carry.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from mstar.kernels.gpu_delay import calibrate, delay
 from .communicator import Communicator
 
 MIN_LATENCY_S = 4e-6
+# Link traffic per byte of message against an all-reduce's (module doc): an all-gather's output bytes move half.
+ALL_REDUCE_TRAFFIC, ALL_GATHER_TRAFFIC = 1.0, 0.5
 
 
 @dataclass(frozen=True)
@@ -43,8 +51,9 @@ class CollectiveCost:
         if self.small_bytes < 0 or self.bytes_per_s <= 0:
             raise ValueError(f"small_bytes={self.small_bytes} must be >= 0 and bytes_per_s={self.bytes_per_s} > 0")
 
-    def seconds(self, nbytes: int) -> float:
-        return self.latency_s + max(0, nbytes - self.small_bytes) / self.bytes_per_s
+    def seconds(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC) -> float:
+        """A collective of `nbytes` per rank whose link traffic is `traffic` times an all-reduce's of that size."""
+        return self.latency_s + max(0, nbytes - self.small_bytes) * traffic / self.bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -78,11 +87,11 @@ class ModeledCommunicator(Communicator):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.cat([x] * self.world_size, dim=-1) if self.world_size > 1 else x
-        self._charge(out.numel() * out.element_size())  # what each rank receives and holds
+        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC)  # what each rank ends up holding
         return out
 
-    def _charge(self, nbytes: int) -> None:
-        delay(round(self.cost.seconds(nbytes) * 1e9), nbytes, self.counters)
+    def _charge(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC) -> None:
+        delay(round(self.cost.seconds(nbytes, traffic) * 1e9), nbytes, self.counters)
 
     def reset(self) -> None:
         self.counters.zero_()

@@ -717,7 +717,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--comm-latency-us", type=float, default=6.0,
                    help="modeled cost of every collective up to --comm-small-kib per rank (0: collectives are free)")
     p.add_argument("--comm-small-kib", type=float, default=64.0, help="message size the latency term covers")
-    p.add_argument("--comm-gb-per-s", type=float, default=150.0, help="link rate for the bytes beyond it")
+    p.add_argument("--comm-gb-per-s", type=float, default=150.0,
+                   help="an all-reduce's rate for the message bytes beyond it (an all-gather's output bytes pass at "
+                        "twice it: half the link traffic)")
     p.add_argument("--acceptance", type=_floats, default=DEFAULT_ACCEPTANCE,
                    help="P(draft i accepted) for i = 1.. (the speculation summary of draft steps)")
     p.add_argument("--seed", type=int, default=0)
@@ -810,7 +812,8 @@ def comm_note(cost: CollectiveCost | None) -> str:
     if cost is None:
         return "collectives are free (null communicator, --comm-latency-us 0)."
     return (f"every collective waits its modeled cost on the GPU ({cost.latency_s * 1e6:g} us up to "
-            f"{cost.small_bytes / 1024:g} KiB per rank, then {cost.bytes_per_s / 1e9:g} GB/s).")
+            f"{cost.small_bytes / 1024:g} KiB per rank, then {cost.bytes_per_s / 1e9:g} GB/s of an all-reduce's "
+            "message, twice that of an all-gather's output: half the link traffic).")
 
 
 def fit_note(header: dict[str, Any]) -> str:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mstar.distributed.communicator import NullCommunicator
-from mstar.distributed.modeled_comm import MIN_LATENCY_S, CollectiveCost, ModeledCommunicator
+from mstar.distributed.modeled_comm import ALL_GATHER_TRAFFIC, MIN_LATENCY_S, CollectiveCost, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
 from mstar.kernels.gpu_delay import delay
 from mstar.models.kimi_k3.config import parse_config
@@ -19,6 +19,9 @@ def test_cost_is_latency_then_bandwidth():
     cost = CollectiveCost(latency_s=6e-6, small_bytes=64 * 1024, bytes_per_s=150e9)
     assert cost.seconds(0) == cost.seconds(64 * 1024) == 6e-6
     assert cost.seconds(64 * 1024 + 150_000) == pytest.approx(6e-6 + 1e-6)
+    # an all-gather's output bytes carry half an all-reduce's link traffic (nccl-tests' bus-bandwidth factors)
+    assert cost.seconds(64 * 1024 + 150_000, ALL_GATHER_TRAFFIC) == pytest.approx(6e-6 + 0.5e-6)
+    assert cost.seconds(1000, ALL_GATHER_TRAFFIC) == 6e-6
     with pytest.raises(ValueError, match="below"):
         CollectiveCost(latency_s=MIN_LATENCY_S / 2)
     with pytest.raises(ValueError, match="bytes_per_s"):
@@ -40,18 +43,18 @@ class CountingCommunicator(NullCommunicator):
         self.cost = cost
         self.calls, self.bytes, self.seconds = 0, 0, 0.0
 
-    def _count(self, t: torch.Tensor) -> None:
+    def _count(self, t: torch.Tensor, seconds_per_byte: float) -> None:
         nbytes = t.numel() * t.element_size()
         self.calls, self.bytes = self.calls + 1, self.bytes + nbytes
-        self.seconds += self.cost.seconds(nbytes)
+        self.seconds += self.cost.latency_s + max(0, nbytes - self.cost.small_bytes) * seconds_per_byte
 
     def all_reduce(self, x):
-        self._count(x)
+        self._count(x, 1 / self.cost.bytes_per_s)
         return x
 
     def all_gather(self, x):
         out = super().all_gather(x)
-        self._count(out)
+        self._count(out, 0.5 / self.cost.bytes_per_s)  # half an all-reduce's traffic a byte (2(n-1)/n against (n-1)/n)
         return out
 
 
