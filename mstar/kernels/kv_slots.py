@@ -56,22 +56,32 @@ def _shifted_slots_kernel(table_ptr, row_seq_ptr, pos_ptr, lens_ptr, advance_ptr
     tl.store(context_lens_ptr + i, shifted, mask=seqs)
 
 
-def write_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+def write_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                      norm: tuple[torch.Tensor, float] | None = None) -> None:
     """cache.view(-1, W)[slots] = torch.cat([c_kv, k_pe], -1).to(cache.dtype), in one launch.
 
     cache [num_pages, page_size, W] is one layer of the paged latent cache (contiguous); slots [N] int32/int64
     (contiguous) the flat rows (page * page_size + offset) the step's rows go to, trusted to lie in the cache
     (no host sync; the runner pads a captured bucket's rows onto the sink slot 0, where, as in torch, one of
     them wins); c_kv [N, R] and k_pe [N, W - R] with unit column strides (any row strides: views of the
-    projections are read where they are), each cast to the cache's dtype as it is stored."""
+    projections are read where they are), each cast to the cache's dtype as it is stored.
+
+    norm = (weight [R] in c_kv's dtype, eps): c_kv is the latent before the layer's kv_a_layernorm, and the rows
+    stored are `rms_norm(c_kv, weight, eps)` (statistics in fp32, rounded as models/kimi_k3/norm.py rounds): the
+    norm's own launch and its output's round trip are saved."""
     _check_latent_rows(cache, slots, c_kv, k_pe)
+    weight, eps = norm if norm is not None else (c_kv, 0.0)  # unread stand-in without a norm
+    if norm is not None and (weight.shape != (c_kv.shape[1],) or weight.dtype != c_kv.dtype
+                             or not weight.is_contiguous()):
+        raise ValueError(f"write_latent_rows: the norm weight must be [{c_kv.shape[1]}] contiguous {c_kv.dtype} "
+                         f"(c_kv's width and dtype), got {tuple(weight.shape)} {weight.dtype}")
     if slots.shape[0] == 0:
         return
     latent, rope = c_kv.shape[1], k_pe.shape[1]
     _write_latent_rows_kernel[(slots.shape[0],)](
-        cache, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0), LATENT=latent, ROPE=rope,
-        BLOCK_LATENT=triton.next_power_of_2(latent), BLOCK_ROPE=triton.next_power_of_2(rope), num_warps=1,
-        **pdl.options(_write_latent_rows_kernel, cache.device))
+        cache, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0), weight, eps, LATENT=latent, ROPE=rope,
+        BLOCK_LATENT=triton.next_power_of_2(latent), BLOCK_ROPE=triton.next_power_of_2(rope), NORM=norm is not None,
+        num_warps=1, **pdl.options(_write_latent_rows_kernel, cache.device))
 
 
 def _check_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -88,16 +98,22 @@ def _check_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Ten
 
 
 @triton.jit
-def _write_latent_rows_kernel(cache_ptr, slots_ptr, c_ptr, pe_ptr, stride_c, stride_pe, LATENT: tl.constexpr,
-                              ROPE: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_ROPE: tl.constexpr,
-                              PDL: tl.constexpr):
+def _write_latent_rows_kernel(cache_ptr, slots_ptr, c_ptr, pe_ptr, stride_c, stride_pe, w_ptr, eps,
+                              LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_LATENT: tl.constexpr,
+                              BLOCK_ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
     # a constexpr row width lets the compiler prove every cache row's alignment (vector stores)
     dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * (LATENT + ROPE)
     cols = tl.arange(0, BLOCK_LATENT)
-    c = tl.load(c_ptr + row * stride_c + cols, mask=cols < LATENT)
-    tl.store(dst + cols, c.to(cache_ptr.dtype.element_ty), mask=cols < LATENT)
+    ok = cols < LATENT
+    c = tl.load(c_ptr + row * stride_c + cols, mask=ok, other=0)
+    if NORM:  # rms_norm: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), the product rounded to dtype
+        x = c.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / LATENT + eps)  # as attn_res_norm's norm kernel computes it
+        normed = (x * r).to(c.dtype).to(tl.float32)
+        c = (tl.load(w_ptr + cols, mask=ok, other=0).to(tl.float32) * normed).to(c.dtype)
+    tl.store(dst + cols, c.to(cache_ptr.dtype.element_ty), mask=ok)
     cols = tl.arange(0, BLOCK_ROPE)
     pe = tl.load(pe_ptr + row * stride_pe + cols, mask=cols < ROPE)
     tl.store(dst + LATENT + cols, pe.to(cache_ptr.dtype.element_ty), mask=cols < ROPE)

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from mstar.kernels.kv_slots import shifted_slots, write_latent_rows  # noqa: E402
+from mstar.models.kimi_k3.norm import rms_norm  # noqa: E402
 from mstar.resources.latent_kv import shift_slots  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -112,6 +113,31 @@ def test_latent_rows_land_where_torch_writes_them(cache_dtype, rows_dtype):
         assert torch.equal(got.view(BITS[cache_dtype]), expected.view(BITS[cache_dtype])), (latent, rope)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_normed_latent_rows_are_what_the_norm_then_the_write_store(dtype):
+    """norm=(weight, eps): the rows stored are rms_norm(c_kv) (models/kimi_k3/norm.py) written as above, at K3's
+    row, the mini's and a width no power of two, with weights away from one and latents of varied scale; every
+    other slot stays NaN. Within a rounding of the reference (the sum of squares is summed in another order)."""
+    rng = random.Random(f"norm {dtype}")
+    for latent, rope in ((512, 64), (64, 16), (40, 24)) * 2:
+        page_size = rng.choice([16, 64])
+        pages, slots, c_kv, k_pe, padding = random_rows(rng, latent, rope, page_size, dtype)
+        gen = torch.Generator().manual_seed(rng.getrandbits(32))
+        c_kv = (c_kv.float() * torch.rand(c_kv.shape[0], 1, generator=gen) * 8).to(dtype)
+        weight = (torch.rand(latent, generator=gen) * 2 + 0.25).to(dtype)
+        eps = rng.choice([1e-6, 1e-5])
+        expected = torch.full((pages, page_size, latent + rope), float("nan"), dtype=dtype)
+        got = expected.to(DEVICE, copy=True)
+        torch_write(expected, slots, rms_norm(c_kv, weight, eps), k_pe)
+        write_latent_rows(got, slots.to(DEVICE), c_kv.to(DEVICE), k_pe.to(DEVICE), norm=(weight.to(DEVICE), eps))
+        got, expected = got.cpu().view(-1, latent + rope), expected.view(-1, latent + rope)
+        if padding:
+            got[SINK], expected[SINK] = 0, 0  # one of the padding rows wins (the test above checks which)
+        assert torch.equal(got.isnan(), expected.isnan()), "a row went to another slot"
+        step = 1e-6 if dtype == torch.float32 else 2**-7  # a rounding of the dtype, relative
+        torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=2 * step, atol=step)
+
+
 def test_latent_rows_that_do_not_fit_are_refused():
     cache = torch.zeros(2, 16, 80)
     slots, c_kv, k_pe = torch.arange(3), torch.zeros(3, 64), torch.zeros(3, 16)
@@ -120,3 +146,6 @@ def test_latent_rows_that_do_not_fit_are_refused():
                 (cache, slots[:2], c_kv, k_pe)):
         with pytest.raises(ValueError, match="write_latent_rows takes"):
             write_latent_rows(*bad)
+    for weight in (torch.ones(32), torch.ones(64, dtype=torch.float64), torch.ones(128)[::2]):
+        with pytest.raises(ValueError, match="norm weight"):
+            write_latent_rows(cache, slots, c_kv, k_pe, norm=(weight, 1e-6))

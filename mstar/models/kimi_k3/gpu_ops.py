@@ -6,7 +6,7 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
 - `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step of up to
   16 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
-  new latent rows are written to the pages first (one launch, `mstar/kernels/kv_slots.py`), then decode (one
+  new latent rows are normed and written to the pages first (one launch, `mstar/kernels/kv_slots.py`), then decode (one
   row per sequence, split-KV) or the multi-row causal kernel (prefill chunks, verify blocks) reads them.
 - `GpuLayerOps`: every dense projection through `gemm` (the skinny GEMM kernel at the shapes and row counts
   where its H200 table beat cuBLAS, `mstar/kernels/skinny_gemm.py`; cuBLAS elsewhere); one-launch kernels
@@ -204,8 +204,14 @@ class GpuMixerOps(TorchMixerOps):
         step = meta.mla if meta is not None else mla_step(plan, attn.num_heads, x.device)
         q_first, kv_a, gate = self._mla_inputs(attn, x)
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
-        # the new rows' two parts go to their slots as they are (k_pe a view of kv_a): no cat, no index_put
-        kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, *attn.latent_rows(kv_a, self.layer_ops))
+        # the new rows' two parts go to their slots as they are (k_pe a view of kv_a): no cat, no index_put; fused,
+        # the write applies kv_a_layernorm too
+        if self.fused:
+            c_kv, k_pe = kv_a.split([attn.kv_lora_rank, attn.rope], dim=-1)
+            norm = attn.kv_a_layernorm
+            kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=(norm.weight, norm.eps))
+        else:
+            kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, *attn.latent_rows(kv_a, self.layer_ops))
         q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]

@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 from engine_run import run_to_completion
+from greedy_ties import assert_greedy_matches
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
 from mstar.models.kimi_k3.backend import REFERENCE, select_backend
+from mstar.models.kimi_k3.generate import greedy_generate
 from mstar.models.kimi_k3.mla import GatedMLA
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.models.kimi_k3.tokenizer import KimiTokenizer
@@ -54,7 +56,9 @@ def test_serving_with_every_gpu_op_leaves_the_reference_as_it_was(tiny_model, ti
     mla = frozenset(m for m in model.modules() if isinstance(m, GatedMLA))
     core.runner.serving.ops, core.runner.serving.layer_ops = GpuMixerOps(mla, fused=True), GpuLayerOps()
     core.add_request("r", prompt.tolist(), SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    run_to_completion(core)
+    served = run_to_completion(core).tokens("r")
+    # the MLA layers through the paged kernels (their rows normed and written in one launch), the rest fused
+    assert_greedy_matches(model, [(prompt.tolist(), 3, greedy_generate(model, prompt.tolist(), 3))], [served])
     assert all(p is params[name] for name, p in model.named_parameters())  # stacking moved storage only
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(model(prompt).logits, before)
