@@ -45,7 +45,7 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 import torch
 
@@ -346,18 +346,7 @@ DOWN_TILES = (moe.GemmTile(128, 128), moe.GemmTile(64, 128), moe.GemmTile(256, 1
               moe.GemmTile(64, 128, tiles=7), moe.GemmTile(128, 128, split_k=3, tiles=7),
               moe.GemmTile(128, 128, num_stages=4), moe.GemmTile(64, 128, num_stages=4),
               moe.GemmTile(256, 128, num_warps=8, tiles=2), moe.GemmTile(128, 128, num_warps=8, tiles=4))
-# K steps of weights each GEMM's programs ask L2 for as they start (gate/up, down): GemmTile.prefetch, kept on top of
-# whatever tiles the search has chosen; 99 is a program's every step
-PREFETCHES = ((0, 0), (0, 3), (0, 99), (2, 0), (4, 3), (14, 0), (99, 0), (99, 99), (2, 2), (4, 99))
-TUNE_AXES = ("align", "block_m", "gate_up", "down", "prefetch", "swap_ab", "combine", "decode")
-
-
-def with_value(config: moe.MoEConfig, field: str, value) -> moe.MoEConfig:
-    """`config` with one axis of the search set: a MoEConfig field, or "prefetch" (both tiles' prefetch)."""
-    if field == "prefetch":
-        return replace(config, gate_up=replace(config.gate_up, prefetch=value[0]),
-                       down=replace(config.down, prefetch=value[1]))
-    return replace(config, **{field: value})
+TUNE_AXES = ("align", "block_m", "gate_up", "down", "swap_ab", "combine", "decode")
 
 
 def tune(sets, z, ids, weights, ref, reps, seconds: float, fields=TUNE_AXES) -> tuple[moe.MoEConfig, float, list]:
@@ -373,7 +362,6 @@ def tune(sets, z, ids, weights, ref, reps, seconds: float, fields=TUNE_AXES) -> 
         ("block_m", [bm for bm in BLOCK_MS if bm <= max(16, 4 * rows)]),
         ("gate_up", GATE_UP_TILES),
         ("down", DOWN_TILES),
-        ("prefetch", PREFETCHES),
         ("swap_ab", (True, False)),
         ("combine", ("atomic", "reduce")),
         ("decode", ("subnormal", "select")),
@@ -383,7 +371,7 @@ def tune(sets, z, ids, weights, ref, reps, seconds: float, fields=TUNE_AXES) -> 
     for field, values in axes:
         for value in values:
             try:
-                candidate = moe.fit_config(with_value(best, field, value), H, I)
+                candidate = moe.fit_config(moe.MoEConfig(**{**best.__dict__, field: value}), H, I)
             except ValueError:  # e.g. align=False with combine="reduce"
                 continue
             if candidate in tried or time.time() > deadline:

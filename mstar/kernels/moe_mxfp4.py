@@ -78,15 +78,6 @@ tiles x (K steps), which Triton software-pipelines across the tile boundaries: t
 are in flight while this one's are decoded, and each tile's epilogue (the atomic adds) runs inside the
 loop when its last K step is done.
 
-Prefetch (GemmTile.prefetch, Hopper with PDL only): a program first asks L2 for its first `prefetch` K steps of
-weights (`prefetch.global.L2`, a request per 64 bytes; weights are never written in a step), then goes on. At
-decode sizes the loops are latency-bound, a few loads in flight a program: asked at once, a program's weights
-stream at the bandwidth while the loop catches up from L2. With PDL a launch starts while the one before it
-still runs, and the requests go out before the wait for the inputs where the program can name its weights
-then: the down kernel always (the routing was written before the gate/up launch, which must have passed its own
-wait for this one to start), the gate/up kernel where the order launch stands between it and the router (or
-the alignment). So the down GEMM's weights stream in under the gate/up GEMM.
-
 Dequantization: an E2M1 code s|e1 e0|m put at bf16 bits 15 and 8..6 is the bf16 number
 value * 2^-126 exactly (0 and 0.5, the codes with e = 0, become bf16 subnormals, which PTX's bf16
 arithmetic keeps), so one bf16 multiply by 2^(scale - 1) gives value * 2^(scale - 127), exactly;
@@ -281,7 +272,6 @@ class GemmTile:
     num_stages: int = 3
     split_k: int = 1  # programs sharing one output tile, each over K / split_k (module doc, "Split K")
     tiles: int = 1  # output tiles one program computes one after another (down only; module doc, "Short K")
-    prefetch: int = 0  # K steps of its weights a program asks L2 for as it starts (module doc, "Prefetch")
 
 
 @dataclass(frozen=True)
@@ -379,14 +369,10 @@ def _fit_tile(tile: GemmTile, n: int, k: int, what: str) -> GemmTile:
     split = next(s for s in range(tile.split_k, 0, -1) if k % (s * SCALE_WORD) == 0)
     if tile.tiles < 1:
         raise ValueError(f"{what} tiles must be >= 1, got {tile.tiles}")
-    if tile.prefetch < 0:
-        raise ValueError(f"{what} prefetch must be >= 0, got {tile.prefetch}")
     block_n = _fit(tile.block_n, n, 16, f"{what} block_n")
     tiles = next(t for t in range(min(tile.tiles, n // block_n), 0, -1) if (n // block_n) % t == 0)
-    block_k = _fit(tile.block_k, k // split, SCALE_WORD, f"{what} block_k")
-    steps = tiles * (k // split // block_k)  # a program's K steps, over all its tiles
-    return replace(tile, block_n=block_n, block_k=block_k, split_k=split, tiles=tiles,
-                   prefetch=min(tile.prefetch, steps))
+    return replace(tile, block_n=block_n, block_k=_fit(tile.block_k, k // split, SCALE_WORD, f"{what} block_k"),
+                   split_k=split, tiles=tiles)
 
 
 def max_row_blocks(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -648,7 +634,7 @@ def _gemm_constexprs(config: MoEConfig, gemm: str, hidden: int, inter: int, top_
                   "BLOCK_M": config.block_m, "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k,
                   "SPLIT_K": tile.split_k, "ALIGNED": config.align, "SWAP_AB": config.swap_ab,
                   "K_ORDER": _k_ordered(config, gemm), "SUBNORMAL_DECODE": config.decode == "subnormal",
-                  "COMPUTE": _compute_dtype(), "PREFETCH": tile.prefetch}
+                  "COMPUTE": _compute_dtype()}
     atomic = config.combine == "atomic"
     if gemm == "gate_up":
         # Where z is put in order first, that launch zeroes the output.
@@ -1067,28 +1053,6 @@ def _order_kernel(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, BLOCK_K: tl.cons
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the lines of `ptrs` (no load into registers; every address must be valid: a prefetch has no mask)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_weights(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
-                      BLOCK_K: tl.constexpr, ROW_SCALE_BYTES: tl.constexpr, SCALES: tl.constexpr):
-    """Ask L2 for one K step of an expert's `rows` (BLOCK_K columns from k_start): a request per 64 packed bytes
-    (rows need not start on a 128-byte line); with SCALES, the scale bytes from this step's to 63 bytes on, the
-    row's end at most (the next steps' scales: one line, or two where the row's scales cross one)."""
-    row = rows.to(tl.int64)[:, None]
-    _prefetch_l2(w_ptr + expert * stride_we + row * stride_wn + k_start // 2
-                 + tl.arange(0, BLOCK_K // 128)[None, :] * 64)
-    if SCALES:
-        at = tl.minimum(k_start // _SCALE_WORD * 4 + tl.arange(0, 2)[None, :] * 63, ROW_SCALE_BYTES - 1)
-        _prefetch_l2(s_ptr + expert * stride_se + row * stride_sn + at)
-
-
-
-@triton.jit
 def _weight_ptrs(w_ptr, s_ptr, expert, rows, k_start, stride_we, stride_wn, stride_se, stride_sn,
                  BLOCK_K: tl.constexpr):
     """Pointers to the first BLOCK_K columns from k_start of an expert's rows: packed int32 words (8 codes each),
@@ -1117,20 +1081,17 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                     ALIGNED: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, SWAP_AB: tl.constexpr,
                     K_ORDER: tl.constexpr, H_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr,
-                    COMPUTE: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                    COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """h[pair, n-tile] = SiTU(z W1^T, z W3^T) for one program's rows of one expert (its K part if split).
 
     K_ORDER: z is in `_k_order` of BLOCK_K columns (`_order_kernel`). H_ORDER > 0: h is stored in `_k_order` of
-    H_ORDER columns, the down kernel's (module doc, "Dequantization"). PREFETCH: K steps of weights asked of L2
-    first, before the wait for the inputs where the order launch stands between (module doc, "Prefetch")."""
-    EARLY: tl.constexpr = K_ORDER  # the routing was written two launches back: readable before the wait
-    if not EARLY:
-        pdl.wait_for_inputs(PDL)
+    H_ORDER columns, the down kernel's (module doc, "Dequantization")."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
     n_tiles = tl.num_programs(1)
-    if ZERO_OUT:  # (never EARLY: the order launch zeroes the output then)
+    if ZERO_OUT:
         # The down kernel adds into `out` atomically; this launch runs before it and has many programs.
         _zero_slice(out_ptr, out_numel, (program * n_tiles + pid_n) * SPLIT_K + pid_k,
                     tl.num_programs(0) * n_tiles * SPLIT_K, ZERO_BLOCK)
@@ -1144,12 +1105,6 @@ def _gate_up_kernel(z_ptr, w_ptr, s_ptr, h_ptr, out_ptr, split_sum_ptr, split_co
     tile_rows = tl.arange(0, 2 * BLOCK_N)
     w_rows = pid_n * BLOCK_N + tile_rows // 2 + (tile_rows % 2) * INTER  # w3 rows follow the I rows of w1
     k_part: tl.constexpr = HIDDEN // SPLIT_K
-    if PDL:  # (the interpreter runs no inline assembly)
-        for i in tl.static_range(PREFETCH):
-            _prefetch_weights(w_ptr, s_ptr, expert, w_rows, pid_k * k_part + i * BLOCK_K, stride_we, stride_wn,
-                              stride_se, stride_sn, BLOCK_K, HIDDEN // 32, (i * BLOCK_K // 32) % 64 == 0)
-    if EARLY:
-        pdl.wait_for_inputs(PDL)
     cols = pid_k * k_part + tl.arange(0, BLOCK_K)
     x_ptrs = z_ptr + (pair // TOP_K)[:, None] * stride_zt + cols[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, w_rows, pid_k * k_part, stride_we, stride_wn, stride_se,
@@ -1188,15 +1143,13 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
                  HIDDEN: tl.constexpr, INTER: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  TILES: tl.constexpr, ALIGNED: tl.constexpr, ATOMIC: tl.constexpr, SWAP_AB: tl.constexpr,
-                 K_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr,
-                 PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                 K_ORDER: tl.constexpr, SUBNORMAL_DECODE: tl.constexpr, COMPUTE: tl.constexpr, PDL: tl.constexpr):
     """y[pair, n-tile] = h W2^T for one program's rows and its TILES n-tiles (its K part if split: ATOMIC
     adds the parts up); added into out (atomic) or stored per pair (reduce).
 
     The tiles run as one loop of TILES x (K steps), so that the software pipeline loads the next tile's
-    weights while this one's are decoded (module doc, "Short K"). The routing (ids, or the alignment) was written
-    before the gate/up launch: the program reads it and asks L2 for its first PREFETCH steps of weights before it
-    waits for h (module doc, "Prefetch")."""
+    weights while this one's are decoded (module doc, "Short K")."""
+    pdl.wait_for_inputs(PDL)
     program = tl.program_id(0)
     expert, pair, row_ok = _program_rows(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, num_tokens,
                                          program, ALIGNED, TOP_K, K_PAD, BLOCK_M)
@@ -1205,14 +1158,8 @@ def _down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, y_ptr, coef_ptr, ids_ptr, sorted_
 
     STEPS: tl.constexpr = INTER // SPLIT_K // BLOCK_K
     k_start = tl.program_id(2) * (INTER // SPLIT_K)
-    first_n = tl.program_id(1) * TILES * BLOCK_N
-    if PDL:  # (the interpreter runs no inline assembly)
-        for i in tl.static_range(PREFETCH):
-            _prefetch_weights(w_ptr, s_ptr, expert, first_n + (i // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N),
-                              k_start + (i % STEPS) * BLOCK_K, stride_we, stride_wn, stride_se, stride_sn, BLOCK_K,
-                              INTER // 32, ((i % STEPS) * BLOCK_K // 32) % 64 == 0)
-    pdl.wait_for_inputs(PDL)
     coef = _row_coef(coef_ptr, ids_ptr, expert, pair, row_ok, ALIGNED, TOP_K, K_PAD) if ATOMIC else None
+    first_n = tl.program_id(1) * TILES * BLOCK_N
     x_ptrs = h_ptr + pair[:, None] * INTER + (k_start + tl.arange(0, BLOCK_K))[None, :]
     w_ptrs, s_ptrs = _weight_ptrs(w_ptr, s_ptr, expert, first_n + tl.arange(0, BLOCK_N), k_start, stride_we,
                                   stride_wn, stride_se, stride_sn, BLOCK_K)

@@ -317,29 +317,6 @@ def test_down_tiles(align, combine, split_k):
 
 
 @needs_kernel_device
-@pytest.mark.parametrize("align", [False, True])
-def test_prefetch(align):
-    """Both GEMMs asking L2 for their weights first (every K step of a program, over 2 down tiles and a split K; on
-    a Hopper GPU before the programs wait for their inputs, the routing read before that wait): the same output.
-    fit_config holds prefetch to a program's steps and refuses a negative one."""
-    gen = new_generator(TINY_DEVICE)
-    stacked = tiny_experts(gen, DIRECT_E, hidden=256, inter=256)
-    tiles = {"gate_up": moe.GemmTile(128, 128, prefetch=99), "down": moe.GemmTile(64, 128, split_k=2, tiles=2,
-                                                                                     prefetch=99)}
-    config = moe.fit_config(replace(moe.default_config(3, DIRECT_K, DIRECT_E, align=align), **tiles), 256, 256)
-    assert (config.gate_up.prefetch, config.down.prefetch) == (2, 2)  # gate/up: 2 K steps; down: 2 tiles of 1
-    z = torch.randn(3, 256, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
-    ids, weights = routing(3, DIRECT_E, DIRECT_K, gen)
-    ids = drop_some(ids, gen)
-    out = torch.full((3, 256), float("nan"), device=TINY_DEVICE)
-    moe.moe_mxfp4(z, ids, weights, *stacked, config=config, out=out,
-                  workspace=poisoned_workspace(3, DIRECT_K, stacked, config))
-    assert relative_error(out, moe.moe_mxfp4_reference(z, ids, weights, *stacked)) < BF16_BOUND
-    with pytest.raises(ValueError, match="prefetch"):
-        moe.fit_config(replace(config, down=replace(config.down, prefetch=-1)), 256, 256)
-
-
-@needs_kernel_device
 def test_direct_all_dropped():
     """Every pair dropped: nothing computed, the output is zero (the gate/up launch still zeroes it)."""
     gen = new_generator(TINY_DEVICE)
