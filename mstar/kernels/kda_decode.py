@@ -123,10 +123,12 @@ def _gated_head_norm_kernel(o_ptr, g_ptr, w_ptr, out_ptr, o_stride, g_stride, ep
 DECODE_STEP_WARPS = 4
 DECODE_STEP_WARP_CHOICES = (4, 8, 16)
 # Up to this many rows a decode step takes `decode_step`; beyond, the chain of launches it replaced (f_b GEMV,
-# `decode_conv`, fla's recurrent kernel, `gated_head_norm`): at 64 rows its one program a head (768 programs of
-# a 64 KB state each) lost to fla's recurrent kernel, which splits each head's state columns over programs
-# (62.8 against 55.6 us on the H100; 19.4 against 26.2 at 16 rows, 13.8 against 18.6 at 8).
-DECODE_STEP_MAX_ROWS = 16
+# `decode_conv`, fla's recurrent kernel, `gated_head_norm`), which splits each head's state columns over programs
+# where decode_step has one program a head (768 programs of a 64 KB state each at 64 rows). On an H100, since its
+# loads were hoisted (00d2e31), the two tie at 64 rows (55.2 against 55.6 us) and the one launch wins below
+# (17.1 against 26.2 at 16 rows, 11.4 against 18.6 at 8: benchmarks/kernels/results/h100_2c991be_kda_decode_step.md);
+# before, it lost at 64 (62.8) and the bound was 16.
+DECODE_STEP_MAX_ROWS = 64
 
 
 def decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f_a: torch.Tensor, beta: torch.Tensor,

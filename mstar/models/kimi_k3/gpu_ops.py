@@ -4,7 +4,7 @@ Imported only where backend.py chooses a GPU backend (it imports Triton and fla-
 which kernel is decided there, in `select_backend`; the classes here carry that choice out:
 
 - `GpuMixerOps`: KDA through fla-core and our block kernels (`mstar/kernels/kda_fla.py`; a decode step of up to
-  16 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
+  64 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are normed and written to the pages first (one launch, `mstar/kernels/kv_slots.py`), then decode (one
   row per sequence, split-KV) or the multi-row causal kernel (prefill chunks, verify blocks) reads them.
