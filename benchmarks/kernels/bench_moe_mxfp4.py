@@ -178,8 +178,9 @@ class MstarStep:
         return time_graphs(graphs, reps)
 
     def stage_names(self) -> list[str]:
-        return (["align"] if self.config.align else []) + (["order"] if self.ws.z_ordered is not None else []) + [
-            "gate_up", "down"]
+        """The launches in order; "align" holds the K order too where both run (moe_mxfp4._launch_prologue)."""
+        first = ["align"] if self.config.align else ["order"] if self.ws.z_ordered is not None else []
+        return first + ["gate_up", "down"]
 
     def run_stages(self, stacked, stages: int | None):
         """The first `stages` launches of the pipeline (all: None), through the launchers moe_mxfp4
@@ -188,10 +189,8 @@ class MstarStep:
             return self.run(stacked)
         cfg, ws, ids = self.config, self.ws, self.ids
         launches = []
-        if cfg.align:
-            launches.append(lambda: moe._launch_align(ids, E, ws))
-        if ws.z_ordered is not None:
-            launches.append(lambda: moe._launch_order(self.z, self.out, cfg, ws))
+        if cfg.align or ws.z_ordered is not None:
+            launches.append(lambda: moe._launch_prologue(self.z, ids, E, self.out, cfg, ws))
         launches.append(lambda: moe._launch_gate_up(self.z, ids, stacked.w13_packed, stacked.w13_scale, self.out,
                                                     cfg, ws, moe.SITU_BETA, moe.SITU_LINEAR_BETA))
         for launch in launches[:stages]:

@@ -511,10 +511,7 @@ def moe_mxfp4(
     _check_workspace(workspace, num_tokens * top_k, num_experts, hidden, inter, config)
     ids, weights = expert_ids.contiguous(), expert_weights.contiguous()
 
-    if config.align:
-        _launch_align(ids, num_experts, workspace)
-    if workspace.z_ordered is not None:
-        _launch_order(z, out, config, workspace)
+    _launch_prologue(z, ids, num_experts, out, config, workspace)
     _launch_gate_up(z, ids, w13_packed, w13_scale, out, config, workspace, situ_beta, situ_linear_beta)
     _launch_down(ids, w2_packed, w2_scale, weights, out, config, workspace)
     if config.combine == "reduce":
@@ -582,10 +579,6 @@ def _compute_dtype():
     return tl.float32 if _interpreted() else tl.bfloat16
 
 
-def _launch_align(ids: torch.Tensor, num_experts: int, ws: MoEWorkspace) -> None:
-    _align(ids, num_experts, ws.sorted_pair, ws.block_m, blocks=(ws.block_expert, ws.block_rows))
-
-
 def sort_by_expert(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, expert_end: torch.Tensor,
                    pair_row: torch.Tensor) -> None:
     """The alignment without padding or block table, for grouped GEMMs that take each expert's end row
@@ -600,9 +593,10 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tenso
 
 def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block_m: int,
            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
-           groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+           groups: tuple[torch.Tensor, torch.Tensor] | None = None, order: tuple | None = None) -> None:
     """`_align_kernel`, writing the block table (blocks: block_expert, block_rows) and/or the group ends
     (groups: expert_end, pair_row). An output not asked for is not written: any tensor stands in for it.
+    `order` (`_order_work`): the same launch also does the K-order work, in programs past the experts'.
 
     An earlier design (one program per chunk of pairs, each placing its chunk after counting the pairs before
     it) took 11-17 us at 256-4096 pairs and 44-476 us at 16K-131K on the H200 (O(T k) serial steps per
@@ -610,12 +604,14 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     pairs = ids.numel()
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
-    _align_kernel[(num_experts,)](
+    # without the order: unread stand-ins, no programs
+    args, constexprs, programs = order or ((ids, ids, ids, 0, 0, 1), {"ORDER_K": 0, "ZERO_OUT": False}, 0)
+    _align_kernel[(num_experts + programs,)](
         ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
-        block_expert.numel() if blocks else 0, num_experts,
+        block_expert.numel() if blocks else 0, num_experts, *args,
         BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCAN=min(_ALIGN_SCAN, max(64, triton.next_power_of_2(pairs))), META=64, GROUPS=groups is not None,
-        num_warps=4, **pdl.options(_align_kernel, ids.device),
+        **constexprs, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4, **pdl.options(_align_kernel, ids.device),
     )
 
 
@@ -652,13 +648,26 @@ def _route_args(ids: torch.Tensor, config: MoEConfig, ws: MoEWorkspace) -> tuple
     return programs, (ids, ws.sorted_pair, ws.block_expert, ws.block_rows, ids.shape[0])
 
 
-def _launch_order(z, out, config: MoEConfig, ws: MoEWorkspace) -> None:
-    """z into the gate/up GEMM's K order (ws.z_ordered), and the output zeroed for an atomic combine."""
+def _launch_prologue(z, ids, num_experts: int, out, config: MoEConfig, ws: MoEWorkspace) -> None:
+    """What comes before the gate/up GEMM, in one launch: the alignment, and where the GEMM is in K order
+    (ws.z_ordered), z put in that order in programs of their own beside the experts' (the two are independent;
+    as two launches the second waited for the first); without alignment the order alone. Nothing in neither."""
+    order = _order_work(z, out, config, ws) if ws.z_ordered is not None else None
+    if config.align:
+        _align(ids, num_experts, ws.sorted_pair, ws.block_m, blocks=(ws.block_expert, ws.block_rows), order=order)
+    elif order is not None:
+        args, constexprs, programs = order
+        _order_kernel[(programs,)](*args, **constexprs, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4,
+                                   **pdl.options(_order_kernel, z.device))
+
+
+def _order_work(z, out, config: MoEConfig, ws: MoEWorkspace) -> tuple[tuple, dict, int]:
+    """(arguments, constexprs, programs) of the K-order work (`_order_block`): z into the gate/up GEMM's K order
+    (ws.z_ordered), and the output zeroed for an atomic combine; a program a BLOCK_K chunk of a token's row."""
     num_tokens, hidden = z.shape
     block_k = config.gate_up.block_k
-    _order_kernel[(num_tokens, hidden // block_k)](
-        z, ws.z_ordered, out, z.stride(0), out.numel(), BLOCK_K=block_k, ZERO_OUT=config.combine == "atomic",
-        ZERO_BLOCK=_ZERO_BLOCK, num_warps=4, **pdl.options(_order_kernel, z.device))
+    args = (z, ws.z_ordered, out, z.stride(0), out.numel(), hidden // block_k)
+    return args, {"ORDER_K": block_k, "ZERO_OUT": config.combine == "atomic"}, num_tokens * (hidden // block_k)
 
 
 def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,
@@ -737,11 +746,13 @@ _WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 
 @triton.jit
 def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr, pair_row_ptr,
-                  num_pairs, num_blocks, num_experts,
+                  num_pairs, num_blocks, num_experts, z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, SCAN: tl.constexpr, META: tl.constexpr,
-                  GROUPS: tl.constexpr, PDL: tl.constexpr):
+                  GROUPS: tl.constexpr, ORDER_K: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+                  PDL: tl.constexpr):
     """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the num_blocks
-    blocks, and with GROUPS, where each expert's rows end and each pair's row.
+    blocks, and with GROUPS, where each expert's rows end and each pair's row. With ORDER_K > 0 the programs past
+    the experts' do the K-order work (`_order_block`).
 
     One program per expert and no communication between programs: each counts all pairs itself (a
     histogram of the T*k ids, read from L2, to find where its run starts), then places its own pairs
@@ -751,6 +762,11 @@ def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, ex
     counted nor placed: no block computes them.
     """
     pdl.wait_for_inputs(PDL)
+    if ORDER_K > 0:  # noqa: SIM102 (constexpr first: no test at all in launches without the order)
+        if tl.program_id(0) >= num_experts:
+            _order_block(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, tl.program_id(0) - num_experts,
+                         tl.num_programs(0) - num_experts, ORDER_K, ZERO_OUT, ZERO_BLOCK)
+            return
     expert = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
 
@@ -1038,18 +1054,27 @@ def _k_position(c, COLS: tl.constexpr):
 
 
 @triton.jit
-def _order_kernel(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, BLOCK_K: tl.constexpr, ZERO_OUT: tl.constexpr,
-                  ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """zk[t] = z[t] in `_k_order` of each BLOCK_K columns; and (ZERO_OUT) `out` zeroed for the atomic adds."""
+def _order_kernel(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, ORDER_K: tl.constexpr,
+                  ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """`_order_block` alone (no alignment to share a launch with: the decode path)."""
     pdl.wait_for_inputs(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
+    _order_block(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, tl.program_id(0), tl.num_programs(0), ORDER_K,
+                 ZERO_OUT, ZERO_BLOCK)
+
+
+@triton.jit
+def _order_block(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, index, programs, ORDER_K: tl.constexpr,
+                 ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr):
+    """Program `index` of the `programs` of the K-order work: chunk index % chunks of token index // chunks,
+    zk[t] = z[t] in `_k_order` of each ORDER_K columns; and (ZERO_OUT) its share of `out` zeroed for the atomic
+    adds."""
     if ZERO_OUT:
-        _zero_slice(out_ptr, out_numel, token * tl.num_programs(1) + chunk,
-                    tl.num_programs(0) * tl.num_programs(1), ZERO_BLOCK)
-    cols = tl.arange(0, BLOCK_K)
-    z = tl.load(z_ptr + token * stride_zt + chunk * BLOCK_K + cols)
-    tl.store(zk_ptr + token * tl.num_programs(1) * BLOCK_K + chunk * BLOCK_K + _k_position(cols, BLOCK_K), z)
+        _zero_slice(out_ptr, out_numel, index, programs, ZERO_BLOCK)
+    token = (index // chunks).to(tl.int64)
+    chunk = index % chunks
+    cols = tl.arange(0, ORDER_K)
+    z = tl.load(z_ptr + token * stride_zt + chunk * ORDER_K + cols)
+    tl.store(zk_ptr + token * chunks * ORDER_K + chunk * ORDER_K + _k_position(cols, ORDER_K), z)
 
 
 @triton.jit

@@ -339,7 +339,7 @@ def test_alignment_at_rank_routing(num_tokens, block_m):
     ws.sorted_pair.fill_(-1)
     ws.block_expert.fill_(RANK_E + 1)
     ws.block_rows.fill_(block_m + 1)
-    moe._launch_align(ids, RANK_E, ws)
+    moe._align(ids, RANK_E, ws.sorted_pair, ws.block_m, blocks=(ws.block_expert, ws.block_rows))
     check_alignment(ws, ids)
 
 
