@@ -21,13 +21,16 @@ interleaves them as it loads a tile (gate row n at tile row 2n, up row n at 2n +
 yields both and SiTU is applied in registers. H and I must be multiples of 128 (the scales are read
 as int32 words of 4 groups; K3 at TP8: H = 3584, I = 384).
 
-Pipeline: 3 launches (4 with combine="reduce"; 2 without alignment, below), no host sync, so the step
-is CUDA-graph capturable; every buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
+Pipeline: 3 launches (4 with combine="reduce"), no host sync, so the step is CUDA-graph capturable; every
+buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
 
 1. `_align_kernel`: sorts the T*k (token, slot) pairs by expert, stably, each expert's run padded to
    whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row block, its expert
    (`block_expert`, -1 past the end) and number of real rows (`block_rows`). One program per expert,
-   each counting all pairs itself (no second launch, no atomics).
+   each counting all pairs itself (no second launch, no atomics). Where the gate/up GEMM is in K order
+   ("Dequantization" below), programs of their own in the same launch put z in that order and zero the
+   output (`_order_block`); without alignment (below) that work is the first launch alone (`_order_kernel`),
+   and with neither the pipeline is 2 launches.
 2. `_gate_up_kernel`: one program per (row block, BLOCK_N columns of I). It dequantizes E2M1 + E8M0
    in registers (each weight is read from HBM once and never written back as bf16), accumulates in
    fp32 on the tensor cores, applies SiTU and writes bf16 h [T*k, I] (indexed by pair).
