@@ -608,13 +608,14 @@ def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
     # without the order: unread stand-ins, no programs
-    args, constexprs, programs = order or ((ids, ids, ids, 0, 0, 1), {"ORDER_K": 0, "ZERO_OUT": False}, 0)
+    args, constexprs, programs = order or ((ids, ids, ids, 0, 0, 1),
+                                           {"ORDER_K": 0, "ZERO_OUT": False, "ZERO_BLOCK": _ZERO_BLOCK}, 0)
     _align_kernel[(num_experts + programs,)](
         ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
         block_expert.numel() if blocks else 0, num_experts, *args,
         BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(num_experts)),
         SCAN=min(_ALIGN_SCAN, max(64, triton.next_power_of_2(pairs))), META=64, GROUPS=groups is not None,
-        **constexprs, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4, **pdl.options(_align_kernel, ids.device),
+        **constexprs, num_warps=4, **pdl.options(_align_kernel, ids.device),
     )
 
 
@@ -660,17 +661,17 @@ def _launch_prologue(z, ids, num_experts: int, out, config: MoEConfig, ws: MoEWo
         _align(ids, num_experts, ws.sorted_pair, ws.block_m, blocks=(ws.block_expert, ws.block_rows), order=order)
     elif order is not None:
         args, constexprs, programs = order
-        _order_kernel[(programs,)](*args, **constexprs, ZERO_BLOCK=_ZERO_BLOCK, num_warps=4,
-                                   **pdl.options(_order_kernel, z.device))
+        _order_kernel[(programs,)](*args, **constexprs, num_warps=4, **pdl.options(_order_kernel, z.device))
 
 
 def _order_work(z, out, config: MoEConfig, ws: MoEWorkspace) -> tuple[tuple, dict, int]:
     """(arguments, constexprs, programs) of the K-order work (`_order_block`): z into the gate/up GEMM's K order
     (ws.z_ordered), and the output zeroed for an atomic combine; a program a BLOCK_K chunk of a token's row."""
-    num_tokens, hidden = z.shape
     block_k = config.gate_up.block_k
-    args = (z, ws.z_ordered, out, z.stride(0), out.numel(), hidden // block_k)
-    return args, {"ORDER_K": block_k, "ZERO_OUT": config.combine == "atomic"}, num_tokens * (hidden // block_k)
+    chunks = z.shape[1] // block_k
+    args = (z, ws.z_ordered, out, z.stride(0), out.numel(), chunks)
+    constexprs = {"ORDER_K": block_k, "ZERO_OUT": config.combine == "atomic", "ZERO_BLOCK": _ZERO_BLOCK}
+    return args, constexprs, z.shape[0] * chunks
 
 
 def _launch_gate_up(z, ids, w13_packed, w13_scale, out, config: MoEConfig, ws: MoEWorkspace,

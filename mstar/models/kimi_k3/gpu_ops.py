@@ -208,10 +208,10 @@ class GpuMixerOps(TorchMixerOps):
         # the write applies kv_a_layernorm too
         if self.fused:
             c_kv, k_pe = kv_a.split([attn.kv_lora_rank, attn.rope], dim=-1)
-            norm = attn.kv_a_layernorm
-            kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=(norm.weight, norm.eps))
+            norm = (attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
         else:
-            kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, *attn.latent_rows(kv_a, self.layer_ops))
+            (c_kv, k_pe), norm = attn.latent_rows(kv_a, self.layer_ops), None
+        kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=norm)
         q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
