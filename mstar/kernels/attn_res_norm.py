@@ -68,12 +68,16 @@ WIDE_TILE, WIDE_WARPS = 1024, 4
 def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_weight: torch.Tensor, res_eps: float,
                   out_norm_weight: torch.Tensor, out_eps: float, out: torch.Tensor | None = None,
                   splits: int | None = None, residual: torch.Tensor | None = None,
-                  one_launch: bool | None = None, tile: tuple[int, int] | None = None) -> torch.Tensor:
+                  one_launch: bool | None = None, tile: tuple[int, int] | None = None,
+                  closed: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """The fused kernels: `sources` [n, T, D] (n <= MAX_SOURCES, unit column stride) -> [T, D] (into `out`).
     `residual` [T, D]: added into sources[-1] in place first (the stats pass does it). `splits`: column
     chunks per row of the three-launch path; `tile`: its (columns a tile, warps a program), a power of two and
     at most 32 (defaults: `three_launch_tiling`). `one_launch`: the one-launch path (module doc); default:
-    below WIDE_TILE_ROWS rows where it fits, when neither `splits` nor `tile` is given."""
+    below WIDE_TILE_ROWS rows where it fits, when neither `splits` nor `tile` is given.
+    `closed` = (stats [>= n - 1, T, 1 + Q] fp32, q): the first n - 1 sources' statistics as
+    attn_res_blocks.closed_block_stats left them (source i's at stats[i], this mix's pseudo-query the q-th):
+    the stats pass then reads only the last source (three launches)."""
     n, T, D = sources.shape
     if not 1 <= n <= MAX_SOURCES:
         raise ValueError(f"attn_res_norm mixes 1..{MAX_SOURCES} sources, got {n}")
@@ -81,11 +85,13 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
                                  or residual.dtype != sources.dtype):
         raise ValueError(f"residual must be [{T}, {D}] {sources.dtype} with unit column stride, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
+    table, query = _check_closed(closed, n, T, sources)
     out = torch.empty(T, D, dtype=sources.dtype, device=sources.device) if out is None else out
     n_pad = triton.next_power_of_2(n)
     if one_launch is None:
-        one_launch = (splits is None and tile is None and T < WIDE_TILE_ROWS
-                      and _one_launch_fits(T, D, n_pad, sources.device))
+        one_launch = splits is None and tile is None and closed is None and prefers_one_launch(T, D, sources.device)
+    elif one_launch and closed is not None:
+        raise ValueError("attn_res_norm: closed blocks' stats are read by the three launches, not the one launch")
     if one_launch:
         return _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                          out, residual, n_pad)
@@ -96,8 +102,9 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
     _source_stats_kernel[(T, S)](
         sources, sources.stride(0), sources.stride(1), n, proj_weight.reshape(-1), res_norm_weight, stats,
         sources if residual is None else residual, 0 if residual is None else residual.stride(0),
-        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, num_warps=warps,
-        **pdl.options(_source_stats_kernel, sources.device),
+        table, table.stride(0), table.stride(1), query,
+        D=D, CHUNK=chunk, S=S, BLOCK_D=block, N_PAD=n_pad, ADD=residual is not None, CLOSED=closed is not None,
+        num_warps=warps, **pdl.options(_source_stats_kernel, sources.device),
     )
     square_sums = torch.empty(T, S, dtype=torch.float32, device=sources.device)
     _mix_kernel[(T, S)](
@@ -112,6 +119,19 @@ def attn_res_norm(sources: torch.Tensor, proj_weight: torch.Tensor, res_norm_wei
             num_warps=warps, **pdl.options(_norm_kernel, sources.device),
         )
     return out
+
+
+def _check_closed(closed: tuple[torch.Tensor, int] | None, n: int, T: int, sources: torch.Tensor
+                  ) -> tuple[torch.Tensor, int]:
+    """(stats table, query) of `closed`; without it `sources`, a placeholder the kernel never reads."""
+    if closed is None:
+        return sources, 0
+    table, query = closed
+    if (table.dtype != torch.float32 or table.dim() != 3 or table.shape[0] < n - 1 or table.shape[1] != T
+            or not 0 <= query < table.shape[2] - 1 or table.stride(2) != 1):
+        raise ValueError(f"closed stats must be [>= {n - 1}, {T}, 1 + Q] fp32 with unit column stride and a query "
+                         f"in 0..Q-1, got {tuple(table.shape)} {table.dtype} and query {query}")
+    return table, query
 
 
 def three_launch_tiling(T: int, D: int, n_pad: int, tile: tuple[int, int] | None = None
@@ -149,6 +169,12 @@ def _one_launch_plan(T: int, D: int, n_pad: int, device: torch.device) -> tuple[
     n_tiles = triton.cdiv(D, block)
     tiles = triton.cdiv(n_tiles, min(per_row, n_tiles))
     return block, tiles, triton.cdiv(n_tiles, tiles)
+
+
+def prefers_one_launch(rows: int, width: int, device: torch.device) -> bool:
+    """Whether `attn_res_norm` takes the one launch by default at `rows` rows of `width` (module doc): below
+    WIDE_TILE_ROWS rows, on a GPU where they fit at once; the three launches otherwise."""
+    return rows < WIDE_TILE_ROWS and _one_launch_fits(rows, width, 1, device)
 
 
 def _one_launch_fits(T: int, D: int, n_pad: int, device: torch.device) -> bool:
@@ -238,44 +264,78 @@ def _chunks(T: int, D: int, block: int, splits: int | None) -> tuple[int, int]:
 
 @triton.jit
 def _source_stats_kernel(src_ptr, stride_n, stride_t, n_sources, proj_ptr, res_w_ptr, stats_ptr, residual_ptr,
-                         stride_rt, D: tl.constexpr, CHUNK: tl.constexpr, S: tl.constexpr, BLOCK_D: tl.constexpr,
-                         N_PAD: tl.constexpr, ADD: tl.constexpr, PDL: tl.constexpr):
+                         stride_rt, closed_ptr, stride_cj, stride_ct, query, D: tl.constexpr, CHUNK: tl.constexpr,
+                         S: tl.constexpr, BLOCK_D: tl.constexpr, N_PAD: tl.constexpr, ADD: tl.constexpr,
+                         CLOSED: tl.constexpr, PDL: tl.constexpr):
     """stats[t, s] = (sum V_i^2, <V_i, w>) over chunk s of row t, for every source i; with ADD, first
-    V_last += residual in place over the chunk (rounded to the stream dtype, as the torch add)."""
+    V_last += residual in place over the chunk (rounded to the stream dtype, as the torch add). With CLOSED only
+    the last source is read: the others' whole-row stats come from the closed table, put in chunk 0's."""
     pdl.wait_for_inputs(PDL)
     t = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     row_src = src_ptr + t * stride_t
     cols = tl.arange(0, BLOCK_D)
-    sq = tl.zeros([N_PAD], dtype=tl.float32)
-    dot = tl.zeros([N_PAD], dtype=tl.float32)
-    for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
-        v, w = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
-                             d0 + cols, D, N_PAD, ADD)
-        sq += tl.sum(v * v, axis=1)
-        dot += tl.sum(v * w[None, :], axis=1)
+    srcs = tl.arange(0, N_PAD)
+    if CLOSED:
+        last = row_src + (n_sources - 1) * stride_n
+        sq_last = tl.zeros([BLOCK_D], dtype=tl.float32)
+        dot_last = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
+            c = d0 + cols
+            ok = c < D
+            v = _last_source(last, residual_ptr + t * stride_rt, c, ok, ADD)
+            sq_last += v * v
+            dot_last += v * _pseudo_query(proj_ptr, res_w_ptr, c, ok)
+        earlier = srcs < tl.where(s == 0, n_sources - 1, 0)  # chunk 0 holds the closed blocks' whole-row stats
+        table = closed_ptr + srcs * stride_cj + t * stride_ct
+        is_last = srcs == n_sources - 1
+        sq = tl.where(is_last, tl.sum(sq_last, axis=0), tl.load(table, mask=earlier, other=0))
+        dot = tl.where(is_last, tl.sum(dot_last, axis=0), tl.load(table + 1 + query, mask=earlier, other=0))
+    else:
+        sq = tl.zeros([N_PAD], dtype=tl.float32)
+        dot = tl.zeros([N_PAD], dtype=tl.float32)
+        for d0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), BLOCK_D):
+            v, w = _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_ptr + t * stride_rt,
+                                 d0 + cols, D, N_PAD, ADD)
+            sq += tl.sum(v * v, axis=1)
+            dot += tl.sum(v * w[None, :], axis=1)
     _store_stats(stats_ptr, t, s, S, sq, dot, N_PAD)
+
+
+@triton.jit
+def _pseudo_query(proj_ptr, res_w_ptr, c, ok):
+    """w = res_norm.weight * proj.weight at columns c, in fp32."""
+    return tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
+                                                                             other=0).to(tl.float32)
+
+
+@triton.jit
+def _last_source(last_row, residual_row, c, ok, ADD: tl.constexpr):
+    """The last source at columns c in fp32; with ADD it becomes V_last + residual first, stored in place rounded
+    to the stream dtype (as the torch add)."""
+    if ADD:
+        summed = (tl.load(last_row + c, mask=ok, other=0).to(tl.float32)
+                  + tl.load(residual_row + c, mask=ok, other=0).to(tl.float32)).to(last_row.dtype.element_ty)
+        tl.store(last_row + c, summed, mask=ok)
+        return summed.to(tl.float32)
+    return tl.load(last_row + c, mask=ok, other=0).to(tl.float32)
 
 
 @triton.jit
 def _tile_sources(row_src, stride_n, n_sources, proj_ptr, res_w_ptr, residual_row, c, D: tl.constexpr,
                   N_PAD: tl.constexpr, ADD: tl.constexpr):
     """(V [N_PAD, cols] fp32, w [cols] fp32) at columns c of a row; with ADD the last source becomes
-    V_last + residual first, stored in place rounded to the stream dtype (as the torch add)."""
+    V_last + residual first (`_last_source`)."""
     srcs = tl.arange(0, N_PAD)
     ok = c < D
-    w = tl.load(res_w_ptr + c, mask=ok, other=0).to(tl.float32) * tl.load(proj_ptr + c, mask=ok,
-                                                                          other=0).to(tl.float32)
+    w = _pseudo_query(proj_ptr, res_w_ptr, c, ok)
     if ADD:
         # The last source is read as a row of its own: taking it out of the tile would be a reduction over the
         # tile's source axis (across warps where the warps split the sources).
-        last_ptrs = row_src + (n_sources - 1) * stride_n + c
-        summed = (tl.load(last_ptrs, mask=ok, other=0).to(tl.float32)
-                  + tl.load(residual_row + c, mask=ok, other=0).to(tl.float32)).to(row_src.dtype.element_ty)
-        tl.store(last_ptrs, summed, mask=ok)
+        summed = _last_source(row_src + (n_sources - 1) * stride_n, residual_row, c, ok, True)
         v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :],
                     mask=(srcs < n_sources - 1)[:, None] & ok[None, :], other=0).to(tl.float32)
-        v = tl.where((srcs == n_sources - 1)[:, None], summed.to(tl.float32)[None, :], v)
+        v = tl.where((srcs == n_sources - 1)[:, None], summed[None, :], v)
     else:
         v = tl.load(row_src + srcs[:, None] * stride_n + c[None, :], mask=(srcs < n_sources)[:, None] & ok[None, :],
                     other=0).to(tl.float32)

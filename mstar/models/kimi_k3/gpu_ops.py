@@ -23,6 +23,8 @@ reference modules are only read.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -44,14 +46,19 @@ from mstar.quant.mxfp4_linear import MXFP4Linear
 from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
+from .attn_res import ResidualStream
 from .kda import L2_NORM_EPS, KimiDeltaAttention
 from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
+from .precomputed_stream import PrecomputedStream, SublayerQueries, sublayer_queries
 from .serving import BatchPlan, TorchMixerOps
 from .step_metadata import KDAPath, StepMetadata, build_metadata, kda_step, mla_step
+
+if TYPE_CHECKING:
+    from .model import KimiK3Model
 
 
 def stacked(linears: list[nn.Linear]) -> StackedLinear:
@@ -260,6 +267,7 @@ class GpuLayerOps(LayerOps):
         # per MoE layer, from moe_inputs to its latent_output: the GEMM input [T, held + I] whose last I columns the
         # SiTU wrote the shared experts' activations into, the first left for the latent norm
         self._latent_gemm_inputs: dict[LatentMoE, torch.Tensor] = {}
+        self._queries: dict[KimiK3Model, SublayerQueries] = {}  # per model, its mixes' stacked pseudo-queries
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
@@ -277,6 +285,17 @@ class GpuLayerOps(LayerOps):
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                            residual=residual)
+
+    def residual_stream(self, model: KimiK3Model, embedding: torch.Tensor) -> ResidualStream:
+        """Where the mixes take the three launches (prefill chunks, large verify steps), a stream whose closed
+        blocks' statistics are computed once (precomputed_stream.py); the plain one where they take one launch."""
+        rows, width = embedding.shape
+        if attn_res_norm.prefers_one_launch(rows, width, embedding.device):
+            return super().residual_stream(model, embedding)
+        if model not in self._queries:
+            self._queries[model] = sublayer_queries(model)
+        cfg = model.config
+        return PrecomputedStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers, self._queries[model])
 
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         return sigmoid_gate.sigmoid_gate(o, gate)

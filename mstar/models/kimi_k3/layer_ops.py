@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .attn_res import attn_res_norm
+from .attn_res import ResidualStream, attn_res_norm
 from .norm import at_least_fp32
 
 if TYPE_CHECKING:
     from torch import nn
 
     from .mlp import GatedMLP
+    from .model import KimiK3Model
     from .moe import LatentMoE, Router, Routing
     from .norm import RMSNorm
 
@@ -37,6 +38,11 @@ class LayerOps:
                  residual: torch.Tensor | None = None) -> torch.Tensor:
         """out_norm(AttnRes(sources)) after sources[-1] += residual (attn_res.MixNorm)."""
         return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, residual)
+
+    def residual_stream(self, model: KimiK3Model, embedding: torch.Tensor) -> ResidualStream:
+        """The AttnRes residual stream of one forward pass of `model` (its mixes through `mix_norm`)."""
+        cfg = model.config
+        return ResidualStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers, self.mix_norm)
 
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """An MLA layer's output gate: o [T, H, v] * sigmoid(gate [T, H v]) in at least fp32, rounded to gate's

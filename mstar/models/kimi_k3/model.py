@@ -141,7 +141,7 @@ class KimiK3Model(nn.Module):
                 if i in tap_layers:
                     taps.append(h)
             return ops.norm(self.norm, h), taps
-        stream = ResidualStream(h, cfg.attn_res_block_size, cfg.num_hidden_layers, ops.mix_norm)
+        stream = ops.residual_stream(self, h)
         for i, layer in enumerate(self.layers):
             layer.forward_attn_res(stream, mix, ops)
             if i in tap_layers:
