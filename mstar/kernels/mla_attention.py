@@ -22,6 +22,8 @@ Split-KV: with `num_splits` > 1 the context of each sequence is cut into equal p
 and at least `min_split_tokens`, computed on the device from `context_lens`), every piece writes a
 normalised partial output and its log-sum-exp (base 2), and a second kernel merges the pieces. The grid,
 the workspace and `num_splits` depend only on shapes, so one capture per bucket replays for any lengths.
+A multi-row call may also return each row's whole log-sum-exp (`lse`, written by the kernel or the merge):
+the expanded prefill (mla_expanded.py) resumes its online softmax from it and the output.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ if triton is not None:
         PAGE_SIZE: tl.constexpr, LATENT: tl.constexpr, ROPE: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLIT_KV: tl.constexpr, MIN_SPLIT: tl.constexpr, MULTI_QUERY: tl.constexpr, CAUSAL: tl.constexpr,
-        PDL: tl.constexpr,
+        WRITE_LSE: tl.constexpr, PDL: tl.constexpr,
     ):
         pdl.wait_for_inputs(PDL)
         tile = tl.program_id(0)
@@ -278,6 +280,9 @@ if triton is not None:
             if not SPLIT_KV:
                 o_ptr = out_ptr + token * stride_ot + head * stride_oh
                 tl.store(o_ptr[:, None] + d_lat[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                if WRITE_LSE:  # the caller's lse [N, H] in place of the partials (after o: no register held past it)
+                    lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+                    tl.store(part_lse_ptr + token * stride_ln + head, lse, mask=row_ok)
             else:
                 lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
                 split64 = split.to(tl.int64)
@@ -287,12 +292,14 @@ if triton is not None:
 
     @triton.jit
     def _mla_merge_kernel(
-        part_o_ptr, part_lse_ptr, cu_ptr, ctx_ptr, out_ptr, num_heads, num_splits,
-        stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, stride_ot, stride_oh,
+        part_o_ptr, part_lse_ptr, cu_ptr, ctx_ptr, out_ptr, lse_ptr, num_heads, num_splits,
+        stride_ps, stride_pn, stride_ph, stride_ls, stride_ln, stride_ot, stride_oh, stride_lt,
         LATENT: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr,
-        MIN_SPLIT: tl.constexpr, ALIGN: tl.constexpr, MULTI_QUERY: tl.constexpr, PDL: tl.constexpr,
+        MIN_SPLIT: tl.constexpr, ALIGN: tl.constexpr, MULTI_QUERY: tl.constexpr, WRITE_LSE: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        """One (token, head) row and BLOCK_DV output columns: the log-sum-exp merge of its splits."""
+        """One (token, head) row and BLOCK_DV output columns: the log-sum-exp merge of its splits (and, with
+        WRITE_LSE, the row's whole log-sum-exp, stored by the programs of the first columns)."""
         pdl.wait_for_inputs(PDL)
         row = tl.program_id(0)
         seq = tl.program_id(1)
@@ -325,6 +332,9 @@ if triton is not None:
                 m = m_new
             o = acc / tl.where(denom > 0.0, denom, 1.0)
             tl.store(out_ptr + token * stride_ot + head * stride_oh + dv, o.to(out_ptr.dtype.element_ty))
+            if WRITE_LSE and tl.program_id(2) == 0:
+                lse = tl.where(denom > 0.0, m + tl.log2(tl.where(denom > 0.0, denom, 1.0)), float("-inf"))
+                tl.store(lse_ptr + token * stride_lt + head + tl.arange(0, 1), lse)
 
 
 # --- launchers -------------------------------------------------------------------------------------------
@@ -378,9 +388,13 @@ def _check_inputs(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor
 def _launch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, cu_seqlens: Tensor | None,
             context_lens: Tensor, scale: float, out: Tensor, *, num_seqs: int, max_rows: int, num_splits: int,
             min_split_tokens: int, workspace: tuple[Tensor, Tensor] | None, config: KernelConfig,
-            causal: bool = True) -> Tensor:
+            causal: bool = True, lse: Tensor | None = None) -> Tensor:
     latent, rope = _check_inputs(q_lat, q_pe, cache, page_table, context_lens, out, num_splits)
     num_tokens, num_heads = q_lat.shape[:2]
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32
+                            or lse.stride(-1) != 1 or lse.device != q_lat.device):
+        raise ValueError(f"lse must be fp32 [N, H] = [{num_tokens}, {num_heads}] with unit head stride on "
+                         f"{q_lat.device}; got {tuple(lse.shape)} {lse.dtype} strides {lse.stride()} on {lse.device}")
     if num_seqs == 0 or num_tokens == 0:
         return out
     if config.block_n < 16 or config.block_n & (config.block_n - 1) or min_split_tokens < 1:
@@ -397,27 +411,31 @@ def _launch(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor, cu_s
                 or part_o.stride(-1) != 1 or part_o.dtype != torch.float32 or part_lse.dtype != torch.float32):
             raise ValueError(f"workspace must be split_workspace({num_splits}, {num_tokens}, {num_heads}, {latent}); "
                              f"got {tuple(part_o.shape)} {part_o.dtype} and {tuple(part_lse.shape)} {part_lse.dtype}")
-    else:
-        part_o, part_lse = out, out  # unread placeholders
+        lse_strides = part_lse.stride(0), part_lse.stride(1)
+    else:  # unread placeholders; the lse output (if any) takes the partials' place: [N, H], no split stride
+        part_o, part_lse = out, (lse if lse is not None else out)
+        lse_strides = 0, part_lse.stride(0)
     grid = (triton.cdiv(max_rows, config.block_m), num_seqs, num_splits)
     _mla_attn_kernel[grid](
         q_lat, q_pe, cache, page_table, cu, context_lens, out, part_o, part_lse,
         float(scale) * LOG2E, num_heads, num_splits,
         q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), *lse_strides,
         PAGE_SIZE=cache.shape[1], LATENT=latent, ROPE=rope, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         SPLIT_KV=num_splits > 1, MIN_SPLIT=min_split_tokens, MULTI_QUERY=multi_query, CAUSAL=causal,
+        WRITE_LSE=lse is not None and num_splits == 1,
         num_warps=config.num_warps, num_stages=config.num_stages, **pdl.options(_mla_attn_kernel, q_lat.device),
     )
     if num_splits > 1:
         block_dv = min(128, latent)
+        lse_out = lse if lse is not None else part_lse[0]  # unread without an lse output
         _mla_merge_kernel[(max_rows, num_seqs, latent // block_dv)](
-            part_o, part_lse, cu, context_lens, out, num_heads, num_splits,
+            part_o, part_lse, cu, context_lens, out, lse_out, num_heads, num_splits,
             part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), lse_out.stride(0),
             LATENT=latent, BLOCK_DV=block_dv, BLOCK_S=16,
-            MIN_SPLIT=min_split_tokens, ALIGN=config.block_n, MULTI_QUERY=multi_query,
+            MIN_SPLIT=min_split_tokens, ALIGN=config.block_n, MULTI_QUERY=multi_query, WRITE_LSE=lse is not None,
             num_warps=4, **pdl.options(_mla_merge_kernel, q_lat.device),
         )
     return out
@@ -454,7 +472,7 @@ def paged_mla_prefill(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Te
                       context_lens: Tensor, scale: float, out: Tensor, *, max_query_len: int | None = None,
                       num_splits: int = 1, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
                       workspace: tuple[Tensor, Tensor] | None = None, config: KernelConfig | None = None,
-                      causal: bool = True) -> Tensor:
+                      causal: bool = True, lse: Tensor | None = None) -> Tensor:
     """Absorbed MLA over several query tokens per sequence (chunked prefill, speculative verify); causal, or
     with `causal=False` every query of sequence b sees all its context_lens[b] rows (a DSpark draft block,
     bidirectional over its own rows and its context; its rows need not be the last ones: q_len_b may exceed
@@ -466,7 +484,10 @@ def paged_mla_prefill(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Te
     context_lens [B] rows cached after this step (q_len_b <= context_lens[b])
     max_query_len  a static upper bound of every q_len_b (defaults to N; a tighter bound shrinks the grid;
                  rows of a longer sequence past the bound would be skipped)
-    Rows of out past cu_seqlens[-1] (bucket padding) are left untouched. Other arguments as in decode.
+    lse          optional [N, H] fp32 (unit head stride): each row's log-sum-exp in base 2 of its scaled logits,
+                 log2(sum_s 2^(q.k_s * scale * log2(e))), -inf where it saw no row (from the merge when split);
+                 with `out` it is the state an online softmax over more keys resumes from (mla_expanded.py)
+    Rows of out (and lse) past cu_seqlens[-1] (bucket padding) are left untouched. Other arguments as in decode.
     """
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] != context_lens.shape[0] + 1:
         raise ValueError(f"cu_seqlens must be [B+1] = [{context_lens.shape[0] + 1}]; got {tuple(cu_seqlens.shape)}")
@@ -478,7 +499,7 @@ def paged_mla_prefill(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Te
     cfg = config or default_config(num_heads, cache.shape[1], multi_query=True, query_rows=max_q)
     return _launch(q_lat, q_pe, cache, page_table, cu_seqlens, context_lens, scale, out,
                    num_seqs=context_lens.shape[0], max_rows=max_q * num_heads, num_splits=num_splits,
-                   min_split_tokens=min_split_tokens, workspace=workspace, config=cfg, causal=causal)
+                   min_split_tokens=min_split_tokens, workspace=workspace, config=cfg, causal=causal, lse=lse)
 
 
 def decode_bytes(batch: int, context: int, num_heads: int, width: int = 576, latent: int = 512,
