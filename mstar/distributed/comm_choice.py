@@ -5,7 +5,7 @@
     CUDA all-reduce, protocol SHM (one node), symmetric memory built, message in its dtype:
         size <= one_shot_max_bytes                 -> symmetric-memory one-shot
         size <= two_shot_max_bytes                 -> symmetric-memory two-shot
-    every other CUDA message (all-gathers, larger all-reduces, TCP/NCCL protocols across nodes) -> NCCL
+    every other CUDA message (all-gathers, reduce-scatters, larger all-reduces, TCP/NCCL across nodes) -> NCCL
 
 The byte limits are starting points for 8 H200s of one node (decode activations are a few KB to
 ~1 MB: rows x 7168 x 2 B), to be set from a measured sweep; they are configuration, not constants
@@ -50,7 +50,7 @@ class CommConfig:
 
 @dataclass(frozen=True)
 class Message:
-    op: str  # "all_reduce" or "all_gather"
+    op: str  # "all_reduce", "all_gather" or "reduce_scatter"
     device_type: str  # "cpu" or "cuda"
     dtype: torch.dtype
     nbytes: int
@@ -108,6 +108,9 @@ class ChoosingCommunicator(Communicator):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return self._pick("all_gather", x).all_gather(x)
+
+    def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self._pick("reduce_scatter", x, dtype).reduce_scatter_rounded(x, dtype)
 
 
 def build_communicator(group: dist.ProcessGroup | None, device: torch.device, config: CommConfig,

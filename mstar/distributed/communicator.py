@@ -14,6 +14,9 @@ Contract of every implementation:
   first (a reference that rounds its partial sums before reducing them). An implementation that copies its
   message anyway (symmetric memory stages it into its buffer) rounds in that copy instead of a kernel of its own.
 - `all_gather(x)` returns the ranks' tensors concatenated along the last dim, in rank order.
+- `reduce_scatter_rounded(x, dtype)` returns this rank's piece of `all_reduce_rounded(x, dtype)`: the last dim
+  cut into world_size equal runs of columns, run `rank`. Half an all-reduce's link traffic where the
+  implementation has a real reduce-scatter (NCCL); the others reduce everything and keep their piece.
 - Every rank calls the same collectives in the same order (lockstep); nothing here checks that.
 """
 
@@ -48,6 +51,19 @@ class Communicator(ABC):
     @abstractmethod
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` concatenated along the last dim in rank order: [..., world_size * n]."""
+
+    def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's columns of `all_reduce_rounded(x, dtype)` (the module doc's contract): [..., n / world_size]."""
+        return self.piece(self.all_reduce_rounded(x, dtype))
+
+    def piece(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's run of x's last dim, cut into world_size equal runs."""
+        width = x.shape[-1]
+        if width % self.world_size:
+            raise ValueError(f"a reduce-scatter over {self.world_size} ranks cuts the last dim into equal runs; "
+                             f"{width} columns do not divide")
+        n = width // self.world_size
+        return x[..., self.rank * n: (self.rank + 1) * n]
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"

@@ -16,10 +16,11 @@ conservative NVLink ring rate beyond; `mstar-emulate-rank --comm-latency-us/--co
 faster), and `--comm-latency-us 0` turns it off for a comparison with the null communicator.
 
 The rate is an all-reduce's: message bytes a second. An all-gather's bytes (its output, what each rank ends up
-holding) pass at twice it, because it moves half the traffic: over n ranks a ring or tree all-reduce of S bytes
-sends 2(n-1)/n S bytes over each rank's links and an all-gather of S output bytes (n-1)/n S (the bus-bandwidth
-factors of NVIDIA's nccl-tests, doc/PERFORMANCE.md, by which the two reach the same bus bandwidth on one
-NVLink node). Charged alike, the all-gathers of the sharded-latent MoE cost twice what the links carry.
+holding) and a reduce-scatter's (its input) pass at twice it, because they move half the traffic: over n ranks a
+ring or tree all-reduce of S bytes sends 2(n-1)/n S bytes over each rank's links, an all-gather of S output bytes
+and a reduce-scatter of S input bytes (n-1)/n S (the bus-bandwidth factors of NVIDIA's nccl-tests,
+doc/PERFORMANCE.md, by which all three reach the same bus bandwidth on one NVLink node). Charged alike, the
+all-gathers of the sharded-latent MoE cost twice what the links carry.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from mstar.kernels.gpu_delay import calibrate, delay
 from .communicator import Communicator
 
 MIN_LATENCY_S = 4e-6
-# Link traffic per byte of message against an all-reduce's (module doc): an all-gather's output bytes move half.
-ALL_REDUCE_TRAFFIC, ALL_GATHER_TRAFFIC = 1.0, 0.5
+# Link traffic per byte of message against an all-reduce's (module doc): an all-gather's output bytes and a
+# reduce-scatter's input bytes move half ((n-1)/n S against 2(n-1)/n S).
+ALL_REDUCE_TRAFFIC, ALL_GATHER_TRAFFIC, REDUCE_SCATTER_TRAFFIC = 1.0, 0.5, 0.5
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,12 @@ class ModeledCommunicator(Communicator):
         out = torch.cat([x] * self.world_size, dim=-1) if self.world_size > 1 else x
         self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC)  # what each rank ends up holding
         return out
+
+    def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's piece of x as it is (as `all_reduce_rounded`), charged as the rounded input."""
+        piece = self.piece(x)
+        self._charge(x.numel() * dtype.itemsize, REDUCE_SCATTER_TRAFFIC)
+        return piece
 
     def _charge(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC) -> None:
         delay(round(self.cost.seconds(nbytes, traffic) * 1e9), nbytes, self.counters)

@@ -63,3 +63,13 @@ class NcclCommunicator(_ProcessGroupCommunicator):
         out = torch.empty((self.world_size, *x.shape), dtype=x.dtype, device=x.device)
         dist.all_gather_into_tensor(out, x, group=self.group)
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.world_size * x.shape[-1])
+
+    def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """NCCL's reduce-scatter cuts its input's first dim: the ranks' column runs are laid out one after another
+        first, in one copy that also rounds to `dtype`."""
+        self._check_device(x)
+        width = self.piece(x).shape[-1]
+        staged = x.reshape(*x.shape[:-1], self.world_size, width).movedim(-2, 0).to(dtype).contiguous()
+        out = torch.empty(staged.shape[1:], dtype=dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, staged, op=dist.ReduceOp.SUM, group=self.group)
+        return out

@@ -223,21 +223,34 @@ def _attn_res_norm_one_launch(sources, proj_weight, res_norm_weight, res_eps, ou
 
 
 def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None,
-                  columns: slice | None = None) -> torch.Tensor:
+                  columns: slice | None = None, square_sums: torch.Tensor | None = None) -> torch.Tensor:
     """`rms_norm(x.to(dtype), weight, eps)[..., columns]` for x [..., D] in one launch, into `out` if given (rows
     of any stride, unit column stride), dtype being out's (else x's). x is rounded to that dtype as it is loaded:
     a wider sum (fp32) is normalised as its rounded copy would be, without the copy. The statistics take whole rows;
-    only `columns` (consecutive, default all) are written, column `columns.start` at out's first."""
+    only `columns` (consecutive, default all) are written, column `columns.start` at out's first.
+    With `square_sums` [rows] fp32, x holds only `columns` of rows whose whole width is weight's, and these are the
+    whole rows' sums of squares (a reduce-scatter's piece: models/kimi_k3/moe.py)."""
     rows = x.reshape(-1, x.shape[-1])
-    T, D = rows.shape
+    T = rows.shape[0]
+    D = rows.shape[1] if square_sums is None else weight.shape[0]
     first, stop, step = (slice(None) if columns is None else columns).indices(D)
     if step != 1 or stop <= first:
         raise ValueError(f"columns={columns}: need consecutive columns of the {D}")
     width = stop - first
+    if square_sums is not None and (rows.shape[1] != width or square_sums.shape != (T,)
+                                    or square_sums.dtype != torch.float32):
+        raise ValueError(f"with square_sums, x holds the {width} columns {columns} of each row and square_sums is "
+                         f"[{T}] fp32; got x {tuple(x.shape)} and square_sums {tuple(square_sums.shape)} "
+                         f"{square_sums.dtype}")
     out = torch.empty(*x.shape[:-1], width, dtype=x.dtype, device=x.device) if out is None else out
     out_rows = out.view(T, width)
     if out_rows.stride(1) != 1 and width > 1:
         raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
+    if square_sums is not None:  # the row's columns from x's first, the weight's from `first`, the mean over D
+        _norm_kernel[(T, 1)](rows, rows.stride(0), square_sums, weight[first:], eps, out_rows, out_rows.stride(0), 0,
+                             width, D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(width, 1), OWN_STATS=False,
+                             num_warps=8, **pdl.options(_norm_kernel, x.device))
+        return out
     # a row of 7168 is two tiles: one program per row is already short, no split
     _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out_rows, out_rows.stride(0), first, stop,
                          D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8,

@@ -9,6 +9,7 @@ import torch
 from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.modeled_comm import ALL_GATHER_TRAFFIC, MIN_LATENCY_S, CollectiveCost, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
+from mstar.models.kimi_k3 import moe as moe_module
 from mstar.kernels.gpu_delay import delay
 from mstar.models.kimi_k3.config import parse_config
 from mstar.tools.emulate_rank import Step, build, first_layers
@@ -57,6 +58,10 @@ class CountingCommunicator(NullCommunicator):
         self._count(out, 0.5 / self.cost.bytes_per_s)  # half an all-reduce's traffic a byte (2(n-1)/n against (n-1)/n)
         return out
 
+    def reduce_scatter_rounded(self, x, dtype):
+        self._count(x.to(dtype), 0.5 / self.cost.bytes_per_s)  # its input, at half an all-reduce's traffic a byte
+        return self.piece(x)
+
 
 def test_tally_counts_what_a_forward_calls():
     config = first_layers(parse_config(tiny_k3_raw_config()), 4)
@@ -102,3 +107,28 @@ def test_sharded_latent_layout_adds_two_collectives_per_moe_layer():
         calls[latent] = emulation.comm.tally().calls
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     assert moe_layers > 0 and calls[True] - calls[False] == 2 * moe_layers
+
+
+def test_large_prefill_steps_reduce_scatter_the_routed_latent(monkeypatch):
+    """From REDUCE_SCATTER_MIN_TOKENS tokens (lowered to fit the tiny model) a sharded-latent MoE layer
+    reduce-scatters its routed latent and all-reduces the rows' square sums: one collective more a MoE layer, and
+    the latent's link traffic halved (the cost model's bandwidth term made to dominate here)."""
+    config = first_layers(parse_config(tiny_k3_raw_config()), 4)
+    step = Step("prefill", 1, 24, 0)
+    cost = CollectiveCost(latency_s=4e-6, small_bytes=0, bytes_per_s=1e6)
+    tallies = {}
+    for threshold in (10**9, 16):
+        monkeypatch.setattr(moe_module, "REDUCE_SCATTER_MIN_TOKENS", threshold)
+        emulation = build(config, ShardingPlan(2, 0, 1, True), [step], dtype=torch.float32,
+                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=cost)
+        emulation.comm.reset()
+        logits, _ = emulation.serving.forward(emulation.plan_for(step))
+        assert torch.isfinite(logits).all()
+        tallies[threshold] = emulation.comm.tally()
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    whole, scattered = tallies[10**9], tallies[16]
+    assert scattered.calls - whole.calls == moe_layers
+    assert scattered.bytes - whole.bytes == moe_layers * step.rows * 4  # the [T] fp32 square sums
+    latent_bytes = step.rows * config.moe_input_size * 4  # one routed latent message (fp32 here)
+    saved = moe_layers * (0.5 * latent_bytes / cost.bytes_per_s - cost.latency_s - step.rows * 4 / cost.bytes_per_s)
+    assert whole.seconds - scattered.seconds == pytest.approx(saved, rel=1e-3)

@@ -24,6 +24,8 @@ from kernel_rounding import as_kernel_rounds  # noqa: E402
 
 from mstar.distributed.communicator import Communicator, NullCommunicator  # noqa: E402
 from mstar.distributed.sharding import ShardingPlan  # noqa: E402
+from mstar.kernels import attn_res_norm  # noqa: E402
+from mstar.models.kimi_k3 import moe as moe_module  # noqa: E402
 from mstar.models.kimi_k3.config import parse_config  # noqa: E402
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps  # noqa: E402
 from mstar.models.kimi_k3.layer_ops import REFERENCE_OPS  # noqa: E402
@@ -196,6 +198,45 @@ def test_the_layer_through_gpu_ops_equals_the_single_rank_reference(dtype, tol, 
     for out, ops in zip(outputs, opses, strict=True):
         assert out.dtype == dtype and rel(out, expect) < tol, rel(out, expect)
         assert not ops._latent_gemm_inputs
+
+
+class CountingCommunicator(LockstepCommunicator):
+    """Counts the reduce-scatters (the base class's: an all-reduce and this rank's piece of it)."""
+
+    reduce_scatters = 0
+
+    def reduce_scatter_rounded(self, x, dtype):
+        self.reduce_scatters += 1
+        return super().reduce_scatter_rounded(x, dtype)
+
+
+@pytest.mark.parametrize("dtype, tol", LAYER_CASES)
+@pytest.mark.parametrize("gpu_ops", [False, True], ids=["reference-ops", "gpu-ops"])
+def test_large_steps_reduce_scatter_the_routed_latent(monkeypatch, dtype, tol, gpu_ops):
+    """From REDUCE_SCATTER_MIN_TOKENS tokens (lowered here to fit a test) each sharded-latent rank gets only its
+    columns of the routed sum and normalises them with the whole rows' square sums: every rank still gets the single
+    rank's output, through the reference's ops and the GPU ops alike; below it, the all-reduce as before."""
+    whole = tiny_moe(dtype)
+    monkeypatch.setattr(moe_module, "REDUCE_SCATTER_MIN_TOKENS", 4)
+    for rows, scatters in ((3, 0), (4, 1), (9, 1)):
+        x = torch.randn(rows, whole.config.hidden_size, device=DEVICE).to(dtype)
+        expect = whole(x)
+        lockstep = Lockstep(2)
+        comms = [CountingCommunicator(lockstep, rank) for rank in range(2)]
+        moes = [rank_moe(whole, ShardingPlan(2, rank, latent_sharded=True), comms[rank]) for rank in range(2)]
+        opses = [GpuLayerOps() if gpu_ops else REFERENCE_OPS for _ in range(2)]
+        outputs = lockstep.run(lambda rank, m=moes, o=opses, x=x: m[rank](x, o[rank]))
+        for out, comm in zip(outputs, comms, strict=True):
+            assert comm.reduce_scatters == scatters
+            assert out.dtype == dtype and rel(out, expect) < tol, (rows, rel(out, expect))
+
+
+def test_square_sums_of_the_wrong_shape_are_refused():
+    x, weight = torch.randn(3, 8, device=DEVICE), torch.ones(16, device=DEVICE)
+    for sums, columns in ((torch.ones(3, device=DEVICE), slice(0, 16)), (torch.ones(4, device=DEVICE), slice(8, 16)),
+                          (torch.ones(3, device=DEVICE).double(), slice(8, 16))):
+        with pytest.raises(ValueError, match="with square_sums"):
+            attn_res_norm.rms_norm_rows(x, weight, 1e-6, columns=columns, square_sums=sums)
 
 
 def test_an_fp32_routed_sum_is_rounded_as_the_norm_loads_it():

@@ -351,19 +351,21 @@ class GpuLayerOps(LayerOps):
         return moe.config.latent_moe_use_norm and all(p.bias is None for p in projections)
 
     def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None,
-                      columns: slice | None = None) -> torch.Tensor:
+                      columns: slice | None = None, square_sums: torch.Tensor | None = None) -> torch.Tensor:
         """The reference's function in two launches: the latent norm of whole rows of r writes `columns` of its
         output into the first columns of the GEMM input, whose last ones hold the shared activations (where
         moe_inputs' SiTU wrote them), then up(normed) + shared_down(shared) as one GEMM over the two weights stacked
         by columns: no cat, one fp32 accumulation. r may be the routed kernel's fp32 sum (`routed`): rounded to the
-        model dtype as the norm loads it, as the reference's rounded copy. Without a latent norm: the reference's."""
+        model dtype as the norm loads it, as the reference's rounded copy. With `square_sums` r is a reduce-scatter's
+        piece, `columns` alone, normed with the whole rows' statistics. Without a latent norm: the reference's."""
         gemm_input = self._latent_gemm_inputs.pop(moe, None)
         up = moe.routed_expert_up_proj
         if not self._norm_feeds_gemm(moe) or (shared is not None and shared.dtype != up.weight.dtype):
-            return super().latent_output(moe, r.to(up.weight.dtype), shared, columns)
+            return super().latent_output(moe, r.to(up.weight.dtype), shared, columns, square_sums)
         gemm_input = self._gemm_input(gemm_input, shared, r, up.in_features, up.weight.dtype)
         norm = moe.routed_expert_norm
-        attn_res_norm.rms_norm_rows(r, norm.weight, norm.eps, out=gemm_input[:, : up.in_features], columns=columns)
+        attn_res_norm.rms_norm_rows(r, norm.weight, norm.eps, out=gemm_input[:, : up.in_features], columns=columns,
+                                    square_sums=square_sums)
         if shared is None:
             return self.gemm(gemm_input, up.weight)
         if moe not in self._latent_output:

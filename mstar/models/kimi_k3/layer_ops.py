@@ -62,13 +62,18 @@ class LayerOps:
         return self.route(moe.gate, x), z, shared
 
     def latent_output(self, moe: LatentMoE, r: torch.Tensor, shared: torch.Tensor | None,
-                      columns: slice | None = None) -> torch.Tensor:
+                      columns: slice | None = None, square_sums: torch.Tensor | None = None) -> torch.Tensor:
         """The latent up projection of the normalised routed sum r [T, latent] plus the shared experts' down
         projection of their activations `shared` (when there are shared experts): both land in the hidden space.
         `columns`: the latent columns this rank's up projection takes (the sharded-latent layout; the norm needs
-        whole rows)."""
-        normed = moe.latent_norm(r, self)
-        y = self.linear(moe.routed_expert_up_proj, normed if columns is None else normed[:, columns])
+        whole rows). With `square_sums` [T] fp32, r holds only those columns and these are the whole rows' sums of
+        squares (the reduce-scatter of moe.py)."""
+        if square_sums is not None:
+            normed = columns_rms_norm(r, square_sums, moe.routed_expert_norm, columns)
+        else:
+            normed = moe.latent_norm(r, self)
+            normed = normed if columns is None else normed[:, columns]
+        y = self.linear(moe.routed_expert_up_proj, normed)
         return y if shared is None else y + self.linear(moe.shared_experts.down_proj, shared)
 
     def routed(self, moe: LatentMoE, z: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -81,6 +86,13 @@ class LayerOps:
     def mlp_hidden(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x), up(x)) of a gated MLP: the input of its down projection."""
         return mlp.hidden(x)
+
+
+def columns_rms_norm(x: torch.Tensor, square_sums: torch.Tensor, norm: RMSNorm, columns: slice) -> torch.Tensor:
+    """`norm` of rows of which x holds only `columns`, given the whole rows' sums of squares: rounded as rms_norm."""
+    xf = at_least_fp32(x)
+    normed = xf * torch.rsqrt(square_sums.unsqueeze(-1) / norm.weight.shape[0] + norm.eps)
+    return norm.weight[columns] * normed.to(x.dtype)
 
 
 REFERENCE_OPS = LayerOps()
