@@ -7,7 +7,9 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
   64 rows after its input GEMM is one kernel, `mstar/kernels/kda_decode.py`'s `decode_step`), any dtype; MLA
   through the paged absorbed Triton kernels (`mstar/kernels/mla_attention.py`) for the layers it is given:
   new latent rows are normed and written to the pages first (one launch, `mstar/kernels/kv_slots.py`), then decode (one
-  row per sequence, split-KV) or the multi-row causal kernel (prefill chunks, verify blocks) reads them.
+  row per sequence, split-KV) or the multi-row causal kernel (prefill chunks, verify blocks) reads them; prefill
+  steps the FLOP roofline gives to the expanded form (`step_metadata.expanded_form`) run
+  `mstar/kernels/mla_expanded.py` instead (`_mla_expanded`).
 - `GpuLayerOps`: every dense projection through `gemm` (the skinny GEMM kernel at the shapes and row counts
   where its H200 table beat cuBLAS, `mstar/kernels/skinny_gemm.py`; cuBLAS elsewhere); one-launch kernels
   for the norms, the AttnRes mix + norm, the routers' selection and the dense SiTU MLPs; the routed experts
@@ -35,6 +37,7 @@ from mstar.kernels import (
     kda_fla,
     kv_slots,
     mla_attention,
+    mla_expanded,
     moe_bf16,
     moe_mxfp4,
     router_topk,
@@ -55,7 +58,7 @@ from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
 from .precomputed_stream import PrecomputedStream, SublayerQueries, sublayer_queries
 from .serving import BatchPlan, TorchMixerOps
-from .step_metadata import KDAPath, StepMetadata, build_metadata, kda_step, mla_step
+from .step_metadata import KDAPath, MLAStep, StepMetadata, build_metadata, kda_step, mla_step
 
 if TYPE_CHECKING:
     from .model import KimiK3Model
@@ -80,6 +83,9 @@ class GpuMixerOps(TorchMixerOps):
                              "metadata serves them all")
         self.mla_layers = mla_layers
         self.mla_heads = heads.pop() if heads else None
+        dims = {mla_dims(attn) for attn in mla_layers}
+        # layers of several widths, or widths the expanded kernel does not take: the absorbed form only
+        self.mla_dims = dims.pop() if len(dims) == 1 else None
         self.fused = fused
         self.layer_ops = GpuLayerOps() if fused else REFERENCE_OPS  # the norms inside the mixers
         # per layer module, built on first use, which is an eager step (CUDA-graph capture warms up eagerly
@@ -89,7 +95,7 @@ class GpuMixerOps(TorchMixerOps):
 
     def step_metadata(self, plan: BatchPlan, pool: RecurrentStatePool) -> StepMetadata:
         """The step's metadata for the mixers (ServingModel.forward builds it once per step; step_metadata.py)."""
-        return build_metadata(plan, pool, self.mla_heads)
+        return build_metadata(plan, pool, self.mla_heads, self.mla_dims)
 
     # --- KDA ---
     def kda(self, attn: KimiDeltaAttention, layer: int, x: torch.Tensor, plan: BatchPlan,
@@ -208,7 +214,7 @@ class GpuMixerOps(TorchMixerOps):
         """`meta`: the step's (a layer called on its own builds it)."""
         if attn not in self.mla_layers:
             return super().mla(attn, layer, x, plan, kv)
-        step = meta.mla if meta is not None else mla_step(plan, attn.num_heads, x.device)
+        step = meta.mla if meta is not None else mla_step(plan, attn.num_heads, x.device, self.mla_dims)
         q_first, kv_a, gate = self._mla_inputs(attn, x)
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
         # the new rows' two parts go to their slots as they are (k_pe a view of kv_a): no cat, no index_put; fused,
@@ -220,6 +226,8 @@ class GpuMixerOps(TorchMixerOps):
             (c_kv, k_pe), norm = attn.latent_rows(kv_a, self.layer_ops), None
         kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=norm)
         q_nope, q_pe = attn.queries(q_first, self.layer_ops)
+        if step.expanded:  # a prefill step the roofline gives to the expanded form (step_metadata.expanded_form)
+            return attn.output(self._mla_expanded(attn, q_nope, q_pe, cache, plan, step), gate, self.layer_ops)
         w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
@@ -233,6 +241,27 @@ class GpuMixerOps(TorchMixerOps):
         o = torch.einsum("thr,hvr->thv", out, w_uv)
         return attn.output(o, gate, self.layer_ops)
 
+    def _mla_expanded(self, attn: GatedMLA, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                      plan: BatchPlan, step: MLAStep) -> torch.Tensor:
+        """o [N, H, v] of a prefill step in the expanded form (mstar/kernels/mla_expanded.py): the new rows read back
+        from their slots (one gather: exactly the normed, cast rows the absorbed kernel would read, where the fused
+        write never materialised them), K/V expanded through kv_b_proj (one GEMM), the prefixes' state from the
+        absorbed kernel where a sequence may have one, then the causal kernel over the chunk, resuming from it."""
+        rows = cache.view(-1, cache.shape[-1])[plan.kv.slot_mapping]
+        c_kv, k_pe = rows.split([attn.kv_lora_rank, attn.rope], dim=-1)
+        k_nope, v = mla_expanded.expand_kv(c_kv, attn.kv_b_proj.weight, attn.num_heads, attn.nope,
+                                           gemm=self.layer_ops.gemm if self.fused else None)
+        prefix = None
+        if step.prefix_lens is not None:
+            w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
+            q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+            prefix = mla_expanded.prefix_state(q_lat, q_pe, cache, plan.kv.page_table, step.cu_seqlens,
+                                               step.prefix_lens, attn.scale, w_uv, max_query_len=step.max_query_len,
+                                               num_splits=step.num_splits)
+        out = torch.empty(q_nope.shape[0], attn.num_heads, attn.v_dim, device=q_nope.device, dtype=q_nope.dtype)
+        return mla_expanded.mla_prefill_expanded(q_nope, q_pe, k_nope, v, k_pe, step.cu_seqlens, plan.kv.context_lens,
+                                                 attn.scale, out, prefix=prefix, max_query_len=step.max_query_len)
+
     def _mla_inputs(self, attn: GatedMLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """attn.input_projections(x); with `fused`, as one GEMM (q_a or q, kv_a, the output gate)."""
         if not self.fused:
@@ -241,6 +270,14 @@ class GpuMixerOps(TorchMixerOps):
         projections = [first, attn.kv_a_proj_with_mqa] + ([attn.g_proj] if attn.g_proj is not None else [])
         q, kv_a, *gate = self._stacked(attn, projections)(x, self.layer_ops.gemm)
         return q, kv_a, gate[0] if gate else None
+
+
+def mla_dims(attn: GatedMLA) -> mla_expanded.MLADims | None:
+    """The layer's widths the choice between the absorbed and the expanded form depends on; None where the expanded
+    kernel does not take them (its nope, rope and v widths: powers of two >= 16, tl.arange widths)."""
+    if not all(w >= 16 and w & (w - 1) == 0 for w in (attn.nope, attn.rope, attn.v_dim)):
+        return None
+    return mla_expanded.MLADims(latent=attn.kv_lora_rank, rope=attn.rope, nope=attn.nope, v_dim=attn.v_dim)
 
 
 def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) -> bool:

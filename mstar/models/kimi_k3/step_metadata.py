@@ -1,6 +1,7 @@
 """What the GPU token mixers need of a step besides its plan, built once per step by the backend and read by
 every layer (as vLLM v1's attention-metadata builders do): which KDA kernel path runs and over which layout,
-which MLA kernel runs, over which row offsets, with how many context splits.
+which MLA kernel runs (decode, the absorbed multi-row kernel, or a prefill step's expanded form), over which
+row offsets, with how many context splits.
 
 `build_metadata` is the one builder. A planned step (StepKind.GENERAL, DECODE) gets its metadata from the plan's host
 values; a staged kind (a graph's bucket) carries its device buffers in `BatchPlan.staged`, restaged per replay
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.kernels import kda_fla, mla_attention
+from mstar.kernels.mla_expanded import MLADims, prefers_expanded
 from mstar.resources.recurrent_pool import RecurrentStatePool
 from mstar.resources.transfer import to_device
 
@@ -42,11 +44,16 @@ class KDAStep:
 @dataclass(frozen=True)
 class MLAStep:
     """The decode kernel (one row per sequence) when `cu_seqlens` is None, else the multi-row causal kernel
-    over those row offsets with at most `max_query_len` rows per sequence; each context cut in `num_splits`."""
+    over those row offsets with at most `max_query_len` rows per sequence; each context cut in `num_splits`.
+    `expanded`: a prefill step in the expanded form instead (mstar/kernels/mla_expanded.py), its prefixes
+    (`prefix_lens` [B] on the device: rows cached before each chunk) attended by the absorbed kernel, cut in
+    `num_splits`; prefix_lens None: no sequence has one (the host knows it), and that pass is skipped."""
 
     num_splits: int
     cu_seqlens: torch.Tensor | None = None
     max_query_len: int | None = None
+    expanded: bool = False
+    prefix_lens: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -55,9 +62,11 @@ class StepMetadata:
     mla: MLAStep | None  # None: no MLA layer runs the kernels
 
 
-def build_metadata(plan: BatchPlan, pool: RecurrentStatePool, mla_heads: int | None) -> StepMetadata:
-    """The step's metadata (`mla_heads`: the heads of the MLA layers the kernels run, None when none do)."""
-    mla = None if mla_heads is None else mla_step(plan, mla_heads, pool.state.device)
+def build_metadata(plan: BatchPlan, pool: RecurrentStatePool, mla_heads: int | None,
+                   mla_dims: MLADims | None = None) -> StepMetadata:
+    """The step's metadata (`mla_heads`: the heads of the MLA layers the kernels run, None when none do;
+    `mla_dims`: their widths, which the choice of the expanded form needs; None: always the absorbed form)."""
+    mla = None if mla_heads is None else mla_step(plan, mla_heads, pool.state.device, mla_dims)
     return StepMetadata(kda=kda_step(plan, pool), mla=mla)
 
 
@@ -84,10 +93,14 @@ def kda_step(plan: BatchPlan, pool: RecurrentStatePool) -> KDAStep:
     return KDAStep(KDAPath.BLOCKS, layout)
 
 
-def mla_step(plan: BatchPlan, heads: int, device: torch.device) -> MLAStep:
-    """The MLA part, for layers of `heads` heads on `device` (a plan may carry no input ids to take it from)."""
+def mla_step(plan: BatchPlan, heads: int, device: torch.device, dims: MLADims | None = None) -> MLAStep:
+    """The MLA part, for layers of `heads` heads and widths `dims` on `device` (a plan may carry no input ids to take
+    it from); the form by `expanded_form`."""
+    expanded = dims is not None and expanded_form(plan, dims)
     if plan.kind is StepKind.STAGED_PREFILL:  # its lengths are on the device only
-        return MLAStep(num_splits=1, cu_seqlens=plan.staged.cu_seqlens, max_query_len=plan.staged.max_query_len)
+        cu = plan.staged.cu_seqlens
+        return MLAStep(num_splits=1, cu_seqlens=cu, max_query_len=plan.staged.max_query_len, expanded=expanded,
+                       prefix_lens=prefix_lens(plan, cu) if expanded else None)
     batch = len(plan.num_computed)
     rows = max(plan.seq_starts[b + 1] - plan.seq_starts[b] for b in range(batch))
     # a staged verify bucket's num_computed is the longest context a replay may see: its splits fit any replay
@@ -97,4 +110,28 @@ def mla_step(plan: BatchPlan, heads: int, device: torch.device) -> MLAStep:
     # verify blocks (and eager chunks): split the context as decode does, for the same reason
     cu = (plan.staged.cu_seqlens if plan.kind is StepKind.STAGED_BLOCKS
           else to_device(plan.seq_starts, torch.long, device))
-    return MLAStep(num_splits=splits, cu_seqlens=cu, max_query_len=rows)
+    # the host knows a fresh prompt has no prefix, unless a verify step in flight moves the positions
+    has_prefix = plan.advance is not None or any(plan.num_computed)
+    return MLAStep(num_splits=splits, cu_seqlens=cu, max_query_len=rows, expanded=expanded,
+                   prefix_lens=prefix_lens(plan, cu) if expanded and has_prefix else None)
+
+
+def expanded_form(plan: BatchPlan, dims: MLADims) -> bool:
+    """Whether a step's MLA layers run the expanded form (mla_expanded.py): a prefill step (no decode-only step,
+    no verify block) for which the roofline `prefers_expanded` counts fewer FLOPs than the absorbed form at its
+    sequences' query lengths. A captured prefill bucket decides once, at capture, for its rows as one sequence
+    (the step buckets are sized for; its lengths are on the device only): at K3's widths the buckets of 512 rows
+    and more take it, 256 does not."""
+    if plan.kind is StepKind.STAGED_PREFILL:
+        rows = plan.staged.max_query_len
+        return prefers_expanded([rows], dims, rows=rows)
+    if plan.kind is not StepKind.GENERAL or any(plan.verify):
+        return False
+    starts = plan.seq_starts
+    return prefers_expanded([starts[b + 1] - starts[b] for b in range(len(starts) - 1)], dims)
+
+
+def prefix_lens(plan: BatchPlan, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """[B] rows cached before each sequence's chunk, on the device (context_lens - q_len, at least 0: a bucket's
+    padding sequence has no cached row)."""
+    return (plan.kv.context_lens - (cu_seqlens[1:] - cu_seqlens[:-1])).clamp_min(0)

@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-from engine_run import run_to_completion
-from greedy_ties import assert_greedy_matches
+from engine_run import greedy, numbered, run_to_completion
+from greedy_ties import assert_greedy_matches, random_jobs
 
 from mstar.config import EngineConfig
 from mstar.engine.core import EngineCore
@@ -62,3 +62,41 @@ def test_serving_with_every_gpu_op_leaves_the_reference_as_it_was(tiny_model, ti
     assert all(p is params[name] for name, p in model.named_parameters())  # stacking moved storage only
     assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
     assert torch.equal(model(prompt).logits, before)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU kernels through Triton's interpreter")
+def test_long_prefill_chunks_through_the_expanded_mla_form_serve_the_reference_greedy(tiny_model, tiny_dir):
+    """Prefill steps long enough for MLA's expanded form (the tiny model's widths: from 128 tokens a sequence,
+    step_metadata.expanded_form) run it under the interpreter, fp32, fused (the new rows normed as they are
+    written, then read back): a fresh chunk beside a short prompt, then the prompt's next chunk after 146 cached
+    rows (a prefix ending inside a page) beside the short request's decode row (a prefix of its own); the served
+    tokens equal the reference's greedy ones. The KDA layers and the other sublayers take the torch path (the
+    test above runs them interpreted; at these lengths that would take minutes)."""
+    from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+    from mstar.models.kimi_k3.serving import TorchMixerOps
+
+    class MLAKernelsOnly(GpuMixerOps):
+        kda = TorchMixerOps.kda
+
+        def step_metadata(self, plan, pool):
+            return None  # each MLA layer builds the MLA part itself; the torch KDA path reads the plan
+
+    model = copy.deepcopy(tiny_model)
+    jobs = random_jobs(model, [9, 290], (2, 2))
+    config = EngineConfig(max_seq_len=320, resources={"mla_kv": {"page_size": 16, "max_num_pages": 32}},
+                          scheduler={"max_num_batched_tokens": 155}, model_kwargs={"cuda_graphs": False})
+    core = EngineCore(model, KimiTokenizer.from_dir(tiny_dir), config)
+    ops = MLAKernelsOnly(frozenset(m for m in model.modules() if isinstance(m, GatedMLA)), fused=True)
+    core.runner.serving.ops = ops
+    expanded_steps = []  # per expanded call: whether a prefix pass ran
+    run_expanded = ops._mla_expanded
+
+    def counted(attn, q_nope, q_pe, cache, plan, step):
+        expanded_steps.append(step.prefix_lens is not None)
+        return run_expanded(attn, q_nope, q_pe, cache, plan, step)
+
+    ops._mla_expanded = counted
+    run = run_to_completion(core, numbered(jobs, greedy))
+    mla_layers = len(ops.mla_layers)
+    assert expanded_steps.count(False) >= mla_layers and expanded_steps.count(True) >= mla_layers, expanded_steps
+    assert_greedy_matches(model, jobs, run.numbered_tokens(len(jobs)))

@@ -4,12 +4,15 @@ layers run, chosen once per step from the plan; the staged kinds' device buffers
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import torch
 
 from mstar.kernels import kda_fla, mla_attention
+from mstar.kernels.mla_expanded import K3_DIMS
 from mstar.models.kimi_k3.serving import BatchPlan, StagedLayout, StepKind
 from mstar.models.kimi_k3.step_metadata import KDAPath, build_metadata
+from mstar.resources.latent_kv import LatentKVPlan
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 HEADS = 12
@@ -82,3 +85,46 @@ def test_staged_steps_read_their_device_buffers():
 
 def test_without_mla_kernel_layers_there_is_no_mla_metadata():
     assert build_metadata(plan_of([1], [3], kind=StepKind.DECODE), pool_with_pending({}), None).mla is None
+
+
+def with_kv(plan: BatchPlan, context_lens: list[int]) -> BatchPlan:
+    """The plan with a kv plan whose context lengths (on the device) are these."""
+    return replace(plan, kv=LatentKVPlan(None, None, torch.tensor(context_lens)))
+
+
+def test_long_prefill_chunks_take_the_expanded_form_where_the_roofline_says():
+    """From 341 tokens in one K3 sequence a GENERAL step runs the expanded form; a fresh prompt skips the prefix
+    pass; chunks after cached rows get each sequence's prefix length on the device (also a shifted plan's, whose
+    positions only the device knows); verify blocks, decode steps and layers without widths keep the absorbed."""
+    dims = K3_DIMS
+    meta = build_metadata(plan_of([341], [0]), pool_with_pending({}), HEADS, dims)
+    assert meta.mla.expanded and meta.mla.prefix_lens is None and meta.mla.max_query_len == 341
+    assert not build_metadata(plan_of([340], [0]), pool_with_pending({}), HEADS, dims).mla.expanded
+    assert not build_metadata(plan_of([341], [0]), pool_with_pending({}), HEADS).mla.expanded  # no widths given
+    q_lens, computed = [400, 1, 1, 37], [100, 50, 7, 0]
+    plan = with_kv(plan_of(q_lens, computed), [n + c for n, c in zip(q_lens, computed, strict=True)])
+    meta = build_metadata(plan, pool_with_pending({}), HEADS, dims)
+    assert meta.mla.expanded and meta.mla.prefix_lens.tolist() == computed
+    assert meta.mla.cu_seqlens.tolist() == list(plan.seq_starts)
+    assert meta.mla.num_splits == mla_attention.num_splits_for(4, HEADS, 100 + 400, query_rows=400)
+    shifted = replace(with_kv(plan_of([500, 1], [0, 0]), [500, 9]), advance=torch.tensor([0, 8]), max_advance=(0, 8))
+    assert build_metadata(shifted, pool_with_pending({}), HEADS, dims).mla.prefix_lens.tolist() == [0, 8]
+    many_short = plan_of([100] * 8, [0] * 8)
+    assert not build_metadata(many_short, pool_with_pending({}), HEADS, dims).mla.expanded
+    verify = plan_of([1000, 4], [0, 30], verify=(False, True))
+    assert not build_metadata(verify, pool_with_pending({}), HEADS, dims).mla.expanded
+    decode = plan_of([1, 1], [3000, 20], kind=StepKind.DECODE)
+    assert not build_metadata(decode, pool_with_pending({}), HEADS, dims).mla.expanded
+
+
+def test_a_captured_prefill_bucket_takes_the_form_of_its_rows_as_one_sequence():
+    """A staged prefill bucket decides at capture (its lengths are on the device): 512 rows and more expanded, with
+    the prefix lengths computed on the device from the staged offsets and lengths; 256 rows absorbed."""
+    cu = torch.tensor([0, 300, 301, 512, 512])  # two chunks, a decode row, the padding sequence, an empty one
+    context = [300 + 64, 5000, 0, 0]
+    for rows, expanded in ((512, True), (256, False)):
+        staged = with_kv(plan_of([rows], [0], kind=StepKind.STAGED_PREFILL, staged=StagedLayout(cu, None, rows)),
+                         context)
+        mla = build_metadata(staged, pool_with_pending({}), HEADS, K3_DIMS).mla
+        assert mla.expanded is expanded and mla.cu_seqlens is cu and mla.num_splits == 1
+        assert mla.prefix_lens.tolist() == [64, 4999, 0, 0] if expanded else mla.prefix_lens is None
