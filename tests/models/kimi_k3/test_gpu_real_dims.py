@@ -52,6 +52,51 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def chunked_plans(kv, pool):
+    """Prefill steps the roofline gives MLA's expanded form: prompts of 1, 40 and 700 tokens, then the third one's
+    next chunk of 500 after its 700 cached rows (a prefix ending inside a page) beside the others' decode rows."""
+    fresh = StepDecl((SeqStep("r0", 0, (1,), True), SeqStep("r1", 0, tuple(range(40)), True),
+                      SeqStep("r2", 0, tuple(range(700)), False)))
+    chunk = StepDecl((SeqStep("r0", 1, (1,), True), SeqStep("r1", 40, (1,), True),
+                      SeqStep("r2", 700, tuple(range(500)), True)))
+    for decl in (fresh, chunk):
+        kv.admit(decl)
+        pool.admit(decl)
+        starts = [0]
+        for seq in decl.seqs:
+            starts.append(starts[-1] + seq.num_tokens)
+        yield decl, BatchPlan(input_ids=None, seq_starts=tuple(starts),
+                              num_computed=tuple(seq.num_computed for seq in decl.seqs), kv=kv.plan(decl),
+                              kda_slots=pool.plan(decl), sample_rows=None, verify=(False,) * len(decl.seqs))
+
+
+def test_mla_expanded_form_matches_torch_on_step_plans(cfg):
+    """The expanded MLA form inside GpuMixerOps.mla (bf16, one TP8 rank's K3 widths) on prefill steps its roofline
+    picks, fresh and after cached rows, against the torch mixer on a cloned cache."""
+    from mstar.models.kimi_k3.gpu_ops import mla_dims
+    from mstar.models.kimi_k3.step_metadata import mla_step
+
+    with torch.device("cuda"):
+        attn = GatedMLA(cfg, 3).to(BF16)
+        la = cfg.linear_attn
+        kv = PagedLatentKV(1, 64, 64, cfg.kv_cache_width, BF16, "cuda")
+        pool = RecurrentStatePool(1, 5, la.num_heads, la.head_dim, 4, torch.float32, BF16, "cuda",
+                                  hidden_size=cfg.hidden_size, max_block=4)
+    ref_kv, ref_pool = copy.deepcopy(kv), copy.deepcopy(pool)
+    gpu, cpu_path = GpuMixerOps(frozenset({attn}), fused=True), TorchMixerOps()
+    with torch.no_grad():
+        for (decl, plan), (_, ref_plan) in zip(chunked_plans(kv, pool), chunked_plans(ref_kv, ref_pool), strict=True):
+            step = mla_step(plan, attn.num_heads, torch.device("cuda"), mla_dims(attn))
+            assert step.expanded and (step.prefix_lens is not None) == any(plan.num_computed)
+            x = torch.randn(plan.seq_starts[-1], cfg.hidden_size, device="cuda", dtype=BF16)
+            y, expect = gpu.mla(attn, 0, x, plan, kv), cpu_path.mla(attn, 0, x, ref_plan, ref_kv)
+            assert torch.isfinite(y).all()
+            assert rel(y, expect) < 3e-2, rel(y, expect)
+            for res in (kv, pool, ref_kv, ref_pool):
+                res.commit(decl)
+    assert rel(kv.cache, ref_kv.cache) < 1e-2
+
+
 @pytest.mark.parametrize("kind", ["kda", "mla"])
 def test_mixer_kernels_match_torch_on_step_plans(cfg, kind):
     layer = 0 if kind == "kda" else 3
