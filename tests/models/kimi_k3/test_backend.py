@@ -100,3 +100,51 @@ def test_long_prefill_chunks_through_the_expanded_mla_form_serve_the_reference_g
     mla_layers = len(ops.mla_layers)
     assert expanded_steps.count(False) >= mla_layers and expanded_steps.count(True) >= mla_layers, expanded_steps
     assert_greedy_matches(model, jobs, run.numbered_tokens(len(jobs)))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the GPU kernels through Triton's interpreter")
+def test_a_captured_prefill_buckets_mla_step_takes_the_expanded_form_like_the_torch_mixer(tiny_model):
+    """An MLA layer of a staged prefill step (what a prefill graph replays: lengths on the device only) whose bucket
+    the roofline gives to the expanded form: a fresh 150-token prompt, a decode row after 20 cached rows and a
+    140-token chunk after 37, then the bucket's padding sequence (on the sink, no cached row) and an empty one.
+    The real rows equal the torch mixer's on the plan itself, the padding rows come out finite, the rows written
+    to the cache are the same."""
+    from mstar.models.kimi_k3.gpu_ops import GpuMixerOps
+    from mstar.models.kimi_k3.serving import BatchPlan, StagedLayout, StepKind, TorchMixerOps
+    from mstar.models.kimi_k3.step_metadata import mla_step
+    from mstar.resources.latent_kv import LatentKVPlan, PagedLatentKV
+
+    attn = next(m for m in tiny_model.modules() if isinstance(m, GatedMLA))
+    page, pages_per_seq, bucket = 16, 12, 320
+    lengths, cached = [150, 1, 140], [0, 20, 37]
+    kv = PagedLatentKV(1, 1 + 3 * pages_per_seq, page, attn.kv_lora_rank + attn.rope, torch.float32)
+    kv.cache.normal_()
+    ref_kv = copy.deepcopy(kv)
+    table = 1 + torch.randperm(3 * pages_per_seq).view(3, pages_per_seq)
+    starts, slots = [0], []
+    for b, (n, c) in enumerate(zip(lengths, cached, strict=True)):
+        positions = torch.arange(c, c + n)
+        slots.append(table[b, positions // page] * page + positions % page)
+        starts.append(starts[-1] + n)
+    real = BatchPlan(input_ids=None, seq_starts=tuple(starts), num_computed=tuple(cached),
+                     kv=LatentKVPlan(table, torch.cat(slots), torch.tensor(lengths) + torch.tensor(cached)),
+                     kda_slots=None, sample_rows=None, verify=(False,) * 3)
+    rows = starts[-1]
+    staged_kv = LatentKVPlan(torch.cat([table, torch.zeros(2, pages_per_seq, dtype=table.dtype)]),
+                             torch.cat([real.kv.slot_mapping, torch.zeros(bucket - rows, dtype=torch.long)]),
+                             torch.cat([real.kv.context_lens, torch.zeros(2, dtype=torch.long)]))
+    cu = torch.tensor(starts + [bucket, bucket])
+    staged = BatchPlan(input_ids=None, seq_starts=(0,) + (bucket,) * 5, num_computed=(0,) * 5, kv=staged_kv,
+                       kda_slots=None, sample_rows=None, kind=StepKind.STAGED_PREFILL,
+                       staged=StagedLayout(cu, None, max_query_len=bucket))
+    ops = GpuMixerOps(frozenset({attn}), fused=True)
+    assert mla_step(staged, attn.num_heads, torch.device("cpu"), ops.mla_dims).expanded
+    x = torch.randn(bucket, tiny_model.config.hidden_size)
+    with torch.no_grad():
+        got = ops.mla(attn, 0, x, staged, kv)  # the layer builds the step's MLA metadata itself
+        expect = TorchMixerOps().mla(attn, 0, x[:rows], real, ref_kv)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:rows], expect, rtol=1e-4, atol=1e-5)
+    written = real.kv.slot_mapping
+    torch.testing.assert_close(kv.cache.view(-1, kv.cache.shape[-1])[written],
+                               ref_kv.cache.view(-1, ref_kv.cache.shape[-1])[written], rtol=1e-5, atol=1e-6)
