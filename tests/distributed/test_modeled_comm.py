@@ -9,8 +9,8 @@ import torch
 from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.modeled_comm import ALL_GATHER_TRAFFIC, MIN_LATENCY_S, CollectiveCost, ModeledCommunicator
 from mstar.distributed.sharding import ShardingPlan
-from mstar.models.kimi_k3 import moe as moe_module
 from mstar.kernels.gpu_delay import delay
+from mstar.models.kimi_k3 import moe as moe_module
 from mstar.models.kimi_k3.config import parse_config
 from mstar.tools.emulate_rank import Step, build, first_layers
 from mstar.tools.make_tiny import tiny_k3_raw_config

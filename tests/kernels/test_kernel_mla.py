@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from paged_tables import make_pages, rel_err
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -41,26 +42,6 @@ def tiny_device() -> str:
 
 def tiny_dtypes() -> list[torch.dtype]:
     return [torch.float32, torch.float16] if INTERPRET or not HAS_CUDA else [torch.bfloat16, torch.float16]
-
-
-def make_pages(context_lens: list[int], page_size: int, *, spare: int = 3, dtype=torch.int32,
-               device="cpu") -> tuple[torch.Tensor, int]:
-    """A shuffled, non-contiguous page table: every sequence draws its pages at random from one pool
-    (with spare pages nobody owns); rows are padded with page 0. Returns (table [B, max_pages], pool size)."""
-    need = [-(-n // page_size) for n in context_lens]
-    num_pages = sum(need) + spare
-    order = torch.randperm(num_pages)
-    table = torch.zeros(len(context_lens), max(max(need), 1) + 1, dtype=dtype)  # one unused column too
-    taken = 0
-    for b, n in enumerate(need):
-        table[b, :n] = order[taken: taken + n].to(dtype)
-        taken += n
-    return table.to(device), num_pages
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def tolerance(dtype: torch.dtype) -> float:

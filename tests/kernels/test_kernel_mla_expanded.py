@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from paged_tables import make_pages, rel_err
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -39,24 +40,6 @@ gpu = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (and no T
 
 def tiny_device() -> str:
     return "cpu" if INTERPRET else "cuda"
-
-
-def make_pages(context_lens: list[int], page_size: int, device) -> tuple[torch.Tensor, int]:
-    """A shuffled page table over one pool with spare pages; rows padded with page 0 (the sink)."""
-    need = [-(-n // page_size) for n in context_lens]
-    num_pages = sum(need) + 3
-    order = torch.randperm(num_pages - 1) + 1  # page 0 stays the sink
-    table = torch.zeros(len(context_lens), max(max(need), 1) + 1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(need):
-        table[b, :n] = order[taken: taken + n].to(torch.int32)
-        taken += n
-    return table.to(device), num_pages
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -87,7 +70,7 @@ class Case:
     @classmethod
     def make(cls, dims, q_lens, prefixes, heads, page_size, dtype, device) -> Case:
         ctx = [0 if p is None else p + n for n, p in zip(q_lens, prefixes, strict=True)]
-        table, num_pages = make_pages(ctx, page_size, device)
+        table, num_pages = make_pages(ctx, page_size, device=device, keep_sink=True)
         cache = torch.randn(num_pages, page_size, dims.latent + dims.rope, device=device).to(dtype)
         slots = []
         for b, (n, p) in enumerate(zip(q_lens, prefixes, strict=True)):
@@ -295,7 +278,7 @@ def test_absorbed_kernel_returns_the_log_sum_exp(num_splits):
     dtype = torch.float32 if INTERPRET else torch.float16
     width, heads = SMALL.latent + SMALL.rope, 2
     lens, q_lens = [37, 0, 50], [3, 2, 4]
-    table, num_pages = make_pages(lens, 16, device)
+    table, num_pages = make_pages(lens, 16, device=device, keep_sink=True)
     cache = torch.randn(num_pages, 16, width, device=device).to(dtype)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     ctx = torch.tensor(lens, dtype=torch.int32, device=device)
@@ -421,7 +404,7 @@ def test_gpu_expanded_prefill_replays_in_a_cuda_graph():
     for q_lens, prefixes in (([600, 1, 200], [0, 4000, 130]), ([1000], [37]), ([1, 1, 1, 900], [5, 64, 0, 2000])):
         c = Case.make(K3, q_lens + [bucket - sum(q_lens)], prefixes + [None], heads, page, torch.bfloat16, "cuda")
         c.cache, c.weight = cache, weight  # the captured buffers' contents, new addressing
-        c.table, used = make_pages(c.ctx.tolist(), page, "cuda")
+        c.table, used = make_pages(c.ctx.tolist(), page, device="cuda", keep_sink=True)
         assert used <= num_pages and c.table.shape[1] <= max_pages
         c.slots = torch.tensor([0 if p is None else int(c.table[b, (p + i) // page]) * page + (p + i) % page
                                 for b, (n, p) in enumerate(zip(c.q_lens, c.prefixes, strict=True)) for i in range(n)],
