@@ -4,7 +4,8 @@ shared-expert width 768):
 
     python3 benchmarks/kernels/bench_small_kernels.py [--tokens 1 8 64] [--reps 200] [--only attn_res]
     python3 benchmarks/kernels/bench_small_kernels.py --tokens 1024 8192 --attn-res-tiles 1024x4 512x2 \
-        --attn-res-sources 5 9     # AttnRes's three launches at prefill sizes, by tiling
+        --attn-res-sources 5 9     # AttnRes's three launches at prefill sizes, by tiling, with and without
+                                   # the closed blocks' stats, and closed_block_stats itself
     python3 benchmarks/kernels/bench_small_kernels.py --only decode_step --tokens 1 8 16 64
     python3 benchmarks/kernels/bench_small_kernels.py --only "latent kv write" --tokens 1 8 64 1024
 
@@ -43,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_moe_mxfp4 import capture, time_graphs  # noqa: E402
 
 from mstar.kernels import (  # noqa: E402
+    attn_res_blocks,
     attn_res_norm,
     gated_mlp,
     kda_blocks,
@@ -58,6 +60,7 @@ from mstar.models.kimi_k3.mlp import situ  # noqa: E402
 HBM = 4.3e12
 D, HEADS, HEAD_DIM, SOURCES, EXPERTS, TOP_K, SHARED = 7168, 12, 128, 9, 224, 16, 768
 LATENT, ROPE, PAGE, KV_PAGES = 512, 64, 64, 512  # an MLA layer's rows; the pages each set writes into
+QUERIES = 186  # K3's AttnRes mixes a forward pass (precomputed_stream.sublayer_queries): each a pseudo-query
 SETS = 8
 VERIFY_ROWS, PENDING_ROWS = 8, 2  # DSpark k = 7
 BF16 = torch.bfloat16
@@ -78,16 +81,34 @@ def bench(name: str, tokens: int, floor_bytes: int, make: Callable[[], tuple[Cal
             "x_floor": fused_us / floor_us, "torch_us": torch_us}
 
 
-def attn_res_case(t: int, one_launch: bool | None = None, tile: tuple[int, int] | None = None, sources: int = SOURCES):
+def attn_res_case(t: int, one_launch: bool | None = None, tile: tuple[int, int] | None = None, sources: int = SOURCES,
+                  closed: bool = False):
     """The default path (one launch where it fits), or the one forced (False: the three launches; a `tile`: the
-    three launches of that tiling, one tile a program)."""
+    three launches of that tiling, one tile a program). `closed`: the stats launch reads the first sources' stats
+    from a table closed_block_stats filled once (models/kimi_k3/precomputed_stream.py), not the sources."""
     src = torch.randn(sources, t, D, device="cuda", dtype=BF16)
     proj, res_w, out_w = (torch.randn(1, D, device="cuda", dtype=BF16) * D**-0.5,
                           torch.ones(D, device="cuda", dtype=BF16), torch.ones(D, device="cuda", dtype=BF16))
     splits = None if tile is None else -(-D // tile[0])
+    table = None
+    if closed:
+        queries = torch.randn(QUERIES, D, device="cuda") * D**-0.5
+        queries[0] = res_w.float() * proj[0].float()  # this mix's pseudo-query
+        table = torch.empty(sources, t, 1 + QUERIES, device="cuda")
+        for j in range(sources - 1):
+            attn_res_blocks.closed_block_stats(src[j], queries, 0, out=table[j])
     return (lambda: attn_res_norm.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6, one_launch=one_launch,
-                                                tile=tile, splits=splits),
+                                                tile=tile, splits=splits, closed=(table, 0) if closed else None),
             lambda: attn_res.attn_res_norm(src, proj, res_w, 1e-6, out_w, 1e-6))
+
+
+def block_stats_case(t: int):
+    """One closed block's stats against every sublayer of K3 (first = 0: the most queries a block meets)."""
+    block = torch.randn(t, D, device="cuda", dtype=BF16)
+    queries = torch.randn(QUERIES, D, device="cuda") * D**-0.5
+    out = torch.empty(t, 1 + QUERIES, device="cuda")
+    return (lambda: attn_res_blocks.closed_block_stats(block, queries, 0, out),
+            lambda: attn_res_blocks.closed_block_stats_reference(block, queries, 0))
 
 
 def attn_res_bytes(sources: int):
@@ -104,6 +125,9 @@ def attn_res_tile_cases(tiles: list[str], sources: list[int]) -> dict:
                 lambda t, tile=tile, n=n: attn_res_case(t, one_launch=False, tile=tile, sources=n), attn_res_bytes(n))
         cases[f"attn_res_norm, {n} sources, default"] = (
             lambda t, n=n: attn_res_case(t, sources=n), attn_res_bytes(n))
+        cases[f"attn_res_norm, {n} sources, closed blocks' stats"] = (
+            lambda t, n=n: attn_res_case(t, one_launch=False, sources=n, closed=True), attn_res_bytes(n))
+    cases["closed_block_stats"] = (block_stats_case, lambda t: t * D * 2 + QUERIES * D * 4 + t * (1 + QUERIES) * 4)
     return cases
 
 
