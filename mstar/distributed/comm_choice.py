@@ -112,6 +112,12 @@ class ChoosingCommunicator(Communicator):
     def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return self._pick("reduce_scatter", x, dtype).reduce_scatter_rounded(x, dtype)
 
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pick("reduce_scatter", x).reduce_scatter_rows(x)
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self._pick("all_gather", x).all_gather_rows(x)
+
 
 def build_communicator(group: dist.ProcessGroup | None, device: torch.device, config: CommConfig,
                        dtype: torch.dtype) -> Communicator:

@@ -17,6 +17,9 @@ Contract of every implementation:
 - `reduce_scatter_rounded(x, dtype)` returns this rank's piece of `all_reduce_rounded(x, dtype)`: the last dim
   cut into world_size equal runs of columns, run `rank`. Half an all-reduce's link traffic where the
   implementation has a real reduce-scatter (NCCL); the others reduce everything and keep their piece.
+- `reduce_scatter_rows(x)` / `all_gather_rows(x)`: the same along the first dim (rows, `piece_rows`): the pair
+  that replaces an all-reduce where the rows between them are worked on a rank's share at a time (sequence
+  parallelism, models/kimi_k3/sequence_parallel.py). Fallbacks through `all_reduce` and `all_gather` here.
 - Every rank calls the same collectives in the same order (lockstep); nothing here checks that.
 """
 
@@ -55,6 +58,24 @@ class Communicator(ABC):
     def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """This rank's columns of `all_reduce_rounded(x, dtype)` (the module doc's contract): [..., n / world_size]."""
         return self.piece(self.all_reduce_rounded(x, dtype))
+
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `all_reduce(x)`: [n / world_size, ...] (the module doc's contract)."""
+        return self.piece_rows(self.all_reduce(x))
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x [n, D] stacked along the first dim in rank order: [world_size * n, D]."""
+        if x.dim() != 2:
+            raise ValueError(f"all_gather_rows takes [rows, columns], got shape {tuple(x.shape)}")
+        gathered = self.all_gather(x).view(x.shape[0], self.world_size, x.shape[1])
+        return gathered.transpose(0, 1).reshape(self.world_size * x.shape[0], x.shape[1])
+
+    def piece_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's run of x's rows, cut into world_size equal runs."""
+        if x.shape[0] % self.world_size:
+            raise ValueError(f"rows are cut over {self.world_size} ranks in equal runs; {x.shape[0]} do not divide")
+        n = x.shape[0] // self.world_size
+        return x[self.rank * n: (self.rank + 1) * n]
 
     def piece(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's run of x's last dim, cut into world_size equal runs."""

@@ -98,6 +98,16 @@ class ModeledCommunicator(Communicator):
         self._charge(x.numel() * dtype.itemsize, REDUCE_SCATTER_TRAFFIC)
         return piece
 
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        piece = self.piece_rows(x)
+        self._charge(x.numel() * x.element_size(), REDUCE_SCATTER_TRAFFIC)
+        return piece
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([x] * self.world_size) if self.world_size > 1 else x
+        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC)
+        return out
+
     def _charge(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC) -> None:
         delay(round(self.cost.seconds(nbytes, traffic) * 1e9), nbytes, self.counters)
 

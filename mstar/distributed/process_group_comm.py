@@ -64,6 +64,20 @@ class NcclCommunicator(_ProcessGroupCommunicator):
         dist.all_gather_into_tensor(out, x, group=self.group)
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.world_size * x.shape[-1])
 
+    def reduce_scatter_rows(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_device(x)
+        x = x.contiguous()
+        out = torch.empty(self.piece_rows(x).shape, dtype=x.dtype, device=x.device)
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=self.group)
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_device(x)
+        x = x.contiguous()
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(out, x, group=self.group)
+        return out
+
     def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """NCCL's reduce-scatter cuts its input's first dim: the ranks' column runs are laid out one after another
         first, in one copy that also rounds to `dtype`."""

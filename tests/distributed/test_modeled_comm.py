@@ -11,6 +11,7 @@ from mstar.distributed.modeled_comm import ALL_GATHER_TRAFFIC, MIN_LATENCY_S, Co
 from mstar.distributed.sharding import ShardingPlan
 from mstar.kernels.gpu_delay import delay
 from mstar.models.kimi_k3 import moe as moe_module
+from mstar.models.kimi_k3 import sequence_parallel
 from mstar.models.kimi_k3.config import parse_config
 from mstar.tools.emulate_rank import Step, build, first_layers
 from mstar.tools.make_tiny import tiny_k3_raw_config
@@ -61,6 +62,15 @@ class CountingCommunicator(NullCommunicator):
     def reduce_scatter_rounded(self, x, dtype):
         self._count(x.to(dtype), 0.5 / self.cost.bytes_per_s)  # its input, at half an all-reduce's traffic a byte
         return self.piece(x)
+
+    def reduce_scatter_rows(self, x):
+        self._count(x, 0.5 / self.cost.bytes_per_s)
+        return self.piece_rows(x)
+
+    def all_gather_rows(self, x):
+        out = torch.cat([x] * self.world_size)
+        self._count(out, 0.5 / self.cost.bytes_per_s)
+        return out
 
 
 def test_tally_counts_what_a_forward_calls():
@@ -132,3 +142,29 @@ def test_large_prefill_steps_reduce_scatter_the_routed_latent(monkeypatch):
     latent_bytes = step.rows * config.moe_input_size * 4  # one routed latent message (fp32 here)
     saved = moe_layers * (0.5 * latent_bytes / cost.bytes_per_s - cost.latency_s - step.rows * 4 / cost.bytes_per_s)
     assert whole.seconds - scattered.seconds == pytest.approx(saved, rel=1e-3)
+
+
+def test_sequence_parallel_prefill_trades_each_all_reduce_for_its_halves(monkeypatch):
+    """With the stream's rows split over the ranks (SEQUENCE_PARALLEL_MIN_ROWS lowered to fit the tiny model), each
+    sublayer's all-reduce becomes a reduce-scatter and the next input's all-gather: the same link traffic, one more
+    latency a sublayer, and one more gather for the output head's input. The tally counts what the Python count
+    does."""
+    config = first_layers(parse_config(tiny_k3_raw_config()), 4)
+    step = Step("prefill", 1, 24, 0)
+    cost = CollectiveCost(latency_s=4e-6, small_bytes=0, bytes_per_s=1e6)
+    tallies = {}
+    for threshold in (10**9, 16):
+        monkeypatch.setattr(sequence_parallel, "SEQUENCE_PARALLEL_MIN_ROWS", threshold)
+        emulation = build(config, ShardingPlan(2, 0, 1, True), [step], dtype=torch.float32,
+                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=cost)
+        plan = emulation.plan_for(step)
+        emulation.comm.reset()
+        logits, _ = emulation.serving.forward(plan)
+        assert torch.isfinite(logits).all()
+        tallies[threshold] = emulation.comm.tally()
+    whole, rows = tallies[10**9], tallies[16]
+    layers = config.num_hidden_layers
+    assert rows.calls - whole.calls == 2 * layers + 1
+    hidden_bytes = step.rows * config.hidden_size * 4  # one [T, D] fp32 message
+    expect = (2 * layers + 1) * cost.latency_s + 0.5 * hidden_bytes / cost.bytes_per_s
+    assert rows.seconds - whole.seconds == pytest.approx(expect, rel=1e-3)

@@ -10,7 +10,6 @@ replicated or sharded. Without CUDA through Triton's interpreter (the GEMMs thro
 from __future__ import annotations
 
 import os
-import threading
 
 import pytest
 import torch
@@ -21,6 +20,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from kernel_rounding import as_kernel_rounds  # noqa: E402
+from lockstep import Lockstep, LockstepCommunicator  # noqa: E402
 
 from mstar.distributed.communicator import Communicator, NullCommunicator  # noqa: E402
 from mstar.distributed.sharding import ShardingPlan  # noqa: E402
@@ -100,65 +100,6 @@ def test_latent_output_equals_the_reference(rows, dtype, tol):
     got = ops.latent_output(second, r, shared[:, inter], half)
     expect = normed[:, half] @ up[:, half].double().T + shared[:, inter].double() @ down[:, inter].double().T
     assert rel(got, expect) < tol and rel(REFERENCE_OPS.latent_output(second, r, shared[:, inter], half), expect) < tol
-
-
-class Lockstep:
-    """Ranks as threads of this process that take turns: one runs at a time (Triton's interpreter patches
-    triton.language for each launch, so two launches must never overlap), handing the turn on in collectives."""
-
-    def __init__(self, world_size: int):
-        self.world_size = world_size
-        self.turn = threading.Lock()
-        self.barrier = threading.Barrier(world_size, timeout=120)
-        self.pieces: list[torch.Tensor | None] = [None] * world_size
-
-    def run(self, fn):
-        """[fn(rank) for every rank], each in its own thread; the first error raised again."""
-        results, errors = [None] * self.world_size, []
-
-        def body(rank):
-            with self.turn:
-                try:
-                    results[rank] = fn(rank)
-                except BaseException as e:
-                    errors.append(e)
-                    self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return results
-
-    def exchange(self, rank: int, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's x, in rank order."""
-        self.pieces[rank] = x
-        self._wait()
-        pieces = list(self.pieces)
-        self._wait()  # all have read them before the next collective writes
-        return pieces
-
-    def _wait(self):
-        self.turn.release()
-        try:
-            self.barrier.wait()
-        finally:
-            self.turn.acquire()
-
-
-class LockstepCommunicator(Communicator):
-    def __init__(self, lockstep: Lockstep, rank: int):
-        super().__init__(rank, lockstep.world_size)
-        self.lockstep = lockstep
-
-    def all_reduce(self, x):
-        return torch.stack(self.lockstep.exchange(self.rank, x)).sum(0)
-
-    def all_gather(self, x):
-        return torch.cat(self.lockstep.exchange(self.rank, x), dim=-1)
 
 
 def rank_moe(whole: LatentMoE, plan: ShardingPlan, comm: Communicator) -> LatentMoE:

@@ -15,10 +15,16 @@ All of it in at least fp32, cast back to the stream dtype at the end.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from .norm import RMSNorm, at_least_fp32, rms_norm
+
+if TYPE_CHECKING:
+    from mstar.distributed.communicator import Communicator
+
+    from .layer_ops import LayerOps
 
 # (sources [n, T, D], proj weight [1, D], res norm weight, res eps, out norm weight, out eps, residual [T, D] or
 # None) -> [T, D]: the input of the next sublayer, out_norm(AttnRes(sources)), after adding `residual` (the last
@@ -97,6 +103,18 @@ class ResidualStream:
         """Add a sublayer's output to the partial sum (when the partial sum is next read: class doc)."""
         self._apply_pending()
         self._pending = output
+
+    def add_partial(self, partial: torch.Tensor, comm: Communicator) -> None:
+        """Add a sublayer's output given as each rank's partial sum of it: completed by an all-reduce here."""
+        self.add(comm.all_reduce(partial))
+
+    def add_complete(self, output: torch.Tensor) -> None:
+        """Add a sublayer's output that every rank already holds whole."""
+        self.add(output)
+
+    def normed_partial(self, norm: RMSNorm, ops: LayerOps) -> torch.Tensor:
+        """norm(the live partial sum): the first layer's input, before any block has closed."""
+        return ops.norm(norm, self.partial)
 
     def _apply_pending(self) -> None:
         if self._pending is not None:

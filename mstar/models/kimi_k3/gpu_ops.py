@@ -56,7 +56,13 @@ from .mla import GatedMLA
 from .mlp import GatedMLP
 from .moe import LatentMoE, Router, Routing
 from .norm import RMSNorm
-from .precomputed_stream import PrecomputedStream, SublayerQueries, sublayer_queries
+from .precomputed_stream import (
+    PrecomputedStream,
+    SequenceParallelPrecomputedStream,
+    SublayerQueries,
+    sublayer_queries,
+)
+from .sequence_parallel import shards_rows
 from .serving import BatchPlan, TorchMixerOps
 from .step_metadata import KDAPath, MLAStep, StepMetadata, build_metadata, kda_step, mla_step
 
@@ -324,14 +330,19 @@ class GpuLayerOps(LayerOps):
                                            residual=residual)
 
     def residual_stream(self, model: KimiK3Model, embedding: torch.Tensor) -> ResidualStream:
-        """Where the mixes take the three launches (prefill chunks, large verify steps), a stream whose closed
+        """On several ranks, a large step's rows split over them (sequence_parallel.py). Where the mixes (of the
+        rows a rank holds) take the three launches (prefill chunks, large verify steps), a stream whose closed
         blocks' statistics are computed once (precomputed_stream.py); the plain one where they take one launch."""
         rows, width = embedding.shape
-        if attn_res_norm.prefers_one_launch(rows, width, embedding.device):
+        cfg, comm = model.config, model.comm
+        sharded = shards_rows(model, comm, rows)
+        if attn_res_norm.prefers_one_launch(rows // comm.world_size if sharded else rows, width, embedding.device):
             return super().residual_stream(model, embedding)
         if model not in self._queries:
             self._queries[model] = sublayer_queries(model)
-        cfg = model.config
+        if sharded:
+            return SequenceParallelPrecomputedStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers,
+                                                     self._queries[model], comm)
         return PrecomputedStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers, self._queries[model])
 
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

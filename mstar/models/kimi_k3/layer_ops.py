@@ -15,6 +15,7 @@ import torch
 
 from .attn_res import ResidualStream, attn_res_norm
 from .norm import at_least_fp32
+from .sequence_parallel import SequenceParallelStream, shards_rows
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,8 +41,12 @@ class LayerOps:
         return attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps, residual)
 
     def residual_stream(self, model: KimiK3Model, embedding: torch.Tensor) -> ResidualStream:
-        """The AttnRes residual stream of one forward pass of `model` (its mixes through `mix_norm`)."""
-        cfg = model.config
+        """The AttnRes residual stream of one forward pass of `model` (its mixes through `mix_norm`): a large step's
+        rows split over the tensor-parallel ranks where `shards_rows` says so (sequence_parallel.py)."""
+        cfg, comm = model.config, model.comm
+        if shards_rows(model, comm, embedding.shape[0]):
+            return SequenceParallelStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers, comm,
+                                          self.mix_norm)
         return ResidualStream(embedding, cfg.attn_res_block_size, cfg.num_hidden_layers, self.mix_norm)
 
     def sigmoid_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:

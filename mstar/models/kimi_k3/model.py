@@ -96,14 +96,22 @@ class DecoderLayer(nn.Module):
         return self.comm.all_reduce(mix(self.layer_idx, x))
 
     def forward_attn_res(self, stream: ResidualStream, mix: Mixer, ops: LayerOps = REFERENCE_OPS) -> None:
+        """The layer on an AttnRes stream, which completes each sublayer's partial sums over the ranks as it adds
+        them (attn_res.ResidualStream.add_partial)."""
         if stream.num_blocks:
             x = stream.normed_input(self.self_attention_res_proj, self.self_attention_res_norm, self.input_layernorm)
         else:  # before the first block closes, the input is the embedding itself
-            x = ops.norm(self.input_layernorm, stream.partial)
+            x = stream.normed_partial(self.input_layernorm, ops)
         stream.maybe_close_block(self.layer_idx)
-        stream.add(self.mixer(mix, x))
+        stream.add_partial(mix(self.layer_idx, x), self.comm)
         normed = stream.normed_input(self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)
-        stream.add(self.ffn(normed, ops))
+        moe = getattr(self, "block_sparse_moe", None)
+        if moe is None:
+            stream.add_partial(ops.mlp(self.mlp, normed), self.comm)
+        elif moe.output_is_partial:
+            stream.add_partial(moe(normed, ops, reduce=False), self.comm)
+        else:  # a layout that reduces inside
+            stream.add_complete(moe(normed, ops))
 
     def forward_plain(self, h: torch.Tensor, mix: Mixer, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
         h = h + self.mixer(mix, ops.norm(self.input_layernorm, h))
@@ -118,6 +126,7 @@ class KimiK3Model(nn.Module):
         super().__init__()
         self.config = config
         comm = comm or NullCommunicator()
+        self.comm = comm
         if comm.world_size == 1:
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         else:
@@ -127,6 +136,9 @@ class KimiK3Model(nn.Module):
         if config.attn_res_block_size is not None:
             self.output_attn_res_proj = nn.Linear(config.hidden_size, 1, bias=False)
             self.output_attn_res_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def moe_layers(self) -> list[LatentMoE]:
+        return [layer.block_sparse_moe for layer in self.layers if hasattr(layer, "block_sparse_moe")]
 
     def forward(self, input_ids: torch.Tensor, mix: Mixer, tap_layers: Sequence[int] = (),
                 ops: LayerOps = REFERENCE_OPS) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -179,9 +179,21 @@ class LatentMoE(nn.Module):
         return self.config.routed_expert_hidden_size is not None and (
             self.comm.world_size == 1 or self.config.latent_shards > 1)
 
-    def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+    @property
+    def output_is_partial(self) -> bool:
+        """Whether `forward(reduce=False)` can hand out its output as a partial sum over the ranks (the
+        sharded-latent layout, whose last step is an all-reduce; one rank trivially); the replicated layouts reduce
+        in the middle and return complete outputs only."""
+        return self.comm.world_size == 1 or self.config.latent_shards > 1
+
+    def forward(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS, reduce: bool = True) -> torch.Tensor:
+        """The layer's output, complete on every rank; with `reduce=False` each rank's partial sum of it, whose sum
+        over the ranks is the output (where `output_is_partial`)."""
+        if not reduce and not self.output_is_partial:
+            raise ValueError("this MoE layout reduces its partial sums before the latent norm: it has no partial "
+                             "output (reduce=False needs latent_shards > 1)")
         if self.config.latent_shards > 1:
-            return self.forward_sharded_latent(x, ops)
+            return self.forward_sharded_latent(x, ops, reduce)
         routing, z, hidden = ops.moe_inputs(self, x)
         r = ops.routed(self, z, routing)
         if self.shared_in_latent_output:  # one rank, nothing to reduce: the norm, up and shared experts' down together
@@ -192,7 +204,8 @@ class LatentMoE(nn.Module):
             r = ops.latent_output(self, r, None)
         return r if shared is None else r + shared
 
-    def forward_sharded_latent(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS) -> torch.Tensor:
+    def forward_sharded_latent(self, x: torch.Tensor, ops: LayerOps = REFERENCE_OPS, reduce: bool = True
+                               ) -> torch.Tensor:
         """The same function with the latent projections split over the ranks (module doc)."""
         comm, cfg = self.comm, self.config
         if comm.world_size != cfg.latent_shards:
@@ -212,4 +225,4 @@ class LatentMoE(nn.Module):
             y = ops.latent_output(self, r_held, hidden, columns, square_sums)
         else:
             y = ops.latent_output(self, comm.reduce_scatter_rounded(partial, z.dtype), hidden)
-        return comm.all_reduce(y)
+        return comm.all_reduce(y) if reduce else y

@@ -22,8 +22,11 @@ from mstar.kernels import attn_res_norm
 from mstar.kernels.attn_res_blocks import closed_block_stats
 
 from .attn_res import ResidualStream
+from .sequence_parallel import RowShards
 
 if TYPE_CHECKING:
+    from mstar.distributed.communicator import Communicator
+
     from .model import KimiK3Model
     from .norm import RMSNorm
 
@@ -81,3 +84,13 @@ class PrecomputedStream(ResidualStream):
         self._mixes += 1
         return attn_res_norm.attn_res_norm(sources, proj_weight, res_norm_weight, res_eps, out_norm_weight, out_eps,
                                            residual=residual, closed=(self._stats, query))
+
+
+class SequenceParallelPrecomputedStream(RowShards, PrecomputedStream):
+    """A `PrecomputedStream` of this rank's rows of `embedding` [T, D] (sequence_parallel.py): its closed blocks'
+    statistics are its rows'."""
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, num_layers: int, queries: SublayerQueries,
+                 comm: Communicator):
+        self.comm = comm
+        super().__init__(comm.piece_rows(embedding), block_size, num_layers, queries)
