@@ -40,3 +40,26 @@ def test_parallel_greedy_equals_reference(tiny_dir, tiny_model, workload, tp, ep
     finally:
         ranks.stop()
     assert [p.exitcode for p in ranks.processes] == [0] * (tp - 1)  # STOP ended every follower cleanly
+
+
+def test_large_prefill_steps_split_their_rows_and_scatter_the_latent(tiny_dir, tiny_model):
+    """A first step of 1,024 prompt rows over TP2 sharded-latent ranks runs its AttnRes stream sequence-parallel
+    (each rank half the rows) and reduce-scatters the routed latent (both from 512 rows); the later steps, short,
+    all-reduce as before. The same greedy tokens as the single rank."""
+    from mstar.models.kimi_k3.moe import REDUCE_SCATTER_MIN_TOKENS
+    from mstar.models.kimi_k3.sequence_parallel import SEQUENCE_PARALLEL_MIN_ROWS
+
+    assert max(SEQUENCE_PARALLEL_MIN_ROWS, REDUCE_SCATTER_MIN_TOKENS) <= 1024
+    workload = random_jobs(tiny_model, (520, 700), max_tokens=(3, 4))
+    engine = EngineConfig(max_seq_len=768, resources={"mla_kv": {"page_size": 16, "max_num_pages": 100},
+                                                      "kda_state": {"max_slots": 5}},
+                          scheduler={"max_num_seqs": 4, "max_num_batched_tokens": 1024})
+    core, ranks = start_ranks(tiny_dir, KimiTokenizer.from_dir(tiny_dir), engine, tp_size=2, timeouts=TIMEOUTS,
+                              latent_sharded=True)
+    try:
+        got = run_to_completion(core, numbered(workload), max_steps=50).numbered_tokens(len(workload))
+        assert_greedy_matches(tiny_model, workload, got, max_tied=1)
+        assert ranks.failed is None
+    finally:
+        ranks.stop()
+    assert [p.exitcode for p in ranks.processes] == [0]
