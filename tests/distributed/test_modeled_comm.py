@@ -119,6 +119,19 @@ def test_sharded_latent_layout_adds_two_collectives_per_moe_layer():
     assert moe_layers > 0 and calls[True] - calls[False] == 2 * moe_layers
 
 
+def sharded_latent_prefill_tally(monkeypatch, module, constant: str, threshold: int, step: Step,
+                                 cost: CollectiveCost):
+    """The modeled tally of one prefill `step` of the 4-layer tiny model over TP2 sharded-latent ranks, with
+    `module.constant` (a size from which a large-step path is taken) set to `threshold`."""
+    monkeypatch.setattr(module, constant, threshold)
+    emulation = build(first_layers(parse_config(tiny_k3_raw_config()), 4), ShardingPlan(2, 0, 1, True), [step],
+                      dtype=torch.float32, device=torch.device("cpu"), page_size=16, seed=0, comm_cost=cost)
+    emulation.comm.reset()
+    logits, _ = emulation.serving.forward(emulation.plan_for(step))
+    assert torch.isfinite(logits).all()
+    return emulation.comm.tally()
+
+
 def test_large_prefill_steps_reduce_scatter_the_routed_latent(monkeypatch):
     """From REDUCE_SCATTER_MIN_TOKENS tokens (lowered to fit the tiny model) a sharded-latent MoE layer
     reduce-scatters its routed latent and all-reduces the rows' square sums: one collective more a MoE layer, and
@@ -126,17 +139,9 @@ def test_large_prefill_steps_reduce_scatter_the_routed_latent(monkeypatch):
     config = first_layers(parse_config(tiny_k3_raw_config()), 4)
     step = Step("prefill", 1, 24, 0)
     cost = CollectiveCost(latency_s=4e-6, small_bytes=0, bytes_per_s=1e6)
-    tallies = {}
-    for threshold in (10**9, 16):
-        monkeypatch.setattr(moe_module, "REDUCE_SCATTER_MIN_TOKENS", threshold)
-        emulation = build(config, ShardingPlan(2, 0, 1, True), [step], dtype=torch.float32,
-                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=cost)
-        emulation.comm.reset()
-        logits, _ = emulation.serving.forward(emulation.plan_for(step))
-        assert torch.isfinite(logits).all()
-        tallies[threshold] = emulation.comm.tally()
+    whole, scattered = (sharded_latent_prefill_tally(monkeypatch, moe_module, "REDUCE_SCATTER_MIN_TOKENS", threshold,
+                                                     step, cost) for threshold in (10**9, 16))
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-    whole, scattered = tallies[10**9], tallies[16]
     assert scattered.calls - whole.calls == moe_layers
     assert scattered.bytes - whole.bytes == moe_layers * step.rows * 4  # the [T] fp32 square sums
     latent_bytes = step.rows * config.moe_input_size * 4  # one routed latent message (fp32 here)
@@ -147,22 +152,12 @@ def test_large_prefill_steps_reduce_scatter_the_routed_latent(monkeypatch):
 def test_sequence_parallel_prefill_trades_each_all_reduce_for_its_halves(monkeypatch):
     """With the stream's rows split over the ranks (SEQUENCE_PARALLEL_MIN_ROWS lowered to fit the tiny model), each
     sublayer's all-reduce becomes a reduce-scatter and the next input's all-gather: the same link traffic, one more
-    latency a sublayer, and one more gather for the output head's input. The tally counts what the Python count
-    does."""
+    latency a sublayer, and one more gather for the output head's input."""
     config = first_layers(parse_config(tiny_k3_raw_config()), 4)
     step = Step("prefill", 1, 24, 0)
     cost = CollectiveCost(latency_s=4e-6, small_bytes=0, bytes_per_s=1e6)
-    tallies = {}
-    for threshold in (10**9, 16):
-        monkeypatch.setattr(sequence_parallel, "SEQUENCE_PARALLEL_MIN_ROWS", threshold)
-        emulation = build(config, ShardingPlan(2, 0, 1, True), [step], dtype=torch.float32,
-                          device=torch.device("cpu"), page_size=16, seed=0, comm_cost=cost)
-        plan = emulation.plan_for(step)
-        emulation.comm.reset()
-        logits, _ = emulation.serving.forward(plan)
-        assert torch.isfinite(logits).all()
-        tallies[threshold] = emulation.comm.tally()
-    whole, rows = tallies[10**9], tallies[16]
+    whole, rows = (sharded_latent_prefill_tally(monkeypatch, sequence_parallel, "SEQUENCE_PARALLEL_MIN_ROWS",
+                                                threshold, step, cost) for threshold in (10**9, 16))
     layers = config.num_hidden_layers
     assert rows.calls - whole.calls == 2 * layers + 1
     hidden_bytes = step.rows * config.hidden_size * 4  # one [T, D] fp32 message
