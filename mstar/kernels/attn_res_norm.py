@@ -246,15 +246,14 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.
     out_rows = out.view(T, width)
     if out_rows.stride(1) != 1 and width > 1:
         raise ValueError(f"out must have unit column stride, got strides {out.stride()}")
-    if square_sums is not None:  # the row's columns from x's first, the weight's from `first`, the mean over D
-        _norm_kernel[(T, 1)](rows, rows.stride(0), square_sums, weight[first:], eps, out_rows, out_rows.stride(0), 0,
-                             width, D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(width, 1), OWN_STATS=False,
-                             num_warps=8, **pdl.options(_norm_kernel, x.device))
-        return out
+    if square_sums is None:  # the statistics over x's whole row, its `columns` written
+        stats, w, col0, col1 = rows, weight, first, stop
+    else:  # the row's columns from x's first, the weight's from `first`, the mean over D
+        stats, w, col0, col1 = square_sums, weight[first:], 0, width
     # a row of 7168 is two tiles: one program per row is already short, no split
-    _norm_kernel[(T, 1)](rows, rows.stride(0), rows, weight, eps, out_rows, out_rows.stride(0), first, stop,
-                         D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(D, 1), OWN_STATS=True, num_warps=8,
-                         **pdl.options(_norm_kernel, x.device))
+    _norm_kernel[(T, 1)](rows, rows.stride(0), stats, w, eps, out_rows, out_rows.stride(0), col0, col1,
+                         D=D, CHUNK=width, S=1, S_PAD=1, BLOCK_D=_block(rows.shape[1], 1),
+                         OWN_STATS=square_sums is None, num_warps=8, **pdl.options(_norm_kernel, x.device))
     return out
 
 
