@@ -21,16 +21,17 @@ interleaves them as it loads a tile (gate row n at tile row 2n, up row n at 2n +
 yields both and SiTU is applied in registers. H and I must be multiples of 128 (the scales are read
 as int32 words of 4 groups; K3 at TP8: H = 3584, I = 384).
 
-Pipeline: 3 launches (4 with combine="reduce"), no host sync, so the step is CUDA-graph capturable; every
-buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
+Pipeline: 4 launches (5 with combine="reduce"; 2 at small T, below), no host sync, so the step is CUDA-graph
+capturable; every buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
 
-1. `_align_kernel`: sorts the T*k (token, slot) pairs by expert, stably, each expert's run padded to
-   whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row block, its expert
-   (`block_expert`, -1 past the end) and number of real rows (`block_rows`). One program per expert,
-   each counting all pairs itself (no second launch, no atomics). Where the gate/up GEMM is in K order
-   ("Dequantization" below), programs of their own in the same launch put z in that order and zero the
-   output (`_order_block`); without alignment (below) that work is the first launch alone (`_order_kernel`),
-   and with neither the pipeline is 2 launches.
+1. The alignment (`_count_kernel`, `_place_kernel`): sorts the T*k (token, slot) pairs by expert, stably,
+   each expert's run padded to whole blocks of BLOCK_M rows: `sorted_pair` (pair index per row) and, per row
+   block, its expert (`block_expert`, -1 past the end) and number of real rows (`block_rows`). The pairs are
+   cut into chunks: the first launch counts each chunk's pairs per expert, the second sorts each chunk in
+   registers and places it (no atomics). Where the gate/up GEMM is in K order ("Dequantization" below),
+   programs of their own in the first launch put z in that order and zero the output (`_order_block`);
+   without alignment (below) that work is a launch alone (`_order_kernel`), and with neither the pipeline is
+   2 launches.
 2. `_gate_up_kernel`: one program per (row block, BLOCK_N columns of I). It dequantizes E2M1 + E8M0
    in registers (each weight is read from HBM once and never written back as bf16), accumulates in
    fp32 on the tensor cores, applies SiTU and writes bf16 h [T*k, I] (indexed by pair).
@@ -51,7 +52,7 @@ by T (no autotuning inside a CUDA graph); benchmarks/kernels/bench_moe_mxfp4.py 
 around it.
 
 Small batches (decode) matter most: at one token the floor is reading 16 experts (35 MB per TP8 rank
-of pruned75) once, and the alignment launch alone took 11 us of 55 on the H200. Up to
+of pruned75) once, and the alignment alone took 11 us of 55 on the H200. Up to
 DIRECT_MAX_PAIRS pairs `default_config` skips it (MoEConfig.align=False): both GEMM launches run one
 program per (pair p, N tile, K part); p's program takes p's expert unless p is dropped or an earlier
 pair chose the same expert (then it exits at once), and its rows are all T tokens (BLOCK_M >= T, the
@@ -566,14 +567,16 @@ def _check_workspace(ws: MoEWorkspace, pairs: int, num_experts: int, hidden: int
 # Launchers
 # ----------------------------------------------------------------------------------------------
 
-_ALIGN_SCAN = 2048  # ids an alignment program reads per step of its passes
+_ALIGN_CHUNK = 1024  # pairs an alignment program counts and places
+_ALIGN_TABLE = 256  # block-table entries a program of the alignment's second launch writes
+_ALIGN_COUNT_TILE = 4096  # counts a program of the second launch reads per step
 _ZERO_BLOCK = 1024  # fp32 output elements a gate/up program zeroes per step
 _COMBINE_BLOCK = 512  # output columns per combine program
 
 
 def _interpreted() -> bool:
     """True when Triton's CPU interpreter runs the kernels (TRITON_INTERPRET=1 when this module loaded)."""
-    return type(_align_kernel).__name__ == "InterpretedFunction"
+    return type(_count_kernel).__name__ == "InterpretedFunction"
 
 
 def _compute_dtype():
@@ -597,25 +600,32 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tenso
 def _align(ids: torch.Tensor, num_experts: int, sorted_pair: torch.Tensor, block_m: int,
            blocks: tuple[torch.Tensor, torch.Tensor] | None = None,
            groups: tuple[torch.Tensor, torch.Tensor] | None = None, order: tuple | None = None) -> None:
-    """`_align_kernel`, writing the block table (blocks: block_expert, block_rows) and/or the group ends
-    (groups: expert_end, pair_row). An output not asked for is not written: any tensor stands in for it.
-    `order` (`_order_work`): the same launch also does the K-order work, in programs past the experts'.
+    """The alignment in two launches (`_count_kernel`, `_place_kernel`), writing the block table (blocks:
+    block_expert, block_rows) and/or the group ends (groups: expert_end, pair_row). An output not asked for is
+    not written: any tensor stands in for it. `order` (`_order_work`): the first launch also does the K-order
+    work, in programs past the chunks'.
 
-    An earlier design (one program per chunk of pairs, each placing its chunk after counting the pairs before
-    it) took 11-17 us at 256-4096 pairs and 44-476 us at 16K-131K on the H200 (O(T k) serial steps per
-    program); this one is E programs of two passes over the ids."""
+    Both launches spread the pairs over programs a chunk each: the work of a program does not grow with T.
+    (The design before, one program per expert counting and placing all pairs itself, took 33.6 / 323 us at
+    1,024 / 8,192 tokens on the H200: O(T k) serial steps per program.)"""
     pairs = ids.numel()
     block_expert, block_rows = blocks or (sorted_pair, sorted_pair)
     expert_end, pair_row = groups or (sorted_pair, sorted_pair)
+    num_blocks = block_expert.numel() if blocks else 0
+    e_pad = max(16, triton.next_power_of_2(num_experts))
+    chunk = min(_ALIGN_CHUNK, max(64, triton.next_power_of_2(pairs)))
+    chunks = triton.cdiv(pairs, chunk)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=ids.device)
     # without the order: unread stand-ins, no programs
     args, constexprs, programs = order or ((ids, ids, ids, 0, 0, 1),
                                            {"ORDER_K": 0, "ZERO_OUT": False, "ZERO_BLOCK": _ZERO_BLOCK}, 0)
-    _align_kernel[(num_experts + programs,)](
-        ids, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs,
-        block_expert.numel() if blocks else 0, num_experts, *args,
-        BLOCK_M=block_m, E_PAD=max(16, triton.next_power_of_2(num_experts)),
-        SCAN=min(_ALIGN_SCAN, max(64, triton.next_power_of_2(pairs))), META=64, GROUPS=groups is not None,
-        **constexprs, num_warps=4, **pdl.options(_align_kernel, ids.device),
+    _count_kernel[(chunks + programs,)](ids, counts, pairs, *args, E_PAD=e_pad, CHUNK=chunk, **constexprs,
+                                        num_warps=4, **pdl.options(_count_kernel, ids.device))
+    tables = max(1, triton.cdiv(num_blocks, _ALIGN_TABLE))
+    _place_kernel[(chunks + tables,)](
+        ids, counts, sorted_pair, block_expert, block_rows, expert_end, pair_row, pairs, num_blocks, num_experts,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, COUNT_ROWS=max(1, _ALIGN_COUNT_TILE // e_pad),
+        TABLE=_ALIGN_TABLE, GROUPS=groups is not None, num_warps=4, **pdl.options(_place_kernel, ids.device),
     )
 
 
@@ -749,80 +759,88 @@ _WGMMA_M = tl.constexpr(64)  # rows of a Hopper wgmma's A operand
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr, pair_row_ptr,
-                  num_pairs, num_blocks, num_experts, z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, SCAN: tl.constexpr, META: tl.constexpr,
-                  GROUPS: tl.constexpr, ORDER_K: tl.constexpr, ZERO_OUT: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-                  PDL: tl.constexpr):
-    """Sort pairs by expert (stably), each expert's run padded to BLOCK_M rows; describe the num_blocks
-    blocks, and with GROUPS, where each expert's rows end and each pair's row. With ORDER_K > 0 the programs past
-    the experts' do the K-order work (`_order_block`).
-
-    One program per expert and no communication between programs: each counts all pairs itself (a
-    histogram of the T*k ids, read from L2, to find where its run starts), then places its own pairs
-    in pair order (a running prefix count of its matches) and writes its own blocks; the blocks past
-    the last used one are shared out among the programs. Every step is a pass over the ids SCAN at a
-    time, so the launch is as long as one program's two passes. Dropped pairs (id < 0) are neither
-    counted nor placed: no block computes them.
-    """
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks,
+                  E_PAD: tl.constexpr, CHUNK: tl.constexpr, ORDER_K: tl.constexpr, ZERO_OUT: tl.constexpr,
+                  ZERO_BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """The alignment's first launch: program c counts the pairs of chunk c (CHUNK pairs) per expert into
+    counts[c] (int32 [E_PAD]); dropped pairs (id < 0) are not counted. With ORDER_K > 0 the programs past the
+    chunks' do the K-order work (`_order_block`)."""
     pdl.wait_for_inputs(PDL)
+    num_chunks = tl.cdiv(num_pairs, CHUNK)
     if ORDER_K > 0:  # noqa: SIM102 (constexpr first: no test at all in launches without the order)
-        if tl.program_id(0) >= num_experts:
-            _order_block(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, tl.program_id(0) - num_experts,
-                         tl.num_programs(0) - num_experts, ORDER_K, ZERO_OUT, ZERO_BLOCK)
+        if tl.program_id(0) >= num_chunks:
+            _order_block(z_ptr, zk_ptr, out_ptr, stride_zt, out_numel, chunks, tl.program_id(0) - num_chunks,
+                         tl.num_programs(0) - num_chunks, ORDER_K, ZERO_OUT, ZERO_BLOCK)
             return
-    expert = tl.program_id(0)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_pairs
+    e = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    tl.store(counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), tl.histogram(e, E_PAD, mask=valid & (e >= 0)))
+
+
+@triton.jit
+def _place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, block_expert_ptr, block_rows_ptr, expert_end_ptr,
+                  pair_row_ptr, num_pairs, num_blocks, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr,
+                  CHUNK: tl.constexpr, COUNT_ROWS: tl.constexpr, TABLE: tl.constexpr, GROUPS: tl.constexpr,
+                  PDL: tl.constexpr):
+    """The alignment's second launch, from `_count_kernel`'s counts. Experts follow one another, each run padded
+    to whole blocks of BLOCK_M rows, and within an expert the pairs keep their order. Program c < #chunks
+    places chunk c's pairs: it sorts them by (expert, pair), so the j-th of the sorted chunk goes to row
+    base[e] + j, where base[e] = (e's first row) + (e's pairs in earlier chunks) - (the chunk's pairs of
+    experts before e). Each later program writes TABLE entries of the block table (expert and real rows per
+    block, -1 and 0 past the last used block); with GROUPS the first of them writes each expert's end row.
+    Every program reads the whole [#chunks, E_PAD] counts (from L2) rather than wait for another launch."""
+    pdl.wait_for_inputs(PDL)
+    num_chunks = tl.cdiv(num_pairs, CHUNK)
+    program = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
-
-    # Pairs per expert, over all pairs.
     total = tl.zeros([E_PAD], dtype=tl.int32)
-    start = 0
-    while start < num_pairs:
-        offs = start + tl.arange(0, SCAN)
-        valid = offs < num_pairs
-        e = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
-        total += tl.histogram(e, E_PAD, mask=valid & (e >= 0))
-        start += SCAN
-
-    # Experts one after another, each padded to whole blocks.
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    own = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, COUNT_ROWS):
+        c = c0 + tl.arange(0, COUNT_ROWS)[:, None]
+        counts = tl.load(counts_ptr + c * E_PAD + experts[None, :], mask=c < num_chunks, other=0)
+        total += tl.sum(counts, axis=0)
+        before += tl.sum(tl.where(c < program, counts, 0), axis=0)
+        own += tl.sum(tl.where(c == program, counts, 0), axis=0)
     padded = (total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    first_row = tl.sum(tl.where(experts < expert, padded, 0), axis=0)
-    count = tl.sum(tl.where(experts == expert, total, 0), axis=0)
-    mine = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    first_row = tl.cumsum(padded, 0) - padded
 
-    # This expert's pairs, in pair order: row = its first row + matches before the pair.
-    placed = 0
-    start = 0
-    while start < num_pairs:
-        offs = start + tl.arange(0, SCAN)
+    if program < num_chunks:
+        lanes = tl.arange(0, CHUNK)
+        offs = program * CHUNK + lanes
         e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
-        match = (e == expert).to(tl.int32)
-        row = first_row + placed + tl.cumsum(match, 0) - match
-        tl.store(sorted_pair_ptr + row, offs, mask=match > 0)
+        e = tl.where(e >= 0, e, E_PAD)  # dropped pairs and those past the end sort last and are not placed
+        key = tl.sort(e * CHUNK + lanes)
+        expert = key // CHUNK
+        placed = expert < E_PAD
+        base = first_row + before - (tl.cumsum(own, 0) - own)
+        row = tl.gather(base, tl.minimum(expert, E_PAD - 1), 0) + lanes
+        pair = program * CHUNK + key % CHUNK
+        tl.store(sorted_pair_ptr + row, pair, mask=placed)
         if GROUPS:
-            tl.store(pair_row_ptr + offs, row, mask=match > 0)
-        placed += tl.sum(match, axis=0)
-        start += SCAN
-    if GROUPS:
-        tl.store(expert_end_ptr + expert, first_row + mine)
-
-    # This expert's blocks, then its share of the unused blocks past the end.
-    lanes = tl.arange(0, META)
-    first_block = first_row // BLOCK_M
-    b = 0
-    while b < tl.where(num_blocks > 0, mine // BLOCK_M, 0):  # num_blocks 0: no table asked for
-        blocks = b + lanes
-        ok = blocks < mine // BLOCK_M
-        tl.store(block_expert_ptr + first_block + blocks, tl.zeros_like(blocks) + expert, mask=ok)
-        tl.store(block_rows_ptr + first_block + blocks, tl.minimum(count - blocks * BLOCK_M, BLOCK_M), mask=ok)
-        b += META
-    b = tl.sum(padded, axis=0) // BLOCK_M + expert * META
-    while b < num_blocks:
-        blocks = b + lanes
-        ok = blocks < num_blocks
-        tl.store(block_expert_ptr + blocks, tl.full([META], -1, tl.int32), mask=ok)
-        tl.store(block_rows_ptr + blocks, tl.zeros([META], dtype=tl.int32), mask=ok)
-        b += num_experts * META
+            tl.store(pair_row_ptr + pair, row, mask=placed)
+    else:
+        table = program - num_chunks
+        if GROUPS and table == 0:
+            tl.store(expert_end_ptr + experts, first_row + padded, mask=experts < num_experts)
+        # Block b belongs to the first expert whose blocks end after b, i.e. to the number of experts whose
+        # blocks end at or before it: a binary search of the nondecreasing ends (experts without pairs end where
+        # they start and are passed over). Past the last used block there is none.
+        b = table * TABLE + tl.arange(0, TABLE)
+        ends = (first_row + padded) // BLOCK_M
+        owner = tl.zeros([TABLE], dtype=tl.int32)
+        half = E_PAD // 2
+        while half > 0:
+            ahead = owner + half
+            owner = tl.where(tl.gather(ends, ahead - 1, 0) <= b, ahead, owner)
+            half //= 2
+        used = b < tl.max(ends, 0)
+        rows = tl.gather(total, owner, 0) - (b - tl.gather(first_row, owner, 0) // BLOCK_M) * BLOCK_M
+        ok = b < num_blocks
+        tl.store(block_expert_ptr + b, tl.where(used, owner, -1), mask=ok)
+        tl.store(block_rows_ptr + b, tl.where(used, tl.minimum(rows, BLOCK_M), 0), mask=ok)
 
 
 @triton.jit

@@ -328,12 +328,15 @@ def test_direct_all_dropped():
 
 
 @needs_kernel_device
-@pytest.mark.parametrize(("num_tokens", "block_m"), [(1, 16), (64, 16), (300, 32), (1100, 128)])
-def test_alignment_at_rank_routing(num_tokens, block_m):
-    """The alignment alone, on real per-rank routing (E=224, top-16): several programs, several
-    counting passes (T*k > 2048 at 1100 tokens), repeated and unused experts."""
+@pytest.mark.parametrize(("num_tokens", "block_m", "drop"), [(1, 16, False), (64, 16, False), (64, 16, True),
+                                                           (300, 32, True), (1100, 128, False), (1100, 128, True)])
+def test_alignment_at_rank_routing(num_tokens, block_m, drop):
+    """The alignment alone, on real per-rank routing (E=224, top-16): one chunk of pairs (exactly full at 64
+    tokens), several (300, 1100 tokens: 5 and 18 chunks of 1,024), repeated and unused experts, DROPPED pairs."""
     gen = new_generator(TINY_DEVICE)
     ids, _ = routing(num_tokens, RANK_E, RANK_K, gen, "skewed")
+    if drop:
+        ids = drop_some(ids, gen)
     config = moe.MoEConfig(block_m, moe.GemmTile(16, 128), moe.GemmTile(16, 128))
     ws = moe.MoEWorkspace.allocate(num_tokens, RANK_K, RANK_E, 128, 128, config, TINY_DEVICE)
     ws.sorted_pair.fill_(-1)
