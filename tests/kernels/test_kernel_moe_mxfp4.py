@@ -328,11 +328,12 @@ def test_direct_all_dropped():
 
 
 @needs_kernel_device
-@pytest.mark.parametrize(("num_tokens", "block_m", "drop"), [(1, 16, False), (64, 16, False), (64, 16, True),
-                                                           (300, 32, True), (1100, 128, False), (1100, 128, True)])
+@pytest.mark.parametrize(("num_tokens", "block_m", "drop"), [(1, 16, False), (64, 16, True), (300, 32, False),
+                                                           (1100, 128, True)])
 def test_alignment_at_rank_routing(num_tokens, block_m, drop):
     """The alignment alone, on real per-rank routing (E=224, top-16): one chunk of pairs (exactly full at 64
-    tokens), several (300, 1100 tokens: 5 and 18 chunks of 1,024), repeated and unused experts, DROPPED pairs."""
+    tokens), several (300, 1100 tokens: 5 and 18 chunks of 1,024; the interpreter sorts each in ~1.5 s),
+    repeated and unused experts, DROPPED pairs."""
     gen = new_generator(TINY_DEVICE)
     ids, _ = routing(num_tokens, RANK_E, RANK_K, gen, "skewed")
     if drop:

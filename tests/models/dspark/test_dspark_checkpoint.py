@@ -121,7 +121,14 @@ def _set(path: str, value):
     return edit
 
 
-_DELETE = object()
+class _Delete:
+    """Marks a key the case removes (a stable repr, so that pytest-xdist's workers collect the same test ids)."""
+
+    def __repr__(self) -> str:
+        return "deleted"
+
+
+_DELETE = _Delete()
 
 _BAD_CONFIGS = [
     ("model_type", "deepseek_v3", "model_type"),
