@@ -37,7 +37,8 @@ Captured prefill steps (`prefill`: up to a fixed number of sequences of any leng
 pending prefix) take their lengths from a `PrefillLayout` staged on the device: the conv of every row
 continues its slot's window (kernels/kda_blocks.py, as verify blocks do), the states are gathered and
 scattered by slot on the device, and fla's chunked kernel runs over row offsets padded to a fixed
-count (`chunk_kda(use_graph=True)`), so nothing reads a length on the host.
+count (`chunk_kda(use_graph=True)`'s forward, over a chunk table staged once a step), so nothing reads a length
+on the host.
 
 The torch path (serving.TorchMixerOps.kda) is the oracle this is tested against.
 """
@@ -321,13 +322,18 @@ class PrefillLayout:
     lengths: torch.Tensor  # [max_seqs + 1] rows of each sequence (all of them fold into its state and window)
     row_seq: torch.Tensor  # [num_rows] sequence of each row
     slots: torch.Tensor  # [max_seqs + 1] KDA slot of each sequence: the caller stages these (padding: its sink)
+    # fla's chunk table over the row offsets (`_chunk_table_rows` rows: its (sequence, chunk) of each chunk, -1 past
+    # the last) and each sequence's first chunk: made once a step by `stage`, not once per layer by chunk_kda
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor  # [max_seqs + 2]
 
     @classmethod
     def allocate(cls, num_rows: int, slots: torch.Tensor) -> PrefillLayout:
         """A layout of len(slots) - 1 sequences at most over num_rows rows, reading its slots from `slots`."""
         index = {"dtype": torch.long, "device": slots.device}
         seqs = slots.shape[0]
-        return cls(torch.zeros(seqs + 1, **index), torch.zeros(seqs, **index), torch.zeros(num_rows, **index), slots)
+        return cls(torch.zeros(seqs + 1, **index), torch.zeros(seqs, **index), torch.zeros(num_rows, **index), slots,
+                   torch.zeros(_chunk_table_rows(num_rows, seqs), 2, **index), torch.zeros(seqs + 1, **index))
 
     @property
     def num_rows(self) -> int:
@@ -340,7 +346,8 @@ class PrefillLayout:
 
     def first_rows(self, num_rows: int) -> PrefillLayout:
         """This layout over its first num_rows rows (a smaller capture bucket shares the tensors)."""
-        return replace(self, row_seq=self.row_seq[:num_rows])
+        return replace(self, row_seq=self.row_seq[:num_rows],
+                       chunk_indices=self.chunk_indices[: _chunk_table_rows(num_rows, self.num_seqs)])
 
     def stage(self, seq_starts: torch.Tensor) -> None:
         """Lay out the sequences whose row offsets are `seq_starts` ([B + 1] on the device, B <= max_seqs,
@@ -355,6 +362,20 @@ class PrefillLayout:
         torch.sub(ends, self.cu_seqlens[:-1], out=self.lengths)
         rows = torch.arange(self.num_rows, device=self.row_seq.device)
         torch.searchsorted(ends, rows, right=True, out=self.row_seq)  # the first sequence ending after the row
+        from fla.ops.utils.index import prepare_chunk_indices_static
+
+        indices, offsets = prepare_chunk_indices_static(self.cu_seqlens, FLA_CHUNK, self.chunk_indices.shape[0])
+        self.chunk_indices.copy_(indices)
+        self.chunk_offsets.copy_(offsets)
+
+
+FLA_CHUNK = 64  # rows of fla's KDA chunks (chunk_kda's default)
+
+
+def _chunk_table_rows(num_rows: int, num_seqs: int) -> int:
+    """Rows of fla's chunk table over num_rows rows cut into num_seqs sequences (chunk_kda's nt_max with use_graph):
+    every sequence may end one chunk early."""
+    return (num_rows + FLA_CHUNK - 1) // FLA_CHUNK + num_seqs - 1
 
 
 def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,
@@ -364,7 +385,6 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, 
     the layout (kda_blocks.block_conv), the states are gathered and scattered by slot on the device, and
     fla's chunked kernel takes the padded offsets as `chunk_kda(use_graph=True)` (fp32/fp64 models: the
     recurrent kernel, see `exact_recurrence`). Returns o [M, H, K]."""
-    from fla.ops.kda import chunk_kda
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     M, H, K = q.shape[0], w.num_heads, w.head_dim
@@ -381,10 +401,29 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, 
     if exact_recurrence(q.dtype):
         o, final = fused_recurrent_kda_fwd(inplace_final_state=False, **args)
     else:
-        o, final = chunk_kda(safe_gate=w.lower_bound is not None, use_graph=True, max_num_seqs=layout.num_seqs,
-                             **args)
+        o, final = _chunk_kda_staged(layout, w, **args)
     state[layout.slots] = final.to(state.dtype)  # the padding and empty sequences all land on the sink
     return o.view(M, H, K)
+
+
+def _chunk_kda_staged(layout: PrefillLayout, w: KDAWeights, q, k, v, g, beta, initial_state, cu_seqlens,
+                      use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, **rest) -> tuple[torch.Tensor, torch.Tensor]:
+    """What `chunk_kda(use_graph=True, max_num_seqs=layout.num_seqs, **args)` returns (its forward: the q/k L2 norms,
+    beta's sigmoid, `chunk_kda_fwd`), over the chunk table the layout staged once for the step: chunk_kda would
+    build it again in every KDA layer (~18 small launches each in the captured step). fla-core is pinned
+    (pyproject.toml): tests/kernels/test_kda_fla_interpreted.py holds the two bit-equal."""
+    from fla.modules.norm.l2norm import l2norm_fwd
+    from fla.ops.common.gate import fused_beta_sigmoid
+    from fla.ops.kda.chunk_fwd import chunk_kda_fwd
+
+    assert use_qk_l2norm_in_kernel and use_beta_sigmoid_in_kernel  # KDAWeights.fla_args
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))  # as chunk_kda's input_guard leaves them
+    q, _ = l2norm_fwd(q)
+    k, _ = l2norm_fwd(k)
+    out = chunk_kda_fwd(q=q, k=k, v=v, g=g, beta=fused_beta_sigmoid(x=beta, scale=1.0), initial_state=initial_state,
+                        cu_seqlens=cu_seqlens, chunk_indices=layout.chunk_indices, chunk_offsets=layout.chunk_offsets,
+                        chunk_size=FLA_CHUNK, safe_gate=w.lower_bound is not None, use_graph=True, **rest)
+    return out[0].type_as(q), out[1]
 
 
 def varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, beta: torch.Tensor,

@@ -150,3 +150,14 @@ def test_short_blocks_with_pending_prefixes_match_torch(dtype, tol, capacity):
         assert float((a - b).norm() / b.norm()) < tol, name
     for slot, n in ((5, 4), (2, 4), (4, 4)):  # the verify blocks' inputs wait as the next pending prefixes
         torch.testing.assert_close(pool.prefix_x[0, slot, :n], ref_pool.prefix_x[0, slot, :n])
+
+
+@pytest.mark.parametrize(("lengths", "num_rows"), [([700, 3, 129], 1024), ([64], 64), ([5, 1], 96)])
+def test_the_staged_chunk_table_gives_chunk_kda_bit_for_bit(lengths, num_rows):
+    """The captured prefill's chunked KDA over the chunk table its layout staged once for the step equals fla's
+    chunk_kda(use_graph=True), which builds that table itself in every call, bit for bit (bf16, a TP8 rank's 12
+    heads of 128)."""
+    from kda_chunk_table import chunk_kda_both_ways
+
+    _, theirs, ours = chunk_kda_both_ways("cuda", torch.bfloat16, lengths, num_rows, heads=12, head_dim=128)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])

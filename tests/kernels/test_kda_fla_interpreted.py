@@ -257,3 +257,49 @@ def test_served_greedy_decode_through_the_decode_kernel_equals_the_reference(tin
                        scheduler={"max_num_seqs": 3, "max_num_batched_tokens": 64})
     _, jobs, got = served_through_gpu_kda(tiny_model, tiny_dir, (3, 9, 17), 6, cfg)
     assert_greedy_matches(tiny_model, jobs, got)
+
+
+
+@pytest.mark.parametrize(("lengths", "num_rows"), [([70, 3, 129], 256), ([64], 64), ([5, 1], 96)])
+def test_the_staged_chunk_table_reaches_fla_as_chunk_kda_builds_it(lengths, num_rows, monkeypatch):
+    """The captured prefill's chunked KDA calls fla's forward steps (q/k L2 norms, beta's sigmoid, chunk_kda_fwd)
+    with the arguments chunk_kda(use_graph=True) gives them, its chunk table the one the layout staged once for the
+    step rather than one built per call. fla's kernels autotune, which the interpreter cannot: the steps are
+    recorded here (stand-ins of torch arithmetic), and tests/kernels/test_gpu_kda.py compares the outputs bit for
+    bit on a GPU. The table of a smaller bucket is fla's too."""
+    import fla.modules.norm.l2norm
+    import fla.ops.common.gate
+    import fla.ops.kda.chunk
+    import fla.ops.kda.chunk_fwd
+    from fla.ops.utils.index import prepare_chunk_indices_static
+    from kda_chunk_table import chunk_kda_both_ways
+
+    calls = []
+
+    def chunk_kda_fwd(**kwargs):
+        calls.append(kwargs)
+        return (kwargs["q"] + kwargs["v"], kwargs["initial_state"] * 2, *[None] * 10)
+
+    def l2norm_fwd(x):
+        return x * 3, None
+
+    def fused_beta_sigmoid(x, scale):
+        return torch.sigmoid(x) * scale
+
+    for module in (fla.ops.kda.chunk, fla.ops.kda.chunk_fwd, fla.modules.norm.l2norm, fla.ops.common.gate):
+        for name, fake in (("chunk_kda_fwd", chunk_kda_fwd), ("l2norm_fwd", l2norm_fwd),
+                           ("fused_beta_sigmoid", fused_beta_sigmoid)):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, fake)
+    layout, theirs, ours = chunk_kda_both_ways("cpu", torch.float16, lengths, num_rows)
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    (given, taken) = calls
+    assert given.keys() - {"cu_seqlens_cpu", "disable_recompute", "return_intermediate_states", "cp_context",
+                           "state_v_first"} == taken.keys()
+    for key, value in taken.items():
+        assert torch.equal(value, given[key]) if isinstance(value, torch.Tensor) else value == given[key], key
+    smaller = layout.first_rows(num_rows // 2)
+    smaller.stage(torch.tensor([0, num_rows // 2]))
+    indices, offsets = prepare_chunk_indices_static(smaller.cu_seqlens, kda_fla.FLA_CHUNK,
+                                                    smaller.chunk_indices.shape[0])
+    assert torch.equal(smaller.chunk_indices, indices) and torch.equal(smaller.chunk_offsets, offsets)
