@@ -383,8 +383,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, f: torch.Tensor, 
     """A captured prefill step: row r belongs to sequence layout.row_seq[r], which continues the state and
     conv window of its slot and folds all its rows. No host logic: the conv reads every row's sequence from
     the layout (kda_blocks.block_conv), the states are gathered and scattered by slot on the device, and
-    fla's chunked kernel takes the padded offsets as `chunk_kda(use_graph=True)` (fp32/fp64 models: the
-    recurrent kernel, see `exact_recurrence`). Returns o [M, H, K]."""
+    fla's chunked kernel runs over the padded offsets and the chunk table staged with them (`_chunk_kda_staged`;
+    fp32/fp64 models: the recurrent kernel, see `exact_recurrence`). Returns o [M, H, K]."""
     from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
     M, H, K = q.shape[0], w.num_heads, w.head_dim
@@ -410,8 +410,9 @@ def _chunk_kda_staged(layout: PrefillLayout, w: KDAWeights, q, k, v, g, beta, in
                       use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, **rest) -> tuple[torch.Tensor, torch.Tensor]:
     """What `chunk_kda(use_graph=True, max_num_seqs=layout.num_seqs, **args)` returns (its forward: the q/k L2 norms,
     beta's sigmoid, `chunk_kda_fwd`), over the chunk table the layout staged once for the step: chunk_kda would
-    build it again in every KDA layer (~18 small launches each in the captured step). fla-core is pinned
-    (pyproject.toml): tests/kernels/test_kda_fla_interpreted.py holds the two bit-equal."""
+    build it again in every KDA layer (~18 small launches each in the captured step). This follows fla-core's
+    internals, pinned in pyproject.toml: tests/kernels/test_gpu_kda.py holds the two bit-equal, and the
+    interpreter's test (test_kda_fla_interpreted.py) that fla's steps get the same arguments."""
     from fla.modules.norm.l2norm import l2norm_fwd
     from fla.ops.common.gate import fused_beta_sigmoid
     from fla.ops.kda.chunk_fwd import chunk_kda_fwd
