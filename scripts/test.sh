@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command for a fresh machine: makes .venv, installs mstar with its test extra, then runs
-# ruff and the CPU test suite, one pytest-xdist worker per core. Extra arguments go to pytest.
+# ruff and the CPU test suite, one pytest-xdist worker per core (8 at most: each holds torch and the
+# tiny models). Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -12,4 +13,4 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test]"
 ruff check .
-python -m pytest -n auto "$@"
+python -m pytest -n auto --maxprocesses 8 "$@"
