@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .attn_res import ResidualStream, attn_res_norm
-from .norm import at_least_fp32
+from .norm import at_least_fp32, rms_norm
 from .sequence_parallel import SequenceParallelStream, shards_rows
 
 if TYPE_CHECKING:
@@ -74,7 +74,8 @@ class LayerOps:
         whole rows). With `square_sums` [T] fp32, r holds only those columns and these are the whole rows' sums of
         squares (the reduce-scatter of moe.py)."""
         if square_sums is not None:
-            normed = columns_rms_norm(r, square_sums, moe.routed_expert_norm, columns)
+            norm = moe.routed_expert_norm
+            normed = rms_norm(r, norm.weight[columns], norm.eps, square_sums.unsqueeze(-1) / norm.weight.shape[0])
         else:
             normed = moe.latent_norm(r, self)
             normed = normed if columns is None else normed[:, columns]
@@ -91,13 +92,6 @@ class LayerOps:
     def mlp_hidden(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x), up(x)) of a gated MLP: the input of its down projection."""
         return mlp.hidden(x)
-
-
-def columns_rms_norm(x: torch.Tensor, square_sums: torch.Tensor, norm: RMSNorm, columns: slice) -> torch.Tensor:
-    """`norm` of rows of which x holds only `columns`, given the whole rows' sums of squares: rounded as rms_norm."""
-    xf = at_least_fp32(x)
-    normed = xf * torch.rsqrt(square_sums.unsqueeze(-1) / norm.weight.shape[0] + norm.eps)
-    return norm.weight[columns] * normed.to(x.dtype)
 
 
 REFERENCE_OPS = LayerOps()

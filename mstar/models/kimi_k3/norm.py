@@ -15,9 +15,13 @@ def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.bfloat16, torch.float16) else x
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, mean_square: torch.Tensor | None = None
+             ) -> torch.Tensor:
+    """`mean_square` [..., 1]: the rows' mean of squares, given where x holds only part of each row (default: x's)."""
     xf = at_least_fp32(x)
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if mean_square is None:
+        mean_square = xf.pow(2).mean(-1, keepdim=True)
+    normed = xf * torch.rsqrt(mean_square + eps)
     return weight * normed.to(x.dtype)
 
 
