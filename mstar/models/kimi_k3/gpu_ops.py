@@ -234,9 +234,8 @@ class GpuMixerOps(TorchMixerOps):
         q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         if step.expanded:  # a prefill step the roofline gives to the expanded form (step_metadata.expanded_form)
             return attn.output(self._mla_expanded(attn, q_nope, q_pe, cache, plan, step), gate, self.layer_ops)
-        w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
-        q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        q_lat, w_uv = attn.absorbed_query(q_nope)
         out = torch.empty(x.shape[0], attn.num_heads, attn.kv_lora_rank, device=x.device, dtype=x.dtype)
         if step.cu_seqlens is None:
             mla_attention.paged_mla_decode(q_lat, q_pe, cache, table, lens, attn.scale, out,
@@ -259,8 +258,7 @@ class GpuMixerOps(TorchMixerOps):
                                            gemm=self.layer_ops.gemm if self.fused else None)
         prefix = None
         if step.prefix_lens is not None:
-            w_uk, w_uv = attn.kv_b_weights()  # [H, nope, R], [H, v, R]
-            q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+            q_lat, w_uv = attn.absorbed_query(q_nope)
             prefix = mla_expanded.prefix_state(q_lat, q_pe, cache, plan.kv.page_table, step.cu_seqlens,
                                                step.prefix_lens, attn.scale, w_uv, max_query_len=step.max_query_len,
                                                num_splits=step.num_splits)

@@ -191,6 +191,12 @@ class GatedMLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope], w[:, self.nope :]
 
+    def absorbed_query(self, q_nope: Tensor) -> tuple[Tensor, Tensor]:
+        """W_UK folded into the query: (q_lat = q_nope W_UK per head [T, H, kv_lora_rank], W_UV [H, v, kv_lora_rank],
+        which takes the latent output back to v)."""
+        w_uk, w_uv = self.kv_b_weights()
+        return torch.einsum("thn,hnr->thr", q_nope, w_uk), w_uv
+
     # --- the two attention forms over the cache (which already holds the new tokens) ---
     def attend_expanded(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, offset: int) -> Tensor:
         """Rebuild per-head k = [W_UK c_kv | k_pe], v = W_UV c_kv, then attend. Returns o [T, H, v]."""
@@ -203,8 +209,8 @@ class GatedMLA(nn.Module):
 
     def attend_absorbed(self, q_nope: Tensor, q_pe: Tensor, cache: MLACache, offset: int) -> Tensor:
         """Fold W_UK into the query, attend over the latent rows, then apply W_UV. Returns o [T, H, v]."""
-        w_uk, w_uv = self.kv_b_weights()
-        q_abs = torch.cat([torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe], dim=-1)
+        q_lat, w_uv = self.absorbed_query(q_nope)
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)
         o_lat = absorbed_attention(q_abs, cache.rows(), offset, self.scale, kv_lora_rank=self.kv_lora_rank)
         return torch.einsum("thr,hvr->thv", o_lat, w_uv)
 
