@@ -21,7 +21,7 @@ interleaves them as it loads a tile (gate row n at tile row 2n, up row n at 2n +
 yields both and SiTU is applied in registers. H and I must be multiples of 128 (the scales are read
 as int32 words of 4 groups; K3 at TP8: H = 3584, I = 384).
 
-Pipeline: 4 launches (5 with combine="reduce"; 2 at small T, below), no host sync, so the step is CUDA-graph
+Pipeline: 4 launches (5 with combine="reduce"; 2 or 3 without alignment, below), no host sync, so the step is CUDA-graph
 capturable; every buffer's size depends only on T, k, E and the config (`MoEWorkspace`):
 
 1. The alignment (`_count_kernel`, `_place_kernel`): sorts the T*k (token, slot) pairs by expert, stably,
