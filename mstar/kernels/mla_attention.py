@@ -136,6 +136,12 @@ def supported(device: torch.device | str) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
 
 
+def arange_width(width: int) -> bool:
+    """Whether a head width can be the kernels' tl.arange extent: a power of two >= 16 (this module's and
+    mla_expanded.py's)."""
+    return width >= 16 and width & (width - 1) == 0
+
+
 # --- torch references ---------------------------------------------------------------------------------
 
 
@@ -355,7 +361,7 @@ def _check_inputs(q_lat: Tensor, q_pe: Tensor, cache: Tensor, page_table: Tensor
         raise ValueError(f"cache must be one layer's [num_pages, page_size, {latent + rope}] (latent + rope); "
                          f"got {tuple(cache.shape)}")
     for name, width in (("latent (q_lat width)", latent), ("rope (q_pe width)", rope)):
-        if width < 16 or width & (width - 1):
+        if not arange_width(width):
             raise ValueError(f"{name} is {width}; the kernel needs a power of two >= 16 (K3: 512 and 64)")
     if (not q_lat.dtype == q_pe.dtype == cache.dtype
             or cache.dtype not in (torch.bfloat16, torch.float16, torch.float32)):

@@ -318,7 +318,7 @@ if triton is not None:
 
 
 def _power_of_two(name: str, width: int) -> None:
-    if width < 16 or width & (width - 1):
+    if not mla_attention.arange_width(width):
         raise ValueError(f"{name} is {width}; the kernel needs a power of two >= 16 (K3: nope 128, rope 64, v 128)")
 
 

@@ -276,15 +276,10 @@ class GpuMixerOps(TorchMixerOps):
         return q, kv_a, gate[0] if gate else None
 
 
-def _arange_widths(*widths: int) -> bool:
-    """Whether every width can be a kernel's tl.arange extent: a power of two >= 16."""
-    return all(w >= 16 and w & (w - 1) == 0 for w in widths)
-
-
 def mla_dims(attn: GatedMLA) -> mla_expanded.MLADims | None:
     """The layer's widths the choice between the absorbed and the expanded form depends on; None where the expanded
-    kernel does not take them (its nope, rope and v widths: `_arange_widths`)."""
-    if not _arange_widths(attn.nope, attn.rope, attn.v_dim):
+    kernel does not take them (its nope, rope and v widths: `mla_attention.arange_width`)."""
+    if not all(map(mla_attention.arange_width, (attn.nope, attn.rope, attn.v_dim))):
         return None
     return mla_expanded.MLADims(latent=attn.kv_lora_rank, rope=attn.rope, nope=attn.nope, v_dim=attn.v_dim)
 
@@ -294,7 +289,8 @@ def mla_kernel_fits(attn: GatedMLA, dtype: torch.dtype, device: torch.device) ->
     They take bf16 rows of [latent | k_pe] whose two parts are powers of two >= 16 (tl.arange widths):
     K3's 512 + 64, the mini's 64 + 16."""
     widths = (attn.kv_lora_rank, attn.rope)
-    return dtype == torch.bfloat16 and _arange_widths(*widths) and mla_attention.supported(device)
+    return (dtype == torch.bfloat16 and all(map(mla_attention.arange_width, widths))
+            and mla_attention.supported(device))
 
 
 class GpuLayerOps(LayerOps):
