@@ -69,7 +69,7 @@ class Rounds:
     def fork_prefetch(self, segments, ids):
         self.side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.side):
-            l2_prefetch.prefetch(segments, ids, EXPERTS if ids is not None else 0)
+            l2_prefetch.prefetch(segments, ids)
 
     def time(self, rounds, reps: int) -> dict:
         n = len(rounds)

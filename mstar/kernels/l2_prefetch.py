@@ -27,7 +27,7 @@ MAX_SEGMENTS = 4  # byte ranges (or per-id ranges) one launch covers
 CHUNK = 16384  # bytes one prefetch instruction asks for
 ALIGN = 16  # cp.async.bulk: address and size multiples of 16 bytes
 LANES = 128  # prefetches a program issues at once (one warp-group of 4 warps, one a lane)
-PROGRAMS = 16  # most programs per (segment, id): a few SMs issue, the rest of the GPU is the main stream's
+PROGRAMS = 16  # programs per (segment, id): a few SMs' worth of issue, the rest of the GPU is the main stream's
 
 
 @dataclass(frozen=True)
@@ -65,11 +65,10 @@ def supported(device: torch.device | str) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def prefetch(segments: list[Segment], ids: torch.Tensor | None = None, num_ids: int = 0) -> None:
-    """Ask L2 for the bytes of `segments` on the current stream (one launch). With `ids` (int tensor, any shape),
-    every segment with a stride is prefetched at each id in [0, num_ids) (others are skipped: a dropped pair, or
-    whatever a tensor freed before the launch ran holds, never an address outside the stack); segments without
-    a stride once."""
+def prefetch(segments: list[Segment], ids: torch.Tensor | None = None) -> None:
+    """Ask L2 for the bytes of `segments` on the current stream (one launch). With `ids` (int tensor, any shape;
+    values must index the stacked tensors), every segment with a stride is prefetched at each id; segments
+    without one once."""
     if not 1 <= len(segments) <= MAX_SEGMENTS:
         raise ValueError(f"prefetch takes 1 to {MAX_SEGMENTS} segments, got {len(segments)}")
     parts = [s.aligned() for s in segments]
@@ -77,15 +76,10 @@ def prefetch(segments: list[Segment], ids: torch.Tensor | None = None, num_ids: 
         if any(s.stride for s in parts):
             raise ValueError("a segment with a stride is prefetched per id: pass ids")
         ids = torch.empty(1, dtype=torch.int32, device=torch.cuda.current_device())  # never read (no stride)
-    elif num_ids < 1:
-        raise ValueError(f"prefetch by ids needs num_ids >= 1 (the stacked tensors' first dim), got {num_ids}")
     flat = ids.reshape(-1)
     args = [v for s in parts for v in (s.address, s.nbytes, s.stride)]
     args += [0, 0, 0] * (MAX_SEGMENTS - len(parts))
-    programs = min(PROGRAMS, -(-max(s.nbytes for s in parts) // (CHUNK * LANES)))
-    if programs:
-        _prefetch_kernel[(programs, MAX_SEGMENTS, flat.numel())](flat, num_ids, *args, CHUNK=CHUNK, LANES=LANES,
-                                                                 num_warps=4)
+    _prefetch_kernel[(PROGRAMS, MAX_SEGMENTS, flat.numel())](flat, *args, CHUNK=CHUNK, LANES=LANES, num_warps=4)
 
 
 @triton.jit
@@ -94,8 +88,8 @@ def _pick(s, a0, a1, a2, a3):
 
 
 @triton.jit
-def _prefetch_kernel(ids_ptr, num_ids, addr0, bytes0, stride0, addr1, bytes1, stride1, addr2, bytes2, stride2, addr3,
-                     bytes3, stride3, CHUNK: tl.constexpr, LANES: tl.constexpr):
+def _prefetch_kernel(ids_ptr, addr0, bytes0, stride0, addr1, bytes1, stride1, addr2, bytes2, stride2, addr3, bytes3,
+                     stride3, CHUNK: tl.constexpr, LANES: tl.constexpr):
     """Program (p, s, i): chunks p, p + P, ... of segment s at id i (the whole segment once when its stride is 0:
     only i = 0 issues it)."""
     s = tl.program_id(1)
@@ -107,7 +101,7 @@ def _prefetch_kernel(ids_ptr, num_ids, addr0, bytes0, stride0, addr1, bytes1, st
     base = _pick(s, addr0, addr1, addr2, addr3).to(tl.int64)
     if stride != 0:
         expert = tl.load(ids_ptr + item).to(tl.int64)
-        if expert < 0 or expert >= num_ids:
+        if expert < 0:  # a dropped pair (an expert another rank holds)
             return
         base += expert * stride
     chunks = tl.cdiv(nbytes, CHUNK)

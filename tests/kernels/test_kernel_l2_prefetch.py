@@ -20,16 +20,16 @@ def test_a_prefetch_changes_nothing_in_a_graph_on_a_side_stream():
     stacked = torch.randint(0, 256, (8, 96, 160), dtype=torch.uint8, device="cuda")
     weight = torch.randn(333, 77, device="cuda")  # 102,564 bytes: not a whole number of 16-byte pieces
     before = (stacked.clone(), weight.clone())
-    ids = torch.tensor([[3, -1, 7, 0, 8]], device="cuda")  # -1 (a dropped pair) and 8 (past the stack): skipped
+    ids = torch.tensor([[3, -1, 7, 0]], device="cuda")  # -1: a dropped pair, skipped
     segments = [Segment.of(stacked, per_expert=True), Segment.of(weight)]
     side = torch.cuda.Stream()
-    l2_prefetch.prefetch(segments, ids, 8)
+    l2_prefetch.prefetch(segments, ids)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            l2_prefetch.prefetch(segments, ids, 8)
+            l2_prefetch.prefetch(segments, ids)
         out = weight * 2
         torch.cuda.current_stream().wait_stream(side)
     for _ in range(3):

@@ -37,8 +37,6 @@ def test_bad_calls_are_refused_before_any_launch():
         l2_prefetch.prefetch([Segment(0, 16)] * 5)
     with pytest.raises(ValueError, match="pass ids"):
         l2_prefetch.prefetch([Segment(0, 16, 32)])
-    with pytest.raises(ValueError, match="num_ids"):
-        l2_prefetch.prefetch([Segment(0, 16, 32)], torch.zeros(3, dtype=torch.int32))
 
 
 def test_nothing_is_issued_off_hopper():

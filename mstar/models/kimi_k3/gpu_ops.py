@@ -65,10 +65,9 @@ from .precomputed_stream import (
 from .sequence_parallel import shards_rows
 from .serving import BatchPlan, TorchMixerOps
 from .step_metadata import KDAPath, MLAStep, StepMetadata, build_metadata, kda_step, mla_step
-from .weight_prefetch import WeightPrefetch
 
 if TYPE_CHECKING:
-    from .model import DecoderLayer, KimiK3Model
+    from .model import KimiK3Model
 
 
 def stacked(linears: list[nn.Linear]) -> StackedLinear:
@@ -299,9 +298,7 @@ class GpuLayerOps(LayerOps):
     (kernels/attn_res_norm.py), ungrouped routers' selection (kernels/router_topk.py), the SiTU MLPs
     (kernels/gated_mlp.py, gate and up as one GEMM), MLA's output gate (kernels/sigmoid_gate.py); the routed
     experts of the layers in `experts`. A latent MoE layer's shared activations and normalised routed sum land
-    in one buffer that its output GEMM reads as it is (`moe_inputs`, `latent_output`). In the sharded-latent
-    layout of a small step, each of the layer's collectives has the weights read after it prefetched into L2
-    beside it (weight_prefetch.py)."""
+    in one buffer that its output GEMM reads as it is (`moe_inputs`, `latent_output`)."""
 
     def __init__(self, experts: dict[LatentMoE, MXFP4Experts] | None = None):
         self.experts = experts or {}
@@ -312,7 +309,6 @@ class GpuLayerOps(LayerOps):
         # SiTU wrote the shared experts' activations into, the first left for the latent norm
         self._latent_gemm_inputs: dict[LatentMoE, torch.Tensor] = {}
         self._queries: dict[KimiK3Model, SublayerQueries] = {}  # per model, its mixes' stacked pseudo-queries
-        self._prefetch = WeightPrefetch()
 
     def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight^T: every dense projection of the serving model runs here (stacked ones included):
@@ -379,23 +375,7 @@ class GpuLayerOps(LayerOps):
             logits, moe.gate.e_score_correction_bias, cfg.num_experts_per_token, cfg.moe_renormalize,
             cfg.routed_scaling_factor, gate_up, act.activation_situ_beta, act.activation_situ_linear_beta,
             out=self._shared_hidden_out(moe, gate_up))
-        kernel = self.experts.get(moe)
-        if kernel is not None and self._prefetches(moe, x):  # beside the all-gather of z
-            self._prefetch.experts(kernel.weights, ids, kernel.local_ids)
         return Routing(ids, weights), z, hidden
-
-    def before_mixer_reduce(self, layer: DecoderLayer, y: torch.Tensor) -> None:
-        """The MoE input GEMM's stacked weights into L2 beside the mixer's all-reduce (once moe_inputs built them)."""
-        moe = getattr(layer, "block_sparse_moe", None)
-        if moe is not None and moe in self._moe_inputs and self._prefetches(moe, y):
-            self._prefetch.weights([self._moe_inputs[moe].weight])
-
-    def end_step(self) -> None:
-        self._prefetch.join()
-
-    def _prefetches(self, moe: LatentMoE, x: torch.Tensor) -> bool:
-        """Whether this step prefetches the layer's weights beside its collectives (weight_prefetch.py)."""
-        return moe.config.latent_shards > 1 and self._prefetch.wanted(x.shape[0], moe.comm.world_size, x.device)
 
     def _shared_hidden_out(self, moe: LatentMoE, gate_up: torch.Tensor) -> torch.Tensor | None:
         """Where the SiTU of gate_up [T, 2I] goes: where the layer's `latent_output` takes the shared activations
@@ -461,8 +441,6 @@ class GpuLayerOps(LayerOps):
         if kernel is None:
             return moe.routed(z, routing)
         r = kernel(z, routing.experts, routing.weights)
-        if moe in self._latent_output and self._prefetches(moe, z):  # beside the all-reduce of the routed sum
-            self._prefetch.weights([self._latent_output[moe]])
         return r if moe.shared_in_latent_output else r.to(z.dtype)
 
     def mlp(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:

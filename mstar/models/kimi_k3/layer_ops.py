@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from .mlp import GatedMLP
-    from .model import DecoderLayer, KimiK3Model
+    from .model import KimiK3Model
     from .moe import LatentMoE, Router, Routing
     from .norm import RMSNorm
 
@@ -92,13 +92,6 @@ class LayerOps:
     def mlp_hidden(self, mlp: GatedMLP, x: torch.Tensor) -> torch.Tensor:
         """act(gate(x), up(x)) of a gated MLP: the input of its down projection."""
         return mlp.hidden(x)
-
-    def before_mixer_reduce(self, layer: DecoderLayer, y: torch.Tensor) -> None:
-        """`layer`'s mixer output y (partial sums over the ranks) is computed and about to be reduced: work a backend
-        may run beside that collective (GpuLayerOps: the FFN's first weights into L2). The reference has none."""
-
-    def end_step(self) -> None:
-        """Every kernel of the step is launched: a backend joins what it ran beside them. The reference ran none."""
 
 
 REFERENCE_OPS = LayerOps()

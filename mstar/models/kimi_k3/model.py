@@ -103,9 +103,7 @@ class DecoderLayer(nn.Module):
         else:  # before the first block closes, the input is the embedding itself
             x = stream.normed_partial(self.input_layernorm, ops)
         stream.maybe_close_block(self.layer_idx)
-        y = mix(self.layer_idx, x)
-        ops.before_mixer_reduce(self, y)
-        stream.add_partial(y, self.comm)
+        stream.add_partial(mix(self.layer_idx, x), self.comm)
         normed = stream.normed_input(self.mlp_res_proj, self.mlp_res_norm, self.post_attention_layernorm)
         moe = getattr(self, "block_sparse_moe", None)
         if moe is None:

@@ -185,5 +185,4 @@ class ServingModel:
             return self.ops.mla(attn, index, x, plan, self.kv, meta)
 
         hidden, taps = self.model.model(plan.input_ids, mix, tap_layers, self.layer_ops)
-        self.layer_ops.end_step()
         return self.model.lm_head(hidden[plan.sample_rows]), torch.cat(taps, dim=-1) if taps else None
