@@ -27,9 +27,13 @@ run)
     [ -d .ab_base ] || { echo ".ab_base/ is missing: run 'gpu_ab.sh prepare COMMIT' here and carry it"; exit 2; }
     OUT=${OUT:-/tmp/mstar-ab}
     mkdir -p "$OUT"
-    # fla-core, humming and the server's wheels, as gpu_suite.sh installs them
+    # fla-core and humming (.whl/), the config's and server's dependencies (.whl/serve/: pydantic, ...), as
+    # gpu_suite.sh installs them
     if ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/gpu-site ]; then
         python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu-site .whl/*.whl
+    fi
+    if ls .whl/serve/*.whl >/dev/null 2>&1 && [ ! -d /tmp/serve-site ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/serve-site .whl/serve/*.whl
     fi
     export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4 TRITON_CACHE_AUTOTUNING=1
     n=0
@@ -42,7 +46,7 @@ run)
             dir=$OUT/${n}_$side
             mkdir -p "$dir"
             start=$SECONDS
-            (cd "$tree" && OUT=$dir MSTAR_COMMIT=$commit PYTHONPATH=$tree:/tmp/gpu-site \
+            (cd "$tree" && OUT=$dir MSTAR_COMMIT=$commit PYTHONPATH=$tree:/tmp/serve-site:/tmp/gpu-site \
                 timeout "${AB_LIMIT:-240}" bash -c "$cmd") > "$dir/log.txt" 2>&1
             rc=$?
             { echo "== $n $side ($commit) rc=$rc $((SECONDS - start))s: $cmd"; tail -n "${AB_TAIL:-12}" "$dir/log.txt"; } \
