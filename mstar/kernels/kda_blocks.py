@@ -61,16 +61,24 @@ def gather_block_rows(x: torch.Tensor, prefix: torch.Tensor, sources: torch.Tens
     return rows
 
 
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor, dst: torch.Tensor, dst_rows: torch.Tensor) -> None:
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tensor, dst_rows: torch.Tensor | None,
+              live: torch.Tensor | None = None) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] (cast to dst's dtype) for every i, in one launch; rows [., D] with
-    unit column stride, the destination rows distinct."""
-    (n,), D = src_rows.shape, src.shape[1]
-    if dst_rows.shape != (n,) or dst.shape[1] != D or src.stride(1) != 1 or dst.stride(1) != 1:
-        raise ValueError(f"copy_rows: {n} source rows for {tuple(dst_rows.shape)} destinations; src "
+    unit column stride, the destination rows distinct. A row list left None is i itself (one of the two must be
+    given); with `live` ([n] ints) the rows i with live[i] == 0 are not copied."""
+    index = src_rows if src_rows is not None else dst_rows
+    if index is None:
+        raise ValueError("copy_rows: give the source rows, the destination rows or both")
+    (n,), D = index.shape, src.shape[1]
+    listed = [r for r in (src_rows, dst_rows, live) if r is not None]
+    if any(r.shape != (n,) for r in listed) or dst.shape[1] != D or src.stride(1) != 1 or dst.stride(1) != 1:
+        raise ValueError(f"copy_rows: row lists {[tuple(r.shape) for r in listed]} must all be [{n}]; src "
                          f"{tuple(src.shape)} and dst {tuple(dst.shape)} need one D and unit column strides")
     if n:
         _copy_rows_kernel[(n, triton.cdiv(D, _ROW_BLOCK))](
-            src, src_rows, dst, dst_rows, src.stride(0), dst.stride(0), D, BLOCK=_ROW_BLOCK, num_warps=4,
+            src, index if src_rows is None else src_rows, dst, index if dst_rows is None else dst_rows,
+            index if live is None else live, src.stride(0), dst.stride(0), D, SRC_LISTED=src_rows is not None,
+            DST_LISTED=dst_rows is not None, MASKED=live is not None, BLOCK=_ROW_BLOCK, num_warps=4,
             **pdl.options(_copy_rows_kernel, src.device))
 
 
@@ -91,14 +99,18 @@ def _gather_block_rows_kernel(x_ptr, prefix_ptr, sources_ptr, rows_ptr, stride_x
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, stride_s, stride_d, D, BLOCK: tl.constexpr,
+def _copy_rows_kernel(src_ptr, src_rows_ptr, dst_ptr, dst_rows_ptr, live_ptr, stride_s, stride_d, D,
+                      SRC_LISTED: tl.constexpr, DST_LISTED: tl.constexpr, MASKED: tl.constexpr, BLOCK: tl.constexpr,
                       PDL: tl.constexpr):
     pdl.wait_for_inputs(PDL)
     i = tl.program_id(0)
+    if MASKED:  # noqa: SIM102 (a constexpr branch: without a live list there is nothing to load)
+        if tl.load(live_ptr + i) == 0:
+            return
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < D
-    s = tl.load(src_rows_ptr + i).to(tl.int64)
-    d = tl.load(dst_rows_ptr + i).to(tl.int64)
+    s = tl.load(src_rows_ptr + i).to(tl.int64) if SRC_LISTED else i.to(tl.int64)
+    d = tl.load(dst_rows_ptr + i).to(tl.int64) if DST_LISTED else i.to(tl.int64)
     value = tl.load(src_ptr + s * stride_s + cols, mask=ok)
     tl.store(dst_ptr + d * stride_d + cols, value.to(dst_ptr.dtype.element_ty), mask=ok)
 

@@ -58,3 +58,35 @@ def test_copy_rows_writes_only_the_listed_rows(trial):
     kda_blocks.copy_rows(src, torch.tensor(src_rows, dtype=torch.long, device=DEVICE), dst,
                          torch.tensor(dst_rows, dtype=torch.long, device=DEVICE))
     assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("trial", range(3))
+def test_copy_rows_gathers_and_scatters_by_position_and_skips_dead_rows(trial):
+    """A row list left None is the row's position: a gather of slots into rows 0..n-1, and back, with `live`
+    leaving the rows marked 0 unwritten (the KDA prefill's empty sequences)."""
+    rng = random.Random()
+    S, D = rng.randint(4, 10), rng.choice([32, 1030])
+    n = rng.randint(1, S)
+    pool = torch.randn(S, D, device=DEVICE)
+    slots = rng.sample(range(S), n)
+    index = torch.tensor(slots, dtype=torch.long, device=DEVICE)
+    gathered = torch.full((n, D), float("nan"), device=DEVICE)
+    kda_blocks.copy_rows(pool, index, gathered, None)
+    assert torch.equal(gathered, pool[index])
+    final = torch.randn(n, D, device=DEVICE)
+    live = [rng.randint(0, 3) for _ in range(n)]  # a sequence's length: 0 is empty
+    want = pool.clone()
+    for i, slot in enumerate(slots):
+        if live[i]:
+            want[slot] = final[i]
+    kda_blocks.copy_rows(final, None, pool, index, live=torch.tensor(live, device=DEVICE))
+    assert torch.equal(pool, want)
+
+
+def test_copy_rows_needs_one_row_list_of_one_length():
+    x = torch.zeros(3, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="source rows, the destination rows or both"):
+        kda_blocks.copy_rows(x, None, x, None)
+    with pytest.raises(ValueError, match="must all be"):
+        kda_blocks.copy_rows(x, torch.zeros(2, dtype=torch.long, device=DEVICE), x, None,
+                             live=torch.ones(3, device=DEVICE))
