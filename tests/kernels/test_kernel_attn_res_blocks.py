@@ -36,17 +36,19 @@ def pseudo_queries(q, d):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows, d, queries", [(1, 160, 3), (70, 160, 70), (5, 1100, 130)] + (
-    [(300, 7168, 187)] if DEVICE == "cuda" else []))
-def test_closed_block_stats_equal_torch(dtype, rows, d, queries):
-    """Square sums and the dots with every query from `first` on, fp32-accurate (tf32x3 on the GPU); the columns
-    of earlier queries are left as they were (NaN here); a strided block and a strided table."""
+    [(300, 7168, 187), (128, 7168, 187)] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("parts", [None, 1, 3], ids=["parts=fill", "parts=1", "parts=3"])
+def test_closed_block_stats_equal_torch(dtype, rows, d, queries, parts):
+    """Square sums and the dots with every query from `first` on, fp32-accurate (tf32x3 on the GPU), whole or
+    over parts of D added after; the columns of earlier queries are left as they were (NaN here); a strided block
+    and a strided table."""
     rng = random.Random()
     first = rng.choice([0, 1, queries // 2, queries - 1])
     buffer = torch.randn(rows, d + 8, device=DEVICE) * torch.logspace(-1, 1, rows, device=DEVICE)[:, None]
     block = buffer.to(dtype)[:, 4: 4 + d]
     w = pseudo_queries(queries, d)
     table = torch.full((rows, 2 + queries), float("nan"), device=DEVICE)
-    got = closed_block_stats(block, w, first, out=table[:, : 1 + queries])
+    got = closed_block_stats(block, w, first, out=table[:, : 1 + queries], parts=parts)
     expect = closed_block_stats_reference(block, w, first)
     assert got.isnan()[:, 1: 1 + first].all() and table[:, -1].isnan().all()
     live = torch.cat([got[:, :1], got[:, 1 + first:]], dim=1)
