@@ -3,10 +3,10 @@
 The null communicator makes a rank's collectives free, which flatters a step: a TP8 decode step of
 K3 holds about 190 all-reduces. This one moves no data either (the numbers are not the model's, as
 with the null communicator: `all_reduce` returns the local partial sum, `all_gather` repeats the
-local piece), but each call queues a GPU-side wait (kernels/gpu_delay.py) as long as the modeled
-collective, so inside a captured step it serialises where the real one would, and it tallies the
-calls, their bytes and the modeled time on the device, so a replayed graph reports exactly what it
-holds.
+local piece, written by the wait's own launch), but each call queues a GPU-side wait
+(kernels/gpu_delay.py) as long as the modeled collective, so inside a captured step it serialises where
+the real one would, and it tallies the calls, their bytes and the modeled time on the device, so a
+replayed graph reports exactly what it holds.
 
 The model (`CollectiveCost`): a latency term for every message up to `small_bytes` per rank, plus the
 bytes beyond it over a link bandwidth. Default: 6 us up to 64 KiB, then 150 GB/s: the range published
@@ -88,8 +88,13 @@ class ModeledCommunicator(Communicator):
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([x] * self.world_size, dim=-1) if self.world_size > 1 else x
-        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC)  # what each rank ends up holding
+        if self.world_size == 1:
+            self._charge(x.numel() * x.element_size(), ALL_GATHER_TRAFFIC)
+            return x
+        rows = x.reshape(-1, x.shape[-1])
+        out = x.new_empty(*x.shape[:-1], self.world_size * x.shape[-1])
+        pieces = out.view(rows.shape[0], self.world_size, x.shape[-1]).unbind(1)  # rank k's columns of each row
+        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC, rows, pieces)  # what each rank holds
         return out
 
     def reduce_scatter_rounded(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -104,12 +109,20 @@ class ModeledCommunicator(Communicator):
         return piece
 
     def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.cat([x] * self.world_size) if self.world_size > 1 else x
-        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC)
+        if self.world_size == 1:
+            self._charge(x.numel() * x.element_size(), ALL_GATHER_TRAFFIC)
+            return x
+        out = x.new_empty(self.world_size * x.shape[0], *x.shape[1:])
+        self._charge(out.numel() * out.element_size(), ALL_GATHER_TRAFFIC, x.reshape(x.shape[0], -1),
+                     out.view(self.world_size, x.shape[0], -1).unbind(0))
         return out
 
-    def _charge(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC) -> None:
-        delay(round(self.cost.seconds(nbytes, traffic) * 1e9), nbytes, self.counters)
+    def _charge(self, nbytes: int, traffic: float = ALL_REDUCE_TRAFFIC, source: torch.Tensor | None = None,
+                pieces: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Wait the modeled cost of a collective of `nbytes` per rank; a gathering one fills its output's `pieces`
+        with `source` within that wait (kernels/gpu_delay.py), as the real one fills it within its time."""
+        delay(round(self.cost.seconds(nbytes, traffic) * 1e9), nbytes, self.counters, source=source,
+              copies=None if pieces is None else list(pieces))
 
     def reset(self) -> None:
         self.counters.zero_()
