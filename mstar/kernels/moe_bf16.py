@@ -7,10 +7,11 @@ issue slots from the tensor cores. Above a token count that the caller gives (`B
 serving passes MSTAR_MOE_BF16_TOKENS, default 6144, see mstar/config.py) a step instead runs `moe_bf16`,
 which computes what `moe_mxfp4` does (combine="reduce"):
 
-1. `dequantize_experts`: the layer's `StackedExperts` into `DequantizedExperts`, a bf16 scratch that all
-   layers share (they run one after another on one stream): each packed byte and scale read once, each
-   bf16 weight written once, decoded by moe_mxfp4's `_dequant_words` in the natural column order (exact: MXFP4
-   values are bf16 numbers).
+1. `dequantize_experts`: the layer's `StackedExperts` into `DequantizedExperts`, a bf16 scratch the layers
+   take turns in (serving: two, the next layer's dequantized on a side stream while this one runs,
+   models/kimi_k3/dequant_ahead.py): each packed byte and scale read once, each bf16 weight written once,
+   decoded by moe_mxfp4's `_dequant_words` in the natural column order (exact: MXFP4 values are bf16 numbers).
+   It reads no activation, so it can run ahead of the step; `grouped_experts` is the rest.
 2. `moe_mxfp4.sort_by_expert`: the (token, slot) pairs sorted by expert, unpadded, with each expert's end
    row (the grouped GEMMs' offsets) and each pair's row; DROPPED pairs (other ranks' experts) placed nowhere.
 3. `_gather_kernel`: z's rows in that order (grouped GEMMs take their rows contiguous).
@@ -88,13 +89,6 @@ class DequantizedExperts(NamedTuple):
             num_experts, hidden, inter)
 
 
-class Bf16Path(NamedTuple):
-    """A layer's large steps: those of more than `above_tokens` tokens run `moe_bf16` through `scratch`."""
-
-    above_tokens: int
-    scratch: DequantizedExperts
-
-
 def dequantize_experts(stacked: moe_mxfp4.StackedExperts, out: DequantizedExperts, *,
                        decode: str = "subnormal") -> DequantizedExperts:
     """`out` = the stacked MXFP4 experts in bf16, exactly `dequantize_mxfp4` (two launches).
@@ -161,18 +155,39 @@ def moe_bf16(
     situ_linear_beta: float = SITU_LINEAR_BETA,
 ) -> torch.Tensor:
     """What `moe_mxfp4` computes (same arguments; fp32 [T, H], into `out` if given), through `scratch`,
-    which it overwrites with this layer's experts in bf16 (see the module doc)."""
+    which it overwrites with this layer's experts in bf16 (see the module doc): `dequantize_experts`, then
+    `grouped_experts`."""
     stacked = moe_mxfp4.StackedExperts(w13_packed, w13_scale, w2_packed, w2_scale)
-    num_experts, hidden, inter = moe_mxfp4.check_weights(*stacked)
-    num_tokens, top_k = moe_mxfp4._check_activations(z, expert_ids, expert_weights, hidden, w13_packed.device)
-    if out is None:
-        out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=z.device)
-    elif out.shape != (num_tokens, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous fp32 [{num_tokens}, {hidden}] tensor, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+    hidden = moe_mxfp4.check_weights(*stacked)[1]
+    num_tokens, _ = moe_mxfp4._check_activations(z, expert_ids, expert_weights, hidden, w13_packed.device)
+    out = _output(out, num_tokens, hidden, z.device)
     if num_tokens == 0:
         return out
-    w13, w2 = dequantize_experts(stacked, scratch, decode=decode)
+    return grouped_experts(z, expert_ids, expert_weights, dequantize_experts(stacked, scratch, decode=decode), out=out,
+                           situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+
+
+def grouped_experts(
+    z: torch.Tensor,
+    expert_ids: torch.Tensor,
+    expert_weights: torch.Tensor,
+    experts: DequantizedExperts,
+    *,
+    out: torch.Tensor | None = None,
+    situ_beta: float = SITU_BETA,
+    situ_linear_beta: float = SITU_LINEAR_BETA,
+) -> torch.Tensor:
+    """Steps 2-7 of the module doc over experts already in bf16 (`dequantize_experts`' output): fp32 [T, H], into
+    `out` if given. The caller orders the dequantization before this on the stream (or on another one, with an
+    event between: models/kimi_k3/dequant_ahead.py)."""
+    num_experts, two_inter, hidden = experts.w13.shape
+    if not experts.fits(num_experts, hidden, two_inter // 2) or experts.w13.dtype != torch.bfloat16:
+        raise ValueError(f"experts hold w13 {experts.w13.dtype} {tuple(experts.w13.shape)} and w2 "
+                         f"{tuple(experts.w2.shape)}: need bf16 [E, 2I, H] and [E, H, I] (DequantizedExperts)")
+    num_tokens, top_k = moe_mxfp4._check_activations(z, expert_ids, expert_weights, hidden, experts.w13.device)
+    out = _output(out, num_tokens, hidden, z.device)
+    if num_tokens == 0:
+        return out
     ids, weights = expert_ids.contiguous(), expert_weights.contiguous()
 
     pairs = num_tokens * top_k
@@ -182,14 +197,24 @@ def moe_bf16(
     moe_mxfp4.sort_by_expert(ids, num_experts, sorted_pair, expert_end, pair_row)
     # The gathered rows die with the first GEMM: the caching allocator (or a graph's pool) reuses their
     # memory for the down GEMM's output, of the same size.
-    gate_up = torch._grouped_mm(_gather_rows(z, sorted_pair, expert_end, top_k), w13.transpose(1, 2),
+    gate_up = torch._grouped_mm(_gather_rows(z, sorted_pair, expert_end, top_k), experts.w13.transpose(1, 2),
                                 offs=expert_end)
     # Rows past the last expert's end (DROPPED pairs) are left unwritten by the grouped GEMMs: SiTU runs
     # over them too, and nothing reads what it makes of them.
     hidden_act = situ_and_mul(gate_up, situ_beta, situ_linear_beta)
     del gate_up
-    expert_out = torch._grouped_mm(hidden_act, w2.transpose(1, 2), offs=expert_end)
+    expert_out = torch._grouped_mm(hidden_act, experts.w2.transpose(1, 2), offs=expert_end)
     moe_mxfp4.combine_expert_rows(expert_out, ids, weights, out, pair_row)
+    return out
+
+
+def _output(out: torch.Tensor | None, num_tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+    """`out` checked to be a contiguous fp32 [T, H], or a new one."""
+    if out is None:
+        return torch.empty(num_tokens, hidden, dtype=torch.float32, device=device)
+    if out.shape != (num_tokens, hidden) or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous fp32 [{num_tokens}, {hidden}] tensor, got {out.dtype} "
+                         f"{tuple(out.shape)}")
     return out
 
 

@@ -38,6 +38,7 @@ from mstar.distributed.communicator import NullCommunicator
 from mstar.distributed.expert_sharding import ExpertSharding
 from mstar.kernels import moe_bf16
 from mstar.kernels import moe_mxfp4 as moe
+from mstar.models.kimi_k3.dequant_ahead import Bf16Path, DequantAhead
 from mstar.models.kimi_k3.gpu_ops import GpuLayerOps, MXFP4Experts, expert_kernel_fits, expert_kernels
 from mstar.models.kimi_k3.moe import LatentMoE
 from mstar.quant.mxfp4 import dequantize_mxfp4, random_mxfp4
@@ -199,8 +200,10 @@ def test_layer_takes_bf16_path_above_threshold(tiny_model, layout):
     reference = copy.deepcopy(layer).float()  # fp32 activations; the MXFP4 weights are exact in any float
     assert expert_kernel_fits(layer)
     kernel = MXFP4Experts(layer)
-    scratch = poisoned_scratch(kernel.weights)
-    kernel.bf16 = moe_bf16.Bf16Path(8, scratch)
+    ahead = DequantAhead([kernel.weights], TINY_DEVICE)
+    (scratch,) = ahead.scratches
+    scratch.w13.fill_(float("nan"))
+    kernel.bf16 = Bf16Path(8, ahead, 0)
     for num_tokens, bf16_path in ((8, False), (9, True)):
         x = torch.randn(num_tokens, layer.config.hidden_size, generator=gen, device=TINY_DEVICE).to(torch.bfloat16)
         with torch.no_grad():
@@ -212,6 +215,58 @@ def test_layer_takes_bf16_path_above_threshold(tiny_model, layout):
         assert bool(scratch.w13.isnan().all()) != bf16_path
     w13 = from_word_layout(kernel.weights.w13_packed[0]), kernel.weights.w13_scale[0]
     assert torch.equal(scratch.w13[0], dequantize_mxfp4(*w13, torch.bfloat16))
+
+
+# ----------------------------------------------------------------------------------------------
+# DequantAhead: each layer's experts dequantized a layer ahead into one of two scratches
+# ----------------------------------------------------------------------------------------------
+
+
+def layer_inputs(gen, num_layers: int, num_tokens: int, num_experts: int, top_k: int, hidden: int):
+    """Per layer: (z, ids, weights) drawn afresh, some pairs DROPPED."""
+    inputs = []
+    for _ in range(num_layers):
+        z = torch.randn(num_tokens, hidden, generator=gen, device=gen.device).to(torch.bfloat16)
+        ids, weights = routing(num_tokens, num_experts, top_k, gen)
+        inputs.append((z, drop_some(ids, gen), weights))
+    return inputs
+
+
+def run_layers(ahead: DequantAhead, order: list[int], inputs) -> dict[int, torch.Tensor]:
+    """The layers of `order` through `ahead`'s bf16 path (one step), each output by layer."""
+    return {i: Bf16Path(0, ahead, i)(*inputs[i]) for i in order}
+
+
+@needs_kernel_device
+def test_dequant_ahead_serves_each_layer_its_own_experts():
+    """Three layers of different experts, two steps and a step that starts at the middle layer (nothing queued
+    ahead for it): each layer's output equals moe_bf16 on its own experts bit for bit, and once a layer has taken
+    its experts the next layer's are already in the other scratch."""
+    gen = new_generator(TINY_DEVICE)
+    layers = [tiny_experts(gen, 8) for _ in range(3)]
+    inputs = layer_inputs(gen, 3, 5, 8, 2, TINY_H)
+    expected = {i: run_bf16(*inputs[i], layers[i]) for i in range(3)}
+    ahead = DequantAhead(layers, TINY_DEVICE)
+    assert len(ahead.scratches) == 2
+    for scratch in ahead.scratches:
+        scratch.w13.fill_(float("nan"))
+        scratch.w2.fill_(float("nan"))
+    for order in ([0, 1, 2], [0, 1, 2], [1, 2]):
+        got = run_layers(ahead, order, inputs)
+        assert all(torch.equal(got[i], expected[i]) for i in order), order
+    for i in range(2):
+        ahead.experts(i)
+        following = moe_bf16.dequantize_experts(layers[i + 1], poisoned_scratch(layers[i + 1]))
+        assert torch.equal(ahead.scratches[(i + 1) % 2].w13, following.w13)
+        assert torch.equal(ahead.scratches[(i + 1) % 2].w2, following.w2)
+        ahead.release(i)
+
+
+def test_dequant_ahead_takes_one_expert_shape():
+    gen = new_generator("cpu")
+    with pytest.raises(ValueError, match="one expert shape"):
+        DequantAhead([tiny_experts(gen, 4), tiny_experts(gen, 8)], "cpu")
+    assert len(DequantAhead([tiny_experts(gen, 4)], "cpu").scratches) == 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -277,6 +332,39 @@ def test_gpu_cuda_graph_replay(gpu_experts):
 
 
 @hopper
+def test_gpu_dequant_ahead_in_a_captured_step():
+    """Three layers of real per-rank expert shapes through DequantAhead inside one CUDA graph (the next layer's
+    dequantization on the side stream, joined by events), replayed on fresh activations and routing with the
+    scratches poisoned: each layer's output equals moe_bf16 run alone on its experts, bit for bit."""
+    gen = new_generator("cuda")
+    layers = []
+    for _ in range(3):
+        w13_packed, w13_scale = random_mxfp4(GPU_E * 2 * RANK_I, RANK_H, gen)
+        w2_packed, w2_scale = random_mxfp4(GPU_E * RANK_H, RANK_I, gen)
+        layers.append(moe.StackedExperts(w13_packed.view(GPU_E, 2 * RANK_I, -1), w13_scale.view(GPU_E, 2 * RANK_I, -1),
+                                         w2_packed.view(GPU_E, RANK_H, -1), w2_scale.view(GPU_E, RANK_H, -1)))
+    ahead = DequantAhead(layers, "cuda")
+    inputs = layer_inputs(gen, 3, 6145, GPU_E, RANK_K, RANK_H)
+    run_layers(ahead, [0, 1, 2], inputs)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = run_layers(ahead, [0, 1, 2], inputs)
+    for _ in range(2):
+        for (z, ids, weights), (new_z, new_ids, new_weights) in zip(inputs, layer_inputs(gen, 3, 6145, GPU_E, RANK_K,
+                                                                                         RANK_H), strict=True):
+            z.copy_(new_z)
+            ids.copy_(new_ids)
+            weights.copy_(new_weights)
+        for scratch in ahead.scratches:
+            scratch.w13.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i in range(3):
+            assert torch.equal(outs[i], run_bf16(*inputs[i], layers[i])), i
+
+
+@hopper
 def test_gpu_install_allocates_only_for_large_steps():
     """expert_kernels gives the bf16 path (one scratch for all layers) only when steps may exceed the
     threshold; the layers then take it above the threshold."""
@@ -297,16 +385,18 @@ def test_gpu_install_allocates_only_for_large_steps():
         if not expect_path:
             assert paths == [None] * len(layers)
             continue
-        assert all(p is not None and p.above_tokens == 64 and p.scratch is paths[0].scratch for p in paths)
+        assert all(p is not None and p.above_tokens == 64 and p.ahead is paths[0].ahead for p in paths)
+        assert [p.index for p in paths] == list(range(len(layers))) and len(paths[0].ahead.scratches) == 2
         layer = layers[-1]
+        scratch = paths[0].ahead.scratches[paths[-1].index % 2]
         reference = copy.deepcopy(layer).float()  # the torch experts (their buffers: copies of the stack's rows)
         for num_tokens, bf16_path in ((64, False), (65, True)):
-            paths[0].scratch.w13.fill_(float("nan"))
+            scratch.w13.fill_(float("nan"))
             x = torch.randn(num_tokens, cfg.hidden_size, generator=gen, device="cuda").to(torch.bfloat16)
             with torch.no_grad():
                 route = layer.gate(x)
                 z = layer.routed_expert_down_proj(x)
                 got = GpuLayerOps(kernels).routed(layer, z, route)
                 expect = reference.routed(z.float(), route)
-            assert bool(paths[0].scratch.w13.isnan().all()) != bf16_path  # which path the step took
+            assert bool(scratch.w13.isnan().all()) != bf16_path  # which path the step took
             assert relative_error(got, expect) < BF16_BOUND

@@ -16,7 +16,8 @@ which kernel is decided there, in `select_backend`; the classes here carry that 
   of the MoE layers it is given through `MXFP4Experts`: the MXFP4 W4A16
   Triton kernels (`mstar/kernels/moe_mxfp4.py`) over the experts' packed bytes, stacked as they are, never
   re-quantized; steps of more than MSTAR_MOE_BF16_TOKENS tokens run bf16 grouped GEMMs instead, on each
-  layer's experts dequantized into one shared scratch (`mstar/kernels/moe_bf16.py`).
+  layer's experts dequantized into one of two scratches a layer ahead, on a side stream (`mstar/kernels/moe_bf16.py`,
+  dequant_ahead.py).
 
 Stacked weights (projections of one input as one GEMM, a layer's experts as one tensor) are built once per
 serving model from the reference's weights, holding the bytes once (kernels/stacked_linear.py): the
@@ -50,6 +51,7 @@ from mstar.resources.latent_kv import PagedLatentKV
 from mstar.resources.recurrent_pool import RecurrentStatePool
 
 from .attn_res import ResidualStream
+from .dequant_ahead import Bf16Path, DequantAhead
 from .kda import L2_NORM_EPS, KimiDeltaAttention
 from .layer_ops import REFERENCE_OPS, LayerOps
 from .mla import GatedMLA
@@ -479,7 +481,8 @@ class MXFP4Experts:
     group's expert are dropped by the kernel (they add nothing here, as in `LatentMoE.routed`).
 
     With `bf16` set (`expert_kernels` does it where large steps can occur), steps of more than
-    `bf16.above_tokens` tokens run `moe_bf16` on this layer's experts dequantized into `bf16.scratch`.
+    `bf16.above_tokens` tokens run bf16 grouped GEMMs on this layer's experts, dequantized a layer ahead
+    (dequant_ahead.py).
     """
 
     def __init__(self, moe: LatentMoE):
@@ -489,14 +492,14 @@ class MXFP4Experts:
         # [num_experts] global id -> stack index, DROPPED where another rank holds the expert
         self.local_ids = None if held_all else moe.sharding.local_ids(self.weights.w13_packed.device)
         self.top_k = moe.config.num_experts_per_token
-        self.bf16: moe_bf16.Bf16Path | None = None
+        self.bf16: Bf16Path | None = None
 
     def __call__(self, z: torch.Tensor, expert_ids: torch.Tensor, expert_weights: torch.Tensor) -> torch.Tensor:
         if self.local_ids is not None:
             expert_ids = self.local_ids[expert_ids]
         # T is the tensor's shape, a host int: a CUDA graph captured at T tokens replays the branch taken.
         if self.bf16 is not None and z.shape[0] > self.bf16.above_tokens:
-            return moe_bf16.moe_bf16(z, expert_ids, expert_weights.float(), *self.weights, scratch=self.bf16.scratch)
+            return self.bf16(z, expert_ids, expert_weights.float())
         return moe_mxfp4.moe_mxfp4(z, expert_ids, expert_weights.float(), *self.weights)
 
     def warm_bf16(self, num_tokens: int) -> None:
@@ -508,7 +511,7 @@ class MXFP4Experts:
         z = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16, device=device)
         ids = (torch.arange(num_tokens * self.top_k, device=device) % num_experts).view(num_tokens, self.top_k)
         weights = torch.full((num_tokens, self.top_k), 1.0 / self.top_k, device=device)
-        moe_bf16.moe_bf16(z, ids, weights, *self.weights, scratch=self.bf16.scratch)
+        self.bf16(z, ids, weights)
 
 
 def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
@@ -539,28 +542,29 @@ def _stacked_experts(experts: list[nn.Module]) -> moe_mxfp4.StackedExperts:
 
 def expert_kernels(moes: list[LatentMoE], max_step_tokens: int | None,
                    bf16_above_tokens: int | None = None) -> dict[LatentMoE, MXFP4Experts]:
-    """`MXFP4Experts` for each of `moes` (layers `expert_kernel_fits` accepts, on a GPU the kernel supports).
+    """`MXFP4Experts` for each of `moes` (layers `expert_kernel_fits` accepts, on a GPU the kernel supports; in
+    the order a step runs them).
 
     Where a step may hold more tokens (max_step_tokens: the scheduler's token budget) than `bf16_above_tokens`
     (MSTAR_MOE_BF16_TOKENS, `Environment.moe_bf16_tokens`; None: never) and the GPU runs `moe_bf16`, such
-    steps run it: one bf16 scratch per expert
-    shape (K3: one for all layers; 1.72 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate),
-    and a step of max_step_tokens runs through it once here, so that the first large step served compiles
-    and allocates nothing. Otherwise nothing is allocated.
+    steps run it, each expert shape's layers through one `DequantAhead` (K3: one for all layers; two bf16
+    scratches, 3.44 GiB at one TP8 rank of pruned75, see DequantizedExperts.allocate), and a step of
+    max_step_tokens runs through it once here, so that the first large step served compiles and allocates
+    nothing. Otherwise nothing is allocated.
     """
     kernels = {moe: MXFP4Experts(moe) for moe in moes}
     above = bf16_above_tokens
     if not kernels or max_step_tokens is None or above is None or max_step_tokens <= above:
         return kernels
-    if not moe_bf16.supported(next(iter(kernels.values())).weights.w13_packed.device):
+    device = next(iter(kernels.values())).weights.w13_packed.device
+    if not moe_bf16.supported(device):
         return kernels
-    scratches: dict[tuple[int, int, int], moe_bf16.DequantizedExperts] = {}
+    by_shape: dict[tuple[int, int, int], list[MXFP4Experts]] = {}
     for kernel in kernels.values():
-        shape = moe_mxfp4.check_weights(*kernel.weights)
-        fresh = shape not in scratches
-        if fresh:
-            scratches[shape] = moe_bf16.DequantizedExperts.allocate(*shape, kernel.weights.w13_packed.device)
-        kernel.bf16 = moe_bf16.Bf16Path(above, scratches[shape])
-        if fresh:
-            kernel.warm_bf16(max_step_tokens)
+        by_shape.setdefault(moe_mxfp4.check_weights(*kernel.weights), []).append(kernel)
+    for layers in by_shape.values():
+        ahead = DequantAhead([kernel.weights for kernel in layers], device)
+        for index, kernel in enumerate(layers):
+            kernel.bf16 = Bf16Path(above, ahead, index)
+        layers[0].warm_bf16(max_step_tokens)
     return kernels
