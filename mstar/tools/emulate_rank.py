@@ -18,7 +18,12 @@ latent KV cache and the KDA state pool with random context, and times the servin
   CUDA graphs like decode;
 - prefill: B fresh sequences of T tokens each (`--prefill-batch`, default 1), each one's last row sampled,
   replayed through the prefill graph of the smallest token bucket >= B T (`mstar.runner.prefill_graphs`; a
-  step past the largest bucket, 8,192 tokens, runs eagerly).
+  step past the largest bucket, 8,192 tokens, runs eagerly);
+- mixed (opt-in: `--steps ...,mixed`): a step of T tokens (`--mixed-tokens`, the scheduler's budget) holding B
+  sequences decoding one row each after `--context` (`--mixed-batch`) and a fresh prompt chunk of the other T - B,
+  replayed through the prefill graphs as the engine runs such steps (`mixed_prefill_decode`); the report sets each
+  beside a prefill of T tokens and the B decode rows alone where those were measured: the numbers a token budget
+  (`max_num_batched_tokens`) is chosen from.
 `--eager` runs every step eagerly, for comparison.
 Each step prints beside its floor from `mstar-roofline` (the same rank, the same truncated config) and
 the ratio measured / floor, with the collectives its run held (count, bytes, modeled time, tallied on
@@ -96,6 +101,7 @@ from mstar.tools.roofline import (
     _ints,
     decode_floor,
     latent_sharded,
+    mixed_floor,
     prefill_floor,
     rank_model,
     resolve_config,
@@ -109,8 +115,9 @@ H100_BYTES = 80 * GB  # an H100 SXM's HBM
 # the step's working memory (an estimate, not measured here: one process on one GPU has no NCCL)
 RUNTIME_RESERVE_BYTES = 3 * GIB
 SHIPPED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "kimi_k3_pruned75_tp8.yaml"
-STEP_KINDS = ("decode", "verify", "prefill", "draft")
-TARGET_KINDS = ("decode", "verify", "prefill")  # the target's steps; "draft" is the DSpark draft's work on rank 0
+STEP_KINDS = ("decode", "verify", "prefill", "mixed", "draft")
+# the target's steps; "draft" is the DSpark draft's work on rank 0
+TARGET_KINDS = ("decode", "verify", "prefill", "mixed")
 _T0 = time.perf_counter()
 
 
@@ -135,9 +142,10 @@ def first_layers(config: KimiK3Config, num_layers: int | None) -> KimiK3Config:
 
 @dataclass(frozen=True)
 class Step:
-    """One timed step: `batch` sequences of `rows` new rows each after `context` cached tokens."""
+    """One timed step: `batch` sequences of `rows` new rows each after `context` cached tokens; a "mixed" step is
+    one fresh prompt chunk of `rows` tokens and `batch` sequences decoding one row each after `context`."""
 
-    kind: str  # "decode", "verify", "prefill" or "draft" (rows = the drafts k of each block)
+    kind: str  # "decode", "verify", "prefill", "mixed" or "draft" (rows = the drafts k of each block)
     batch: int
     rows: int
     context: int
@@ -146,17 +154,30 @@ class Step:
     def name(self) -> str:
         if self.kind == "draft":
             return f"draft k={self.rows}"
+        if self.kind == "mixed":
+            return f"mixed {self.rows}+{self.batch}"
         return f"verify k={self.rows - 1}" if self.kind == "verify" else self.kind
 
     @property
+    def graphs(self) -> str:
+        """The CUDA graphs that replay it: a mixed step's are the prefill graphs, as served."""
+        return "prefill" if self.kind == "mixed" else self.name
+
+    @property
+    def sequences(self) -> int:
+        return self.batch + 1 if self.kind == "mixed" else self.batch
+
+    @property
     def tokens(self) -> int:
-        return self.batch * self.rows
+        return self.rows + self.batch if self.kind == "mixed" else self.batch * self.rows
 
     def floor(self, rank: RankModel) -> Floor:
         if self.kind == "decode":
             return decode_floor(rank, self.batch, self.context)
         if self.kind == "verify":
             return verify_floor(rank, self.batch, self.rows - 1, self.context)
+        if self.kind == "mixed":
+            return mixed_floor(rank, self.rows, self.batch, self.context)
         if self.kind == "draft":
             raise ValueError("a draft step's floor is the draft's (emulate_draft.draft_floor), not the target's")
         return prefill_floor(rank, self.rows, self.batch)
@@ -170,16 +191,24 @@ def steps_to_run(args: argparse.Namespace) -> list[Step]:
         steps += [Step("verify", b, k + 1, args.context) for k in args.drafts for b in args.verify_batch]
     if "prefill" in args.steps:
         steps += [Step("prefill", b, t, 0) for t in args.prefill for b in args.prefill_batch]
+    if "mixed" in args.steps:
+        steps += [Step("mixed", b, t - b, args.context) for t in args.mixed_tokens for b in args.mixed_batch]
     if "draft" in args.steps:
         steps += [Step("draft", b, k, args.context) for k in args.drafts for b in args.verify_batch]
     if not steps:
         raise ValueError("no steps to run: --steps and the batch/draft/prefill lists leave nothing")
     if min(min(s.batch, s.rows) for s in steps) < 1:
-        raise ValueError("batch sizes, draft counts + 1 and prefill lengths must be >= 1")
-    most = SchedulerConfig().max_prefill_seqs
+        raise ValueError("batch sizes, draft counts + 1 and prefill lengths must be >= 1, and each --mixed-tokens "
+                         "more than the --mixed-batch decode rows")
+    sched = SchedulerConfig()
+    most = sched.max_prefill_seqs
     if any(s.kind == "prefill" and s.batch > most for s in steps):
         raise ValueError(f"--prefill-batch: a prefill step holds at most {most} prompts (the scheduler's "
                          "max_prefill_seqs, which the prefill graphs are captured for)")
+    riders = prefill_graph_seqs(sched.max_num_seqs, sched.max_prefill_seqs) - 1
+    if any(s.kind == "mixed" and s.batch > riders for s in steps):
+        raise ValueError(f"--mixed-batch: a mixed step holds at most {riders} decode rows beside its chunk (the "
+                         "sequences the prefill graphs are captured for, less the chunk's)")
     return steps
 
 
@@ -256,6 +285,9 @@ def tensor_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def pages_per_sequence(step: Step, page_size: int) -> int:
+    """Pages of the step's longest sequence (a mixed step: its chunk or a decode row's context)."""
+    if step.kind == "mixed":
+        return max(-(-step.rows // page_size), -(-(step.context + 1) // page_size))
     return -(-(step.context + step.rows) // page_size)
 
 
@@ -265,9 +297,9 @@ def build_pools(config: KimiK3Config, steps: list[Step], page_size: int, dtype: 
     with random context: no step reads zeros (a cached latent row is unit-scale after its norm; the KDA
     state is small)."""
     kinds, la = config.layer_kinds, config.linear_attn
-    num_pages = 1 + max(s.batch * pages_per_sequence(s, page_size) for s in steps)  # page 0: the sink
+    num_pages = 1 + max(s.sequences * pages_per_sequence(s, page_size) for s in steps)  # page 0: the sink
     kv = PagedLatentKV(kinds.count("mla"), num_pages, page_size, config.kv_cache_width, dtype, device)
-    pool = RecurrentStatePool(kinds.count("kda"), 1 + max(s.batch for s in steps), la.num_heads, la.head_dim,
+    pool = RecurrentStatePool(kinds.count("kda"), 1 + max(s.sequences for s in steps), la.num_heads, la.head_dim,
                               la.short_conv_kernel_size, torch.promote_types(dtype, torch.float32), dtype, device,
                               hidden_size=config.hidden_size,
                               max_block=max((s.rows for s in steps if s.kind == "verify"), default=0))
@@ -282,24 +314,29 @@ def batch_plan(step: Step, page_size: int, vocab_slice: int, device: torch.devic
                generator: torch.Generator) -> BatchPlan:
     """The plan the engine would make for `step`, without a scheduler: sequence b holds its own run of
     pages from page 1 on and KDA slot b + 1 (page 0 and slot 0 are the padding sinks). Token ids are
-    drawn from `vocab_slice` (rank 0's embedding rows), so each token reads a real row."""
-    pages = pages_per_sequence(step, page_size)
-    table = 1 + torch.arange(step.batch * pages).view(step.batch, pages)
-    positions = torch.arange(step.context, step.context + step.rows)
-    slots = table[:, positions // page_size] * page_size + positions % page_size  # [B, rows]
-    starts = tuple(range(0, step.tokens + 1, step.rows))
+    drawn from `vocab_slice` (rank 0's embedding rows), so each token reads a real row. A mixed step's sequence 0
+    is its prompt chunk (nothing cached), the others its decode rows."""
+    seqs, pages = step.sequences, pages_per_sequence(step, page_size)
+    table = 1 + torch.arange(seqs * pages).view(seqs, pages)
+    if step.kind == "mixed":
+        cached, rows = [0] + [step.context] * step.batch, [step.rows] + [1] * step.batch
+    else:
+        cached, rows = [step.context] * seqs, [step.rows] * seqs
+    slots = [int(table[b, p // page_size]) * page_size + p % page_size
+             for b in range(seqs) for p in range(cached[b], cached[b] + rows[b])]
+    starts = tuple(sum(rows[:b]) for b in range(seqs + 1))
     verify = step.kind == "verify"
     sample = range(step.tokens) if verify or step.kind == "decode" else [s - 1 for s in starts[1:]]
     return BatchPlan(
         input_ids=torch.randint(0, vocab_slice, (step.tokens,), generator=generator, device=device),
         seq_starts=starts,
-        num_computed=(step.context,) * step.batch,
-        kv=LatentKVPlan(table.to(device), slots.flatten().to(device),
-                        torch.full((step.batch,), step.context + step.rows, device=device)),
-        kda_slots=torch.arange(1, step.batch + 1, device=device),
-        slot_ids=tuple(range(1, step.batch + 1)),
+        num_computed=tuple(cached),
+        kv=LatentKVPlan(table.to(device), torch.tensor(slots, device=device),
+                        torch.tensor([c + r for c, r in zip(cached, rows, strict=True)], device=device)),
+        kda_slots=torch.arange(1, seqs + 1, device=device),
+        slot_ids=tuple(range(1, seqs + 1)),
         sample_rows=torch.tensor(list(sample), dtype=torch.long, device=device),
-        verify=(verify,) * step.batch,
+        verify=(verify,) * seqs,
         kind=StepKind.DECODE if step.kind == "decode" else StepKind.GENERAL,
     )
 
@@ -396,7 +433,7 @@ class Emulation:
         (as served verify steps have), every other step none (a decode step may have none)."""
         pool = self.serving.pool
         pending = min(self.pending_prefix, step.rows) if step.kind == "verify" else 0
-        pool.prefix_len = [0] + [pending] * step.batch + [0] * (pool.max_slots - 1 - step.batch)
+        pool.prefix_len = [0] + [pending] * step.sequences + [0] * (pool.max_slots - 1 - step.sequences)
         return batch_plan(step, self.page_size, self.vocab_slice, self.device, self.generator)
 
     def weight_bytes(self) -> int:
@@ -454,11 +491,11 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
     for step in steps:
         if step.kind == "draft":
             continue  # the draft runs eagerly, as served
-        if step.kind != "prefill" or step.tokens <= MAX_PREFILL_TOKENS:
-            by_name.setdefault(step.name, []).append(step)
+        if step.kind not in ("prefill", "mixed") or step.tokens <= MAX_PREFILL_TOKENS:
+            by_name.setdefault(step.graphs, []).append(step)
     graphs: dict[str, StepGraphs] = {}
     for name, group in by_name.items():
-        if group[0].kind == "prefill":
+        if name == "prefill":
             tokens = [s.tokens for s in group]
             # as many sequences as the engine's prefill graphs take (the scheduler's defaults)
             sched = SchedulerConfig()
@@ -470,7 +507,7 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
             buckets = used(decode_buckets(max(batches)), batches) if rows > 1 else None
             graphs[name] = DecodeGraphs(serving, max_batch=max(batches), max_seq_len=graph_seq_len, rows=rows,
                                         buckets=buckets)
-        note = " (each bucket's warm-up autotunes fla's chunk_kda: minutes)" if group[0].kind == "prefill" else ""
+        note = " (each bucket's warm-up autotunes fla's chunk_kda: minutes)" if name == "prefill" else ""
         progress(f"capturing {graphs[name].kind} CUDA graphs for {graphs[name].buckets} {graphs[name].unit}{note}")
     capture_all(list(graphs.values()))
     return graphs
@@ -490,12 +527,12 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
             fns[f"{step.name}, batch {step.batch}, {step.tokens} rows ({result.mode})"] = fn
             continue
         plan = emulation.plan_for(step)
-        step_graphs = graphs.get(step.name)
+        step_graphs = graphs.get(step.graphs)
         if step_graphs is not None and step_graphs.can_run(plan):
             mode, fn = "graph", (lambda plan=plan, g=step_graphs: g.run(plan))
         else:
             mode, fn = "eager", (lambda plan=plan: serving.forward(plan))
-        slow = step.kind == "prefill" and device.type == "cuda" and mode == "eager"
+        slow = step.kind in ("prefill", "mixed") and device.type == "cuda" and mode == "eager"
         note = " (the first call at a new length autotunes fla's chunk_kda: minutes)" if slow else ""
         progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
         for _ in range(warmup):
@@ -654,6 +691,40 @@ def speculative_table(rows: list[dict[str, Any]], acceptance: tuple[float, ...])
     return "\n".join(lines)
 
 
+def mixed_rows(results: list[Result]) -> list[dict[str, Any]]:
+    """For every mixed step: its time beside a prefill of as many tokens (one prompt) and the same decode rows
+    stepped alone, where those were measured (None where not). The decode rows' inter-token latency becomes the
+    mixed step's time; riding in it spares them a step of their own."""
+    alone = {(r.step.kind, r.step.tokens, r.step.batch): r.seconds for r in results}
+    rows = []
+    for r in results:
+        if r.step.kind != "mixed":
+            continue
+        prefill, decode = alone.get(("prefill", r.step.tokens, 1)), alone.get(("decode", r.step.batch, r.step.batch))
+        separate = prefill + decode if prefill is not None and decode is not None else None
+        rows.append({"tokens": r.step.tokens, "chunk": r.step.rows, "decode_rows": r.step.batch,
+                     "t_mixed_s": r.seconds, "t_prefill_s": prefill, "t_decode_s": decode, "t_separate_s": separate})
+    return rows
+
+
+def mixed_table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return ""
+
+    def ms(seconds: float | None) -> str:
+        return "" if seconds is None else f"{seconds / MS:.3f}"
+
+    lines = ["## Mixed steps: a prompt chunk with decode rows riding in it", "",
+             "| step tokens | chunk | decode rows | mixed ms | prefill of the step's tokens ms | decode rows alone ms "
+             "| both as two steps ms | mixed / two steps |",
+             "|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        share = "" if r["t_separate_s"] is None else f"{r['t_mixed_s'] / r['t_separate_s']:.2f}"
+        lines.append(f"| {r['tokens']} | {r['chunk']} | {r['decode_rows']} | {ms(r['t_mixed_s'])} "
+                     f"| {ms(r['t_prefill_s'])} | {ms(r['t_decode_s'])} | {ms(r['t_separate_s'])} | {share} |")
+    return "\n".join(lines)
+
+
 def shipped_pool_bytes(config: KimiK3Config, shipped: Path = SHIPPED_CONFIG) -> int:
     """Bytes of the pools the shipped pruned75 TP8 config makes on one rank of `config` (the rank's heads)."""
     import yaml
@@ -696,7 +767,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "benchmarks/emulate_rank) or whole on each (sharding.py)")
     p.add_argument("--layers", type=int, default=None, help="only the first N layers (default: all)")
     p.add_argument("--steps", default="decode,verify,prefill,draft",
-                   help="which of decode,verify,prefill,draft to time (draft: the DSpark draft's work per verify step)")
+                   help="which of decode,verify,prefill,mixed,draft to time (draft: the DSpark draft's work per verify "
+                        "step; mixed: a prompt chunk with decode rows riding in it)")
     p.add_argument("--draft-config", type=Path, default=None,
                    help="the draft's config.json (default: the Inferact Kimi-K3-DSpark layout, bundled)")
     p.add_argument("--context", type=int, default=1024, help="tokens cached per sequence (decode, verify)")
@@ -706,6 +778,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill", type=_ints, default=[1024, 8192], help="prompt lengths of the prefill steps")
     p.add_argument("--prefill-batch", type=_ints, default=[1],
                    help="prompts of each length in one prefill step (the scheduler's max_prefill_seqs takes up to 8)")
+    p.add_argument("--mixed-tokens", type=_ints, default=[1024, 2048, 4096, 8192],
+                   help="tokens of the mixed steps: the scheduler's budget (max_num_batched_tokens), a prompt chunk of "
+                        "that many less the decode rows, which ride in it")
+    p.add_argument("--mixed-batch", type=_ints, default=[8, 32],
+                   help="decode rows (after --context cached tokens each) riding in each mixed step")
     p.add_argument("--page-size", type=int, default=64, help="tokens per KV page (configs/*pruned75*: 64)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
@@ -764,6 +841,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     results, profiled = measure(emulation, steps, rank, reps=args.reps, warmup=args.warmup,
                                 graph_seq_len=graph_seq_len)
     speculative = speculative_rows(results, args.acceptance)
+    mixed = mixed_rows(results)
     profile_md = profile_steps(profiled, device, sequence_dir=args.out / "kernels" if args.out else None) \
         if args.profile else ""
 
@@ -803,9 +881,9 @@ def run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     # the table last, so that it ends what the tool prints
     table = markdown_table(results, config.num_hidden_layers)
     spec_md = speculative_table(speculative, args.acceptance)
-    markdown = "\n\n".join(part for part in (title, profile_md, spec_md, table) if part) + "\n"
+    markdown = "\n\n".join(part for part in (title, profile_md, spec_md, mixed_table(mixed), table) if part) + "\n"
     return header | {"rows": [r.as_dict() for r in results], "acceptance": list(args.acceptance),
-                     "speculative": speculative}, markdown
+                     "speculative": speculative, "mixed": mixed}, markdown
 
 
 def comm_note(cost: CollectiveCost | None) -> str:

@@ -207,6 +207,18 @@ def prefill_floor(rank: RankModel, tokens: int, batch: int = 1) -> Floor:
     return step_floor(rank, "prefill", batch, tokens, 0, sampled_rows=1, chunked_kda=True)
 
 
+def mixed_floor(rank: RankModel, chunk: int, decode_batch: int, context: int) -> Floor:
+    """One fresh request's prompt chunk of `chunk` tokens and `decode_batch` requests decoding one row each after
+    `context` cached tokens, in one step (a mixed step): the weights read once and the experts all its tokens
+    touch, each part's cache and state traffic and FLOPs (the chunk's last row and every decode row sampled)."""
+    prefill, decode = prefill_floor(rank, chunk), decode_floor(rank, decode_batch, context)
+    whole = step_floor(rank, "mixed", 1, chunk + decode_batch, 0, sampled_rows=1, chunked_kda=True)
+    return Floor(f"mixed {chunk}+{decode_batch}", 1 + decode_batch, chunk + decode_batch, context,
+                 whole.weight_bytes, whole.expert_bytes, prefill.kv_bytes + decode.kv_bytes,
+                 prefill.kda_bytes + decode.kda_bytes, prefill.gemm_flops + decode.gemm_flops,
+                 prefill.mla_flops + decode.mla_flops, prefill.kda_flops + decode.kda_flops)
+
+
 # --- the CLI ------------------------------------------------------------------------------------
 
 

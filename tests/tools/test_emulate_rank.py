@@ -136,6 +136,39 @@ def test_plan_addresses_pages_and_slots(step):
     assert plan.sample_rows.tolist() == (last_rows if step.kind == "prefill" else list(range(step.tokens)))
 
 
+def test_a_mixed_step_plans_its_chunk_then_its_decode_rows():
+    """Sequence 0 is the fresh prompt chunk, the others decode one row each after the context; the chunk's last row
+    and every decode row are sampled; every sequence has pages and a KDA slot of its own."""
+    step, page_size = Step("mixed", 3, 40, 100), 16
+    assert (step.name, step.tokens, step.sequences, step.graphs) == ("mixed 40+3", 43, 4, "prefill")
+    plan = batch_plan(step, page_size, vocab_slice=50, device=torch.device("cpu"), generator=torch.Generator())
+    pages = pages_per_sequence(step, page_size)
+    assert pages == 7 and plan.kv.page_table.shape == (4, pages)  # 101 positions of a decode row: 7 pages
+    table = plan.kv.page_table
+    assert table.min() >= 1 and len(set(table.flatten().tolist())) == table.numel()
+    assert plan.seq_starts == (0, 40, 41, 42, 43)
+    assert plan.num_computed == (0, 100, 100, 100)
+    assert plan.kv.context_lens.tolist() == [40, 101, 101, 101]
+    assert plan.kda_slots.tolist() == [1, 2, 3, 4] and plan.slot_ids == (1, 2, 3, 4)
+    positions = list(range(40)) + [100] * 3
+    sequence = [0] * 40 + [1, 2, 3]
+    expected = [int(table[b, p // page_size]) * page_size + p % page_size
+                for b, p in zip(sequence, positions, strict=True)]
+    assert plan.kv.slot_mapping.tolist() == expected
+    assert plan.sample_rows.tolist() == [39, 40, 41, 42]
+    assert plan.kind is StepKind.GENERAL and plan.verify == (False,) * 4
+
+
+def test_a_mixed_step_of_more_decode_rows_than_the_graphs_take_is_refused():
+    args = parse_args(["--steps", "mixed", "--mixed-tokens", "128", "--mixed-batch", "64"])
+    with pytest.raises(ValueError, match="--mixed-batch: a mixed step holds at most 63 decode rows"):
+        steps_to_run(args)
+    with pytest.raises(ValueError, match="each --mixed-tokens more than the --mixed-batch decode rows"):
+        steps_to_run(parse_args(["--steps", "mixed", "--mixed-tokens", "8", "--mixed-batch", "8"]))
+    steps = steps_to_run(parse_args(["--steps", "mixed", "--mixed-tokens", "1024,2048", "--mixed-batch", "8"]))
+    assert [(s.name, s.tokens) for s in steps] == [("mixed 1016+8", 1024), ("mixed 2040+8", 2048)]
+
+
 def test_pools_hold_every_step_with_random_context(config):
     steps = [Step("decode", 3, 1, 100), Step("verify", 2, 5, 60), Step("prefill", 1, 40, 0)]
     kv, pool = build_pools(config, steps, 16, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -201,6 +234,27 @@ def test_main_reports_every_step_against_its_floor(tiny_config_path, tmp_path, c
     assert printed == markdown and printed.rstrip().splitlines()[-1].startswith("| prefill | 2 | 32 |")
     prefills = [r for r in report["rows"] if r["step"] == "prefill"]
     assert prefills[1]["floor"]["flops"] > 1.9 * prefills[0]["floor"]["flops"]  # two prompts' worth
+
+
+def test_mixed_steps_are_reported_beside_their_parts_alone(tiny_config_path, tmp_path):
+    main(["--config", str(tiny_config_path), "--tp", str(TP), "--layers", str(LAYERS), "--device", "cpu",
+          "--dtype", "float32", "--eager", "--context", "40", "--page-size", "16", "--batch", "2",
+          "--prefill", "16", "--mixed-tokens", "16,24", "--mixed-batch", "2", "--reps", "1", "--warmup", "1",
+          "--steps", "decode,prefill,mixed", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "emulate_rank.json").read_text())
+    assert [(r["step"], r["batch"], r["rows"]) for r in report["rows"]][-2:] == [("mixed 14+2", 2, 16),
+                                                                                 ("mixed 22+2", 2, 24)]
+    alone = {r["step"]: r["measured_s"] for r in report["rows"]}
+    first, second = report["mixed"]
+    assert (first["tokens"], first["chunk"], first["decode_rows"], second["tokens"]) == (16, 14, 2, 24)
+    assert first["t_prefill_s"] == alone["prefill"] and first["t_decode_s"] == alone["decode"]
+    assert first["t_separate_s"] == pytest.approx(alone["prefill"] + alone["decode"])
+    assert second["t_prefill_s"] is None and second["t_separate_s"] is None  # no 24-token prefill was timed
+    for r in report["rows"][-2:]:
+        assert r["floor"]["step"] == r["step"] and r["floor"]["tokens"] == r["rows"]
+    markdown = (tmp_path / "emulate_rank.md").read_text()
+    assert "## Mixed steps: a prompt chunk with decode rows riding in it" in markdown
+    assert "| 24 | 22 | 2 | " in markdown
 
 
 def test_a_prefill_step_of_more_prompts_than_the_graphs_take_is_refused():

@@ -20,6 +20,7 @@ from mstar.tools.roofline import (
     decode_floor,
     expected_distinct_experts,
     main,
+    mixed_floor,
     prefill_floor,
     rank_model,
     verify_floor,
@@ -129,6 +130,23 @@ def test_attention_grows_quadratically_in_prefill_and_linearly_in_context(tiny_d
     near, far = decode_floor(rank, 4, 1000), decode_floor(rank, 4, 3000)
     assert far.mla_flops / near.mla_flops == pytest.approx(3001 / 1001)  # each new row attends to L + 1 rows
     assert far.kv_bytes > near.kv_bytes and far.gemm_flops == near.gemm_flops
+
+
+def test_a_mixed_step_reads_the_weights_once_and_does_both_parts_work(tiny_dir):
+    """A prompt chunk with decode rows riding in it: the chunk's and the rows' cache traffic and FLOPs, but the
+    weights once, and the experts that all its tokens touch together (fewer than the two parts' sum)."""
+    rank = rank_model(load_config(tiny_dir), ShardingPlan(2))
+    chunk, rows, context = 300, 8, 500
+    mixed, prefill, decode = mixed_floor(rank, chunk, rows, context), prefill_floor(rank, chunk), decode_floor(
+        rank, rows, context)
+    assert (mixed.step, mixed.batch, mixed.tokens, mixed.context) == ("mixed 300+8", 9, 308, 500)
+    assert mixed.flops == pytest.approx(prefill.flops + decode.flops)
+    assert mixed.kv_bytes == prefill.kv_bytes + decode.kv_bytes
+    assert mixed.kda_bytes == prefill.kda_bytes + decode.kda_bytes
+    assert prefill.weight_bytes <= mixed.weight_bytes < prefill.weight_bytes + decode.weight_bytes
+    experts = prefill.expert_bytes, decode.expert_bytes
+    assert max(experts) <= mixed.expert_bytes < sum(experts)
+    assert mixed.bytes < prefill.bytes + decode.bytes
 
 
 def test_cli_prints_the_pruned75_tp8_table_and_json(capsys):
