@@ -202,7 +202,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, resources,
                                    drafts_for=self.spec.schedule.drafts_for if self.spec else None,
                                    mixed_prefill_decode=mk.mixed_prefill_decode, prefix=self.prefix,
-                                   max_seq_len=config.max_seq_len)
+                                   max_seq_len=config.max_seq_len, step_sizes=self.runner.prefill_step_sizes)
         self.sampler = Sampler()
         self.device = self.runner.device
         self.requests: dict[str, Request] = {}

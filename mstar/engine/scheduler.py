@@ -20,6 +20,12 @@ cached pages it shares past its hit: prefix_cache.py), so that the state there i
 Preemption publishes the victim's pages before releasing it (its references only; pages that other
 requests share stay theirs), so its recompute resumes from them where they are still cached.
 
+Where prefill steps replay CUDA graphs (`step_sizes`, the runner's token buckets), a step is padded up to the
+smallest bucket that holds it, and a padding row costs what a real one does. A chunk that would carry the step past
+a bucket of at least STEP_SIZE_CUT_MIN tokens by at most a quarter of it is cut to end there (the rest rides in the
+next step, whose bucket is small): one step of that bucket and one small one cost less than a step of twice
+that size, and the decode rows riding in them get two tokens in that time instead of one.
+
 A request scoring its prompt (prompt_logprobs) gets logits for every prompt row of its chunks, [rows,
 vocab] in fp32 and more while they are scored; its chunks (with chunked_prefill) are at most
 PROMPT_SCORING_CHUNK tokens, so that one long prompt cannot take gigabytes of device memory in one step.
@@ -58,14 +64,23 @@ class Resource(Protocol):
     def release(self, request_id: str) -> None: ...
 
 
+# The smallest bucket a chunk is cut to end at: below it a step's fixed cost (the weights read once) outweighs
+# what a smaller bucket saves, and two steps could cost more than one padded one.
+STEP_SIZE_CUT_MIN = 512
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, resources: list[Resource],
                  drafts_for: Callable[[int], int] | None = None, *, mixed_prefill_decode: bool = True,
-                 prefix: PrefixCache | None = None, max_seq_len: int | None = None):
+                 prefix: PrefixCache | None = None, max_seq_len: int | None = None,
+                 step_sizes: tuple[int, ...] = ()):
         """`drafts_for(decode batch size)` turns decode rows into verify rows of that many drafts;
         `mixed_prefill_decode` is model_kwargs.mixed_prefill_decode; `prefix` the prefix cache (None: off);
-        `max_seq_len` the positions a sequence may use (None: unbounded), which drafts never pass."""
+        `max_seq_len` the positions a sequence may use (None: unbounded), which drafts never pass;
+        `step_sizes` the token counts prefill steps are padded up to (the runner's captured buckets; empty:
+        none, steps run at their own size)."""
         self.config = config
+        self.step_sizes = tuple(sorted(step_sizes))
         self.max_seq_len = max_seq_len
         self.prefix = prefix
         self.mixed_prefill_decode = mixed_prefill_decode
@@ -153,6 +168,7 @@ class Scheduler:
 
     def _schedule_prefill(self, budget: int) -> list[SeqStep]:
         cfg = self.config
+        used = cfg.max_num_batched_tokens - budget  # the decode rows already in the step
         seqs: list[SeqStep] = []
         continuing = [r for r in self.running if not r.is_decoding]
         waiting = [r for r in self.waiting if not r.sampling_done]  # preempted while its last token was in flight
@@ -173,6 +189,10 @@ class Scheduler:
                     break  # an unchunked prompt waits for a step of its own
             if cfg.chunked_prefill and request.params.scores_prompt:
                 n = min(n, PROMPT_SCORING_CHUNK)
+            if cfg.chunked_prefill:
+                n = self._to_step_size(used, n)
+                if n == 0:
+                    break  # the step ends at a bucket: what would follow waits for the next one
             if self.prefix is not None and cfg.chunked_prefill:
                 n = self._to_snapshot_boundary(start, n, shared)
             seq = self._seq(request, n, start, prefix)
@@ -190,9 +210,20 @@ class Scheduler:
                 request.status = Status.RUNNING
             seqs.append(seq)
             budget -= n
+            used += n
         return seqs
 
     # --- helpers ----------------------------------------------------------------------------
+    def _to_step_size(self, used: int, n: int) -> int:
+        """A chunk of n tokens after `used` tokens of the step, cut to end the step at a bucket of at least
+        STEP_SIZE_CUT_MIN tokens that it would pass by at most a quarter of the bucket (module doc); 0 when the step
+        already ends at such a bucket."""
+        total = used + n
+        below = [b for b in self.step_sizes if b >= STEP_SIZE_CUT_MIN and used <= b < total]
+        if below and total - below[-1] <= below[-1] // 4:
+            return below[-1] - used
+        return n
+
     def _to_snapshot_boundary(self, start: int, n: int, shared: int) -> int:
         """Shorten a chunk of n tokens from `start` to end at a KDA snapshot boundary: the last one within
         the first `shared` tokens (cached pages without a snapshot there yet), else the last it crosses."""

@@ -104,6 +104,11 @@ class ModelRunner:
     def model(self) -> KimiK3ForCausalLM:
         return self.serving.model
 
+    @property
+    def prefill_step_sizes(self) -> tuple[int, ...]:
+        """The token counts a prefill step is padded up to: the captured prefill graphs' buckets (none without)."""
+        return next((graphs.buckets for graphs in self.graphs if graphs.kind == "prefill"), ())
+
     def _capture_graphs(self) -> list:
         """Decode steps and, with speculation, the verify blocks of every draft count the schedule uses, for
         batch sizes up to MAX_GRAPH_BATCH; prefill steps by token count up to the token budget

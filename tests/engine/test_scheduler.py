@@ -23,11 +23,12 @@ class Harness:
     `step` declares a step and does what the engine would: advance what ran, sample token 7, commit, and
     release requests that reached max_tokens."""
 
-    def __init__(self, pages: int = 64, slots: int = 17, mixed_prefill_decode: bool = True, **config):
+    def __init__(self, pages: int = 64, slots: int = 17, mixed_prefill_decode: bool = True,
+                 step_sizes: tuple[int, ...] = (), **config):
         self.kv = PagedLatentKV(1, pages, PAGE, 2, torch.float32)
         self.pool = RecurrentStatePool(1, slots, 1, 1, 2, torch.float32, torch.float32)
         self.scheduler = Scheduler(SchedulerConfig(**config), [self.kv, self.pool],
-                                   mixed_prefill_decode=mixed_prefill_decode)
+                                   mixed_prefill_decode=mixed_prefill_decode, step_sizes=step_sizes)
         self.requests: dict[str, Request] = {}
 
     def add(self, request_id: str, prompt_len: int, max_tokens: int = 4) -> Request:
@@ -93,6 +94,49 @@ def test_a_prompt_over_the_budget_is_chunked_and_decode_rows_share_the_budget():
         fed += step["b"]
     assert h.requests["b"].output_ids == [7]  # sampled once, at the end of its prompt
     assert h.holds("b")[0] == h.kv.allocator.pages_for(long)
+
+
+BUCKETS = (256, 512, 1024, 2048)  # prefill_buckets(2048)
+
+
+def test_a_chunk_just_past_a_bucket_is_cut_to_end_the_step_there():
+    """Prefill steps padded to BUCKETS: a step that would pass 1,024 tokens by at most a quarter of it ends at 1,024
+    (decode rows and earlier prompts included), the rest of the prompt riding in the next step; past by more, or
+    past a bucket under STEP_SIZE_CUT_MIN, or with no buckets, the step stays whole."""
+    h = Harness(pages=4096, max_num_batched_tokens=2048, step_sizes=BUCKETS)
+    h.add("alone", 1100)
+    assert h.step() == {"alone": 1024}
+    assert h.step() == {"alone": 76}
+    h.add("far", 1400)  # 376 past 1,024: a 2,048 step either way
+    assert h.step() == {"alone": 1, "far": 1400}
+    h.add("small", 300)  # 44 past 256, under the cut's minimum
+    assert h.step() == {"alone": 1, "far": 1, "small": 300}
+    plain = Harness(pages=4096, max_num_batched_tokens=2048)
+    plain.add("alone", 1100)
+    assert plain.step() == {"alone": 1100}
+
+
+def test_decode_rows_and_earlier_prompts_count_toward_the_bucket():
+    h = Harness(pages=4096, max_num_batched_tokens=2048, step_sizes=BUCKETS)
+    for i in range(4):
+        h.add(f"d{i}", 2, max_tokens=50)
+    h.step()
+    h.add("p", 1030, max_tokens=1)  # done once its prompt is in
+    assert h.step() == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "p": 1020}  # 4 decode rows + 1,020 = 1,024
+    assert h.step() == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "p": 10}
+    h.add("a", 1000)
+    h.add("b", 100)
+    assert h.step() == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 1000, "b": 20}  # b cut to end at 1,024
+    h.add("c", 50)
+    assert h.step() == {"d0": 1, "d1": 1, "d2": 1, "d3": 1, "a": 1, "b": 80, "c": 50}  # 137: no bucket passed
+    h2 = Harness(pages=4096, max_num_batched_tokens=2048, step_sizes=BUCKETS)
+    h2.add("full", 1024)
+    h2.add("next", 50)
+    assert h2.step() == {"full": 1024}  # the step ends at a bucket: "next" would carry it 50 past
+    assert h2.step() == {"full": 1, "next": 50}
+    while h.scheduler.has_work():
+        h.step()
+    h.assert_everything_returned()
 
 
 def test_without_chunking_a_prompt_over_what_is_left_waits_for_a_step_of_its_own():
