@@ -10,7 +10,8 @@ dispatch; here it is one.
 Writes (`write_latent_rows`): an MLA layer's new rows [c_kv | k_pe] go to their slots of the layer's pages. In
 torch that is a cat and an index_put (a gather-scatter kernel far slower than its bytes: ~4.3 us for one row on
 the H200); here one launch reads both parts where the layer left them (k_pe a column slice of kv_a) and stores
-each row once.
+each row once. Its programs can also normalize the query's first projection (the MLA layer's q_a_layernorm, of
+the same GEMM's output) beside the rows, instead of a launch of its own.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def _shifted_slots_kernel(table_ptr, row_seq_ptr, pos_ptr, lens_ptr, advance_ptr
 
 
 def write_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
-                      norm: tuple[torch.Tensor, float] | None = None) -> None:
+                      norm: tuple[torch.Tensor, float] | None = None,
+                      query: tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None = None) -> None:
     """cache.view(-1, W)[slots] = torch.cat([c_kv, k_pe], -1).to(cache.dtype), in one launch.
 
     cache [num_pages, page_size, W] is one layer of the paged latent cache (contiguous); slots [N] int32/int64
@@ -68,20 +70,36 @@ def write_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tens
 
     norm = (weight [R] in c_kv's dtype, eps): c_kv is the latent before the layer's kv_a_layernorm, and the rows
     stored are `rms_norm(c_kv, weight, eps)` (statistics in fp32, rounded as models/kimi_k3/norm.py rounds): the
-    norm's own launch and its output's round trip are saved."""
+    norm's own launch and its output's round trip are saved.
+
+    query = (q [N, Q] with unit column stride, weight [Q] in q's dtype, eps, out [N, Q] contiguous in q's dtype):
+    out = rms_norm(q, weight, eps) too, in programs of their own in the same launch."""
     _check_latent_rows(cache, slots, c_kv, k_pe)
     weight, eps = norm if norm is not None else (c_kv, 0.0)  # unread stand-in without a norm
-    if norm is not None and (weight.shape != (c_kv.shape[1],) or weight.dtype != c_kv.dtype
-                             or not weight.is_contiguous()):
-        raise ValueError(f"write_latent_rows: the norm weight must be [{c_kv.shape[1]}] contiguous {c_kv.dtype} "
-                         f"(c_kv's width and dtype), got {tuple(weight.shape)} {weight.dtype}")
+    if norm is not None:
+        _check_norm_weight(weight, c_kv, "norm")
+    q, q_weight, q_eps, q_out = query if query is not None else (c_kv, c_kv, 0.0, c_kv)  # unread stand-ins
+    if query is not None:
+        _check_norm_weight(q_weight, q, "query")
+        if (q.dim() != 2 or q.shape[0] != slots.shape[0] or q.stride(1) != 1 or q_out.shape != q.shape
+                or q_out.dtype != q.dtype or not q_out.is_contiguous()):
+            raise ValueError(f"write_latent_rows: query takes q [N={slots.shape[0]}, Q] with unit column stride and "
+                             f"out of its shape and dtype, contiguous; got q {tuple(q.shape)} strides {q.stride()}, "
+                             f"out {tuple(q_out.shape)} {q_out.dtype}")
     if slots.shape[0] == 0:
         return
-    latent, rope = c_kv.shape[1], k_pe.shape[1]
-    _write_latent_rows_kernel[(slots.shape[0],)](
-        cache, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0), weight, eps, LATENT=latent, ROPE=rope,
-        BLOCK_LATENT=triton.next_power_of_2(latent), BLOCK_ROPE=triton.next_power_of_2(rope), NORM=norm is not None,
+    latent, rope, width = c_kv.shape[1], k_pe.shape[1], q.shape[1]
+    _write_latent_rows_kernel[(slots.shape[0], 2 if query is not None else 1)](
+        cache, slots, c_kv, k_pe, c_kv.stride(0), k_pe.stride(0), weight, eps, q, q.stride(0), q_weight, q_eps, q_out,
+        LATENT=latent, ROPE=rope, QUERY=width, BLOCK_LATENT=triton.next_power_of_2(latent),
+        BLOCK_ROPE=triton.next_power_of_2(rope), BLOCK_QUERY=triton.next_power_of_2(width), NORM=norm is not None,
         num_warps=1, **pdl.options(_write_latent_rows_kernel, cache.device))
+
+
+def _check_norm_weight(weight: torch.Tensor, x: torch.Tensor, name: str) -> None:
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype or not weight.is_contiguous():
+        raise ValueError(f"write_latent_rows: the {name} weight must be [{x.shape[1]}] contiguous {x.dtype} (its "
+                         f"rows' width and dtype), got {tuple(weight.shape)} {weight.dtype}")
 
 
 def _check_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
@@ -98,22 +116,37 @@ def _check_latent_rows(cache: torch.Tensor, slots: torch.Tensor, c_kv: torch.Ten
 
 
 @triton.jit
-def _write_latent_rows_kernel(cache_ptr, slots_ptr, c_ptr, pe_ptr, stride_c, stride_pe, w_ptr, eps,
-                              LATENT: tl.constexpr, ROPE: tl.constexpr, BLOCK_LATENT: tl.constexpr,
-                              BLOCK_ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def _write_latent_rows_kernel(cache_ptr, slots_ptr, c_ptr, pe_ptr, stride_c, stride_pe, w_ptr, eps, q_ptr, stride_q,
+                              q_w_ptr, q_eps, q_out_ptr, LATENT: tl.constexpr, ROPE: tl.constexpr,
+                              QUERY: tl.constexpr, BLOCK_LATENT: tl.constexpr, BLOCK_ROPE: tl.constexpr,
+                              BLOCK_QUERY: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """Program (row, 0): the row's cache write; (row, 1): its query row normalized (`query`)."""
     pdl.wait_for_inputs(PDL)
     row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 1:
+        cols = tl.arange(0, BLOCK_QUERY)
+        ok = cols < QUERY
+        q = tl.load(q_ptr + row * stride_q + cols, mask=ok, other=0)
+        tl.store(q_out_ptr + row * QUERY + cols, _rms_norm_row(q, q_w_ptr, q_eps, cols, ok, QUERY), mask=ok)
+        return
     # a constexpr row width lets the compiler prove every cache row's alignment (vector stores)
     dst = cache_ptr + tl.load(slots_ptr + row).to(tl.int64) * (LATENT + ROPE)
     cols = tl.arange(0, BLOCK_LATENT)
     ok = cols < LATENT
     c = tl.load(c_ptr + row * stride_c + cols, mask=ok, other=0)
-    if NORM:  # rms_norm: w * (x * rsqrt(mean(x^2) + eps)).to(dtype), the product rounded to dtype
-        x = c.to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / LATENT + eps)  # as attn_res_norm's norm kernel computes it
-        normed = (x * r).to(c.dtype).to(tl.float32)
-        c = (tl.load(w_ptr + cols, mask=ok, other=0).to(tl.float32) * normed).to(c.dtype)
+    if NORM:
+        c = _rms_norm_row(c, w_ptr, eps, cols, ok, LATENT)
     tl.store(dst + cols, c.to(cache_ptr.dtype.element_ty), mask=ok)
     cols = tl.arange(0, BLOCK_ROPE)
     pe = tl.load(pe_ptr + row * stride_pe + cols, mask=cols < ROPE)
     tl.store(dst + LATENT + cols, pe.to(cache_ptr.dtype.element_ty), mask=cols < ROPE)
+
+
+@triton.jit
+def _rms_norm_row(x, w_ptr, eps, cols, ok, WIDTH: tl.constexpr):
+    """rms_norm of one row x (zero past WIDTH): w * (x * rsqrt(mean(x^2) + eps)).to(dtype), the product rounded
+    to x's dtype, statistics in fp32 (as attn_res_norm's norm kernel computes it)."""
+    xf = x.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / WIDTH + eps)
+    normed = (xf * r).to(x.dtype).to(tl.float32)
+    return (tl.load(w_ptr + cols, mask=ok, other=0).to(tl.float32) * normed).to(x.dtype)

@@ -138,6 +138,33 @@ def test_normed_latent_rows_are_what_the_norm_then_the_write_store(dtype):
         torch.testing.assert_close(got.nan_to_num(), expected.nan_to_num(), rtol=2 * step, atol=step)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_query_rows_are_normed_in_the_same_launch(dtype):
+    """query=(q, weight, eps, out): out = rms_norm(q) (the layer's q_a_layernorm) for every row of the step, q a
+    column slice of a wider GEMM output, at K3's query width (1,536), the mini's and one no power of two, beside
+    the normed latent rows, which stay what they are without it; out poisoned first."""
+    rng = random.Random(f"query {dtype}")
+    for latent, rope, width in ((512, 64, 1536), (64, 16, 96), (40, 24, 200)):
+        page_size = rng.choice([16, 64])
+        pages, slots, c_kv, k_pe, _ = random_rows(rng, latent, rope, page_size, dtype)
+        gen = torch.Generator().manual_seed(rng.getrandbits(32))
+        n = slots.shape[0]
+        first = (torch.randn(n, width + 48, generator=gen) * torch.rand(n, 1, generator=gen) * 8).to(dtype)
+        q = first[:, 48:]  # the query's columns of a stacked projection's output
+        q_weight = (torch.rand(width, generator=gen) * 2 + 0.25).to(dtype)
+        weight = (torch.rand(latent, generator=gen) * 2 + 0.25).to(dtype)
+        out = torch.full((n, width), float("nan"), dtype=dtype, device=DEVICE)
+        alone = torch.full((pages, page_size, latent + rope), float("nan"), dtype=dtype, device=DEVICE)
+        both = alone.clone()
+        write_latent_rows(alone, slots.to(DEVICE), c_kv.to(DEVICE), k_pe.to(DEVICE), norm=(weight.to(DEVICE), 1e-6))
+        write_latent_rows(both, slots.to(DEVICE), c_kv.to(DEVICE), k_pe.to(DEVICE), norm=(weight.to(DEVICE), 1e-6),
+                          query=(q.to(DEVICE), q_weight.to(DEVICE), 1e-5, out))
+        assert torch.equal(both.isnan(), alone.isnan())
+        assert torch.equal(both.nan_to_num(), alone.nan_to_num())
+        step = 1e-6 if dtype == torch.float32 else 2**-7
+        torch.testing.assert_close(out.cpu(), rms_norm(q, q_weight, 1e-5), rtol=2 * step, atol=step)
+
+
 def test_latent_rows_that_do_not_fit_are_refused():
     cache = torch.zeros(2, 16, 80)
     slots, c_kv, k_pe = torch.arange(3), torch.zeros(3, 64), torch.zeros(3, 16)
@@ -149,3 +176,10 @@ def test_latent_rows_that_do_not_fit_are_refused():
     for weight in (torch.ones(32), torch.ones(64, dtype=torch.float64), torch.ones(128)[::2]):
         with pytest.raises(ValueError, match="norm weight"):
             write_latent_rows(cache, slots, c_kv, k_pe, norm=(weight, 1e-6))
+    q = torch.zeros(3, 24)
+    for query, match in (((q, torch.ones(16), 1e-6, torch.empty(3, 24)), "query weight"),
+                         ((q[:2], torch.ones(24), 1e-6, torch.empty(2, 24)), "query takes"),
+                         ((q, torch.ones(24), 1e-6, torch.empty(3, 24, dtype=torch.float64)), "query takes"),
+                         ((q.t().contiguous().t(), torch.ones(24), 1e-6, torch.empty(3, 24)), "query takes")):
+        with pytest.raises(ValueError, match=match):
+            write_latent_rows(cache, slots, c_kv, k_pe, query=query)

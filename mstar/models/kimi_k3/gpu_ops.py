@@ -226,14 +226,19 @@ class GpuMixerOps(TorchMixerOps):
         q_first, kv_a, gate = self._mla_inputs(attn, x)
         cache, table, lens = kv.cache[layer], plan.kv.page_table, plan.kv.context_lens
         # the new rows' two parts go to their slots as they are (k_pe a view of kv_a): no cat, no index_put; fused,
-        # the write applies kv_a_layernorm too
+        # the write applies kv_a_layernorm too, and its launch normalizes the query's first projection beside it
+        query = None
         if self.fused:
             c_kv, k_pe = kv_a.split([attn.kv_lora_rank, attn.rope], dim=-1)
             norm = (attn.kv_a_layernorm.weight, attn.kv_a_layernorm.eps)
+            query = self._query_norm(attn, q_first)
         else:
             (c_kv, k_pe), norm = attn.latent_rows(kv_a, self.layer_ops), None
-        kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=norm)
-        q_nope, q_pe = attn.queries(q_first, self.layer_ops)
+        kv_slots.write_latent_rows(cache, plan.kv.slot_mapping, c_kv, k_pe, norm=norm, query=query)
+        if query is None:
+            q_nope, q_pe = attn.queries(q_first, self.layer_ops)
+        else:
+            q_nope, q_pe = attn.query_heads(self.layer_ops.linear(attn.q_b_proj, query[3]))
         if step.expanded:  # a prefill step the roofline gives to the expanded form (step_metadata.expanded_form)
             return attn.output(self._mla_expanded(attn, q_nope, q_pe, cache, plan, step), gate, self.layer_ops)
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
@@ -267,6 +272,16 @@ class GpuMixerOps(TorchMixerOps):
         out = torch.empty(q_nope.shape[0], attn.num_heads, attn.v_dim, device=q_nope.device, dtype=q_nope.dtype)
         return mla_expanded.mla_prefill_expanded(q_nope, q_pe, k_nope, v, k_pe, step.cu_seqlens, plan.kv.context_lens,
                                                  attn.scale, out, prefix=prefix, max_query_len=step.max_query_len)
+
+    @staticmethod
+    def _query_norm(attn: GatedMLA, q_first: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, float, torch.Tensor] | None:
+        """write_latent_rows' `query` for the layer's q_a_layernorm of q_first (its output a new tensor); None without a
+        query LoRA or where the weight's dtype is not the rows' (the reference's norm then runs alone)."""
+        if attn.q_lora_rank is None or attn.q_a_layernorm.weight.dtype != q_first.dtype:
+            return None
+        norm = attn.q_a_layernorm
+        return q_first, norm.weight, norm.eps, torch.empty(q_first.shape, dtype=q_first.dtype, device=q_first.device)
 
     def _mla_inputs(self, attn: GatedMLA, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """attn.input_projections(x); with `fused`, as one GEMM (q_a or q, kv_a, the output gate)."""

@@ -178,7 +178,11 @@ class GatedMLA(nn.Module):
     def queries(self, q_first: Tensor, ops: LayerOps = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
         """q's first projection [T, *] -> (q_nope [T, H, nope], q_pe [T, H, rope])."""
         q = q_first if self.q_lora_rank is None else ops.linear(self.q_b_proj, ops.norm(self.q_a_layernorm, q_first))
-        q = q.view(q_first.shape[0], self.num_heads, self.nope + self.rope)
+        return self.query_heads(q)
+
+    def query_heads(self, q: Tensor) -> tuple[Tensor, Tensor]:
+        """The full query [T, H (nope + rope)] -> (q_nope [T, H, nope], q_pe [T, H, rope]), views."""
+        q = q.view(q.shape[0], self.num_heads, self.nope + self.rope)
         return q[..., : self.nope], q[..., self.nope :]
 
     def latent_rows(self, kv: Tensor, ops: LayerOps = REFERENCE_OPS) -> tuple[Tensor, Tensor]:
