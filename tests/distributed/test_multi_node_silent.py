@@ -9,6 +9,7 @@ connections open, nothing answers, as a node whose network is cut), either way r
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -21,7 +22,9 @@ from mstar.distributed.worker import EXIT_RANK_FAILED
 
 def _signal_tree(node, sig: int) -> None:
     for pid in [node.proc.pid, *node.tree]:
-        os.kill(pid, sig)
+        # a process of the tree may be gone already (killed while stopped, as the other node ended): nothing to do
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def _stop_until_the_other_exits(silent, other) -> tuple[int, float]:
