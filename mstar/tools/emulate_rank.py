@@ -453,7 +453,7 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
     comm = ModeledCommunicator(plan.tp_size, plan.rank, comm_cost, device) if comm_cost is not None else None
     model = build_model(config, plan, dtype, device, generator, comm)
-    prefill_tokens = [s.batch * s.rows for s in steps if s.kind == "prefill"]
+    prefill_tokens = [s.tokens for s in steps if s.kind in ("prefill", "mixed")]
     # the engine's backend: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
     backend = select_backend(model, "auto", max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
