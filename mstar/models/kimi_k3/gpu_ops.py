@@ -238,7 +238,8 @@ class GpuMixerOps(TorchMixerOps):
         if query is None:
             q_nope, q_pe = attn.queries(q_first, self.layer_ops)
         else:
-            q_nope, q_pe = attn.query_heads(self.layer_ops.linear(attn.q_b_proj, query[3]))
+            q_normed = query[-1]  # what the write's launch left: q_a_layernorm(q_first)
+            q_nope, q_pe = attn.query_heads(self.layer_ops.linear(attn.q_b_proj, q_normed))
         if step.expanded:  # a prefill step the roofline gives to the expanded form (step_metadata.expanded_form)
             return attn.output(self._mla_expanded(attn, q_nope, q_pe, cache, plan, step), gate, self.layer_ops)
         # the absorbed query's parts: the kernels read q_lat and q_pe apart, so no cat builds [q_lat | q_pe]
