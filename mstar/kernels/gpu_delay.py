@@ -88,7 +88,7 @@ def delay(ns: int, nbytes: int, tally: torch.Tensor, *, source: torch.Tensor | N
         return
     rows, cols = source.shape
     tiles = rows * triton.cdiv(cols, COPY_BLOCK)
-    programs = min(tiles, COPY_PROGRAMS_PER_SM * _sm_count(tally.device))
+    programs = min(tiles, COPY_PROGRAMS_PER_SM * torch.cuda.get_device_properties(tally.device).multi_processor_count)
     _delay_copy_kernel[(1 + programs,)](tally, spin, nbytes, ns, source, copies[0], rows, cols, source.stride(0),
                                         copies[0].stride(0), piece_stride, len(copies), BLOCK=COPY_BLOCK,
                                         num_warps=4)
@@ -96,14 +96,6 @@ def delay(ns: int, nbytes: int, tally: torch.Tensor, *, source: torch.Tensor | N
 
 COPY_BLOCK = 1024  # columns of one row a copy program moves at a time
 COPY_PROGRAMS_PER_SM = 2
-_sm_counts: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _sm_counts:
-        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _sm_counts[index]
 
 
 def _check_copies(source: torch.Tensor, copies: list[torch.Tensor]) -> int:
