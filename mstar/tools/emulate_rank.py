@@ -453,7 +453,7 @@ def build(config: KimiK3Config, plan: ShardingPlan, steps: list[Step], *, dtype:
              f"random {str(dtype).removeprefix('torch.')} weights on {device}")
     comm = ModeledCommunicator(plan.tp_size, plan.rank, comm_cost, device) if comm_cost is not None else None
     model = build_model(config, plan, dtype, device, generator, comm)
-    prefill_tokens = [s.tokens for s in steps if s.kind in ("prefill", "mixed")]
+    prefill_tokens = [s.tokens for s in steps if s.graphs == "prefill"]
     # the engine's backend: the bf16 expert path for steps above MSTAR_MOE_BF16_TOKENS (its scratch warmed here)
     backend = select_backend(model, "auto", max(prefill_tokens, default=None), bf16_above_tokens=moe_bf16_tokens)
     if device.type == "cuda":  # stacking freed each expert's own buffers (~42 GiB for pruned75): return them
@@ -491,7 +491,7 @@ def capture_step_graphs(serving: ServingModel, steps: list[Step], graph_seq_len:
     for step in steps:
         if step.kind == "draft":
             continue  # the draft runs eagerly, as served
-        if step.kind not in ("prefill", "mixed") or step.tokens <= MAX_PREFILL_TOKENS:
+        if step.graphs != "prefill" or step.tokens <= MAX_PREFILL_TOKENS:
             by_name.setdefault(step.graphs, []).append(step)
     graphs: dict[str, StepGraphs] = {}
     for name, group in by_name.items():
@@ -532,7 +532,7 @@ def measure(emulation: Emulation, steps: list[Step], rank: RankModel, *, reps: i
             mode, fn = "graph", (lambda plan=plan, g=step_graphs: g.run(plan))
         else:
             mode, fn = "eager", (lambda plan=plan: serving.forward(plan))
-        slow = step.kind in ("prefill", "mixed") and device.type == "cuda" and mode == "eager"
+        slow = step.graphs == "prefill" and device.type == "cuda" and mode == "eager"
         note = " (the first call at a new length autotunes fla's chunk_kda: minutes)" if slow else ""
         progress(f"{step.name} batch {step.batch} ({step.tokens} rows, {mode}): warming up{note}")
         for _ in range(warmup):
